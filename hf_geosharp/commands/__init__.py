@@ -1,0 +1,1 @@
+"""Sub-commands of the ``geosharp`` CLI; see :mod:`hf_geosharp.cli`."""
