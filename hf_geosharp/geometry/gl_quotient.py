@@ -1,0 +1,207 @@
+r"""Quotient geometry of GL(h)-symmetric pairs ``(G, H) -> G H^T``, batched over heads.
+
+Points and tangent vectors are pairs of tensors ``G: [k, n, h]`` and ``H: [k, m, h]`` (``k`` heads stacked). The group
+acts as :math:`(G, H) \mapsto (G A^{-1}, H A^T)`; tangent vectors transform the same way. Formulas follow da Silva,
+Dangel & Oore (ICML 2025), Eqs. (9)-(12), with the corrections of the project spec (``spec/geodesic_sharpness.md``):
+
+* inv metric  :math:`\langle\eta,\zeta\rangle = tr(P^{-1}\eta_G^T\zeta_G) + tr(Q^{-1}\eta_H^T\zeta_H)`,
+* mix metric  :math:`\langle\eta,\zeta\rangle = tr(Q\,\eta_G^T\zeta_G) + tr(P\,\eta_H^T\zeta_H)`,
+
+with :math:`P = G^TG + \epsilon I`, :math:`Q = H^TH + \epsilon I` evaluated once at the base point (the relaxation
+:math:`\epsilon` is applied consistently everywhere P and Q appear). The inv horizontal projection solves
+:math:`A X + X A = B`, :math:`X = \Lambda^T` (spec §1.5; the paper's printed form is a typo) through cached
+Cholesky/eigh factors. A reduced group (e.g. the commutant of RoPE rotations) is given by a Lie-algebra basis; its
+projection is a small cached linear solve over that basis. Every ``h x h`` factor is computed in float64; products with
+the ``n x h`` blocks run in the working dtype.
+
+The vocabulary follows pymanopt's manifolds: ``inner_product``, ``norm``, ``projection``,
+``euclidean_to_riemannian_gradient``, ``exp2_correction`` (the second-order geodesic term ``-1/2 Gamma(xi, xi)``)
+and ``random_tangent_vector``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+Metric = Literal["inv", "mix"]
+Pair = tuple[Tensor, Tensor]
+
+
+def _sym_inv_sqrt(S: Tensor) -> Tensor:
+    """Symmetric inverse square root of a batch of SPD matrices (float64)."""
+    d, U = torch.linalg.eigh(S)
+    return (U * d.clamp_min(torch.finfo(S.dtype).tiny).rsqrt().unsqueeze(-2)) @ U.mT
+
+
+class GLQuotient:
+    """Riemannian geometry of ``k`` stacked GL(h) pairs at a fixed base point ``(G, H)``.
+
+    Args:
+        G: ``[k, n, h]`` base point (the trained weights, any float dtype).
+        H: ``[k, m, h]`` base point.
+        metric: ``"inv"`` (paper Eq. 9) or ``"mix"`` (Eq. 10).
+        epsilon: relaxation ``G^T G + eps I`` (paper App. H.2); keeps near-singular heads finite.
+        lie_basis: ``None`` for the full group GL(h), else a ``[b, h, h]`` basis of the subgroup's Lie algebra.
+        probe_generator: generator for the fixed probe used by the equivariant sampler (only its shape-dependent
+            draws matter; the same seed gives the same probe for every point of an orbit).
+    """
+
+    def __init__(
+        self,
+        G: Tensor,
+        H: Tensor,
+        metric: Metric = "inv",
+        epsilon: float = 1e-6,
+        lie_basis: Tensor | None = None,
+        probe_generator: torch.Generator | None = None,
+    ) -> None:
+        if metric not in ("inv", "mix"):
+            raise ValueError(f"metric must be 'inv' or 'mix', got {metric!r}.")
+        if epsilon < 0:
+            raise ValueError(f"epsilon must be >= 0, got {epsilon}.")
+        self.metric, self.epsilon, self.dtype = metric, float(epsilon), G.dtype
+        self.G, self.H = G.detach(), H.detach()
+        k, _, h = G.shape
+        G64, H64 = self.G.double(), self.H.double()
+        eye = torch.eye(h, dtype=torch.float64, device=G.device)
+        P = G64.mT @ G64 + self.epsilon * eye
+        Q = H64.mT @ H64 + self.epsilon * eye
+        try:
+            L_P = torch.linalg.cholesky(P)
+            L_Q = torch.linalg.cholesky(Q)
+        except torch.linalg.LinAlgError as err:
+            raise ValueError(
+                "A head's G^T G or H^T H is singular (the paper's Assumption 5.1 of full column rank fails). "
+                "Pass a larger epsilon (e.g. epsilon=1e-4) or check the symmetry report for rank-deficient heads."
+            ) from err
+        P_inv, Q_inv = torch.cholesky_inverse(L_P), torch.cholesky_inverse(L_Q)
+        self._P64, self._Q64, self._P_inv64, self._Q_inv64 = P, Q, P_inv, Q_inv
+        cast = lambda t: t.to(self.dtype)  # noqa: E731  (n x h products run in the working dtype)
+        self.P, self.Q, self.P_inv, self.Q_inv = cast(P), cast(Q), cast(P_inv), cast(Q_inv)
+
+        self.lie_basis = None if lie_basis is None else lie_basis.to(device=G.device, dtype=torch.float64)
+        if self.lie_basis is None and metric == "inv":
+            # A = P Q = V diag(d) V^{-1} with V = L_P U, S = L_P^T Q L_P = U diag(d) U^T (spec §1.5).
+            d, U = torch.linalg.eigh(L_P.mT @ Q @ L_P)
+            self._V = L_P @ U
+            self._V_inv = U.mT @ torch.linalg.solve_triangular(L_P, eye.expand(k, h, h), upper=False)
+            self._sylvester_denominator = d.unsqueeze(-1) + d.unsqueeze(-2)
+        elif self.lie_basis is not None:
+            # Gram matrix K_ij = <E_i, A(E_j)> of the vertical directions in the metric (cached Cholesky).
+            E = self.lie_basis
+            AE = self._vertical_operator(E.unsqueeze(0))  # [k, b, h, h]
+            K = torch.einsum("bij,kcij->kbc", E, AE)
+            self._K_chol = torch.linalg.cholesky(K)
+
+        # Equivariant square roots of the metric for sampling: R^T R = P with R -> R A^{-1} under the action.
+        self._R_G = self._equivariant_root(G64, P_inv, probe_generator)
+        self._R_H = self._equivariant_root(H64, Q_inv, probe_generator)
+
+    # ------------------------------------------------------------------ metric
+    def inner_product(self, a: Pair, b: Pair) -> Tensor:
+        """Per-pair metric inner product, ``[k]`` float64."""
+        MG = (a[0].mT @ b[0]).double()
+        MH = (a[1].mT @ b[1]).double()
+        if self.metric == "inv":
+            return (self._P_inv64 * MG).sum((-2, -1)) + (self._Q_inv64 * MH).sum((-2, -1))
+        return (self._Q64 * MG).sum((-2, -1)) + (self._P64 * MH).sum((-2, -1))
+
+    def norm(self, xi: Pair) -> Tensor:
+        """Per-pair Riemannian norm, ``[k]`` float64."""
+        return self.inner_product(xi, xi).clamp_min(0).sqrt()
+
+    def euclidean_to_riemannian_gradient(self, egrad: Pair) -> Pair:
+        """The vector ``r`` with ``<r, eta>_g = <egrad, eta>_F`` for all ``eta`` (spec §1.6)."""
+        eG, eH = egrad
+        if self.metric == "inv":
+            return eG @ self.P, eH @ self.Q
+        return eG @ self.Q_inv, eH @ self.P_inv
+
+    # ------------------------------------------------------------------ horizontal space
+    def vertical_vector(self, Lam: Tensor) -> Pair:
+        """``(G Lam, -H Lam^T)``: the orbit direction generated by ``Lam`` (``[k, h, h]``)."""
+        Lam = Lam.to(self.dtype)
+        return self.G @ Lam, -self.H @ Lam.mT
+
+    def projection(self, xi: Pair) -> Pair:
+        """g-orthogonal projection onto the horizontal space: ``xi + vertical_vector(Lam)``."""
+        return self._add_vertical(xi, self._projection_lambda(xi))
+
+    def _add_vertical(self, xi: Pair, Lam: Tensor) -> Pair:
+        vG, vH = self.vertical_vector(Lam)
+        return xi[0] + vG, xi[1] + vH
+
+    def _projection_lambda(self, xi: Pair) -> Tensor:
+        xG, xH = xi
+        GtX = (self.G.mT @ xG).double()  # G^T xi_G
+        XtH = (xH.mT @ self.H).double()  # xi_H^T H
+        if self.lie_basis is not None:
+            # <vertical(E_i), xi>_g = <E_i, Y> and <vertical(E_i), vertical(E_j)>_g = K_ij.
+            if self.metric == "inv":
+                Y = GtX @ self._P_inv64 - self._Q_inv64 @ XtH
+            else:
+                Y = GtX @ self._Q64 - self._P64 @ XtH
+            y = torch.einsum("bij,kij->kb", self.lie_basis, Y)
+            c = torch.cholesky_solve(-y.unsqueeze(-1), self._K_chol).squeeze(-1)
+            return torch.einsum("kb,bij->kij", c, self.lie_basis)
+        if self.metric == "mix":
+            return 0.5 * (XtH @ self._Q_inv64 - self._P_inv64 @ GtX)
+        B = self._P64 @ XtH.mT - GtX.mT @ self._Q64  # P H^T xi_H - xi_G^T G Q
+        X = self._V @ ((self._V_inv @ B @ self._V) / self._sylvester_denominator) @ self._V_inv
+        return X.mT
+
+    def _vertical_operator(self, Lam: Tensor) -> Tensor:
+        """``Lam -> Y(vertical_vector(Lam))`` in float64 (the Gram operator of the vertical space)."""
+        P, Q, P_inv, Q_inv = (t.unsqueeze(1) for t in (self._P64, self._Q64, self._P_inv64, self._Q_inv64))
+        if self.metric == "inv":
+            return P @ Lam @ P_inv + Q_inv @ Lam @ Q
+        return 2.0 * P @ Lam @ Q
+
+    # ------------------------------------------------------------------ geodesics
+    def exp2_correction(self, xi: Pair) -> Pair:
+        r"""The second-order geodesic term :math:`-\tfrac12\Gamma(\xi,\xi)` (spec §2.2, §2.3); differentiable."""
+        xG, xH = xi
+        G, H = self.G, self.H
+        if self.metric == "inv":
+            sG = xG.mT @ G
+            sH = xH.mT @ H
+            cG = xG @ (self.P_inv @ (sG + sG.mT)) - G @ (self.P_inv @ (xG.mT @ xG))
+            cH = xH @ (self.Q_inv @ (sH + sH.mT)) - H @ (self.Q_inv @ (xH.mT @ xH))
+            return 0.5 * cG, 0.5 * cH
+        sG = xG.mT @ G
+        sH = xH.mT @ H
+        cG = xG @ ((sH + sH.mT) @ self.Q_inv) - G @ ((xH.mT @ xH) @ self.Q_inv)
+        cH = xH @ ((sG + sG.mT) @ self.P_inv) - H @ ((xG.mT @ xG) @ self.P_inv)
+        return -0.5 * cG, -0.5 * cH
+
+    def exp2(self, xi: Pair) -> Pair:
+        """Second-order geodesic ``Exp2(w; xi) = w + xi - 1/2 Gamma(xi, xi)`` (paper Eq. 5)."""
+        cG, cH = self.exp2_correction(xi)
+        return self.G + xi[0] + cG, self.H + xi[1] + cH
+
+    # ------------------------------------------------------------------ sampling
+    @staticmethod
+    def _equivariant_root(W64: Tensor, W_gram_inv: Tensor, generator: torch.Generator | None) -> Tensor:
+        """``R`` with ``R^T R = W^T W + eps I`` and ``R -> R A^{-1}`` when ``W -> W A^{-1}``.
+
+        ``R = S^{-1/2} C`` with ``C = M^T W`` for a fixed Gaussian probe ``M`` and ``S = C (W^T W + eps I)^{-1} C^T``:
+        ``S`` is invariant under the action, so ``R`` transforms like ``W`` (a Cholesky factor of ``W^T W`` would not).
+        """
+        M = torch.randn(W64.shape, generator=generator, dtype=torch.float64, device="cpu").to(W64.device)
+        C = M.mT @ W64
+        return _sym_inv_sqrt(C @ W_gram_inv @ C.mT) @ C
+
+    def random_tangent_vector(self, generator: torch.Generator | None = None) -> Pair:
+        """A metric-isotropic Gaussian tangent vector (not yet projected), equivariant for a fixed generator state.
+
+        Rows of ``z_G`` have covariance ``P`` (inv) or ``Q^{-1}`` (mix) (spec §3.2)."""
+        ZG = torch.randn(self.G.shape, generator=generator, dtype=torch.float64, device="cpu").to(self.G.device)
+        ZH = torch.randn(self.H.shape, generator=generator, dtype=torch.float64, device="cpu").to(self.G.device)
+        if self.metric == "inv":
+            return (ZG @ self._R_G).to(self.dtype), (ZH @ self._R_H).to(self.dtype)
+        root_G = torch.linalg.inv(self._R_H).mT  # (R_H^{-T})^T R_H^{-T} = Q^{-1}, transforms as A^{-1}
+        root_H = torch.linalg.inv(self._R_G).mT
+        return (ZG @ root_G).to(self.dtype), (ZH @ root_H).to(self.dtype)

@@ -1,0 +1,225 @@
+"""The public API on a tiny attention model: invariance, closed forms, restore guarantee, errors, determinism."""
+
+import copy
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import hf_geosharp as gs
+from hf_geosharp.symmetry.base import PairBlock, SymmetryMap
+
+from ._toy import ToyAttention, reparametrize_toy, toy_batches, toy_symmetry_map
+
+RHO = 0.05
+COMMON = dict(steps=8, seed=0, progress=False)
+
+
+def _snapshot(model):
+    return (
+        {k: v.clone() for k, v in model.state_dict().items()},
+        [p.requires_grad for p in model.parameters()],
+        [None if p.grad is None else p.grad.clone() for p in model.parameters()],
+        [m.training for m in model.modules()],
+    )
+
+
+def _assert_unchanged(model, snap):
+    state, flags, grads, modes = snap
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, state[k]), k
+    assert [p.requires_grad for p in model.parameters()] == flags
+    for p, g in zip(model.parameters(), grads):
+        assert (p.grad is None and g is None) or torch.equal(p.grad, g)
+    assert [m.training for m in model.modules()] == modes
+
+
+@pytest.mark.parametrize("metric", ["inv", "mix"])
+@pytest.mark.parametrize("mode", ["worst", "average"])
+def test_geodesic_sharpness_is_invariant_under_attention_symmetries(metric, mode):
+    model = ToyAttention()
+    batches = toy_batches()
+    twin = copy.deepcopy(model)
+    reparametrize_toy(twin, toy_symmetry_map(twin), condition=100.0)
+    moved = max((a - b).abs().max() for a, b in zip(model.parameters(), twin.parameters()))
+    assert moved > 0.1
+    with torch.no_grad():
+        for b in batches:
+            assert torch.allclose(model.eval()(**b)["logits"], twin.eval()(**b)["logits"], rtol=1e-10, atol=1e-12)
+    kw = dict(rho=RHO, metric=metric, mode=mode, epsilon=0.0, n_samples=5, **COMMON)
+    a = gs.geodesic_sharpness(model, batches, symmetry_map=toy_symmetry_map(model), **kw)
+    b = gs.geodesic_sharpness(twin, batches, symmetry_map=toy_symmetry_map(twin), **kw)
+    assert a.value > 0 if mode == "worst" else math.isfinite(a.value)
+    assert b.value == pytest.approx(a.value, rel=1e-6)
+    assert np.allclose(a.per_batch, b.per_batch, rtol=1e-6)
+
+    ad_a = gs.adaptive_sharpness(model, batches, rho=RHO, mode=mode, n_samples=5, **COMMON)
+    ad_b = gs.adaptive_sharpness(twin, batches, rho=RHO, mode=mode, n_samples=5, **COMMON)
+    assert abs(ad_b.value - ad_a.value) > 0.05 * abs(ad_a.value)
+
+
+def test_ablations_break_invariance_where_the_paper_says_they_should():
+    model, batches = ToyAttention(), toy_batches()
+    twin = copy.deepcopy(model)
+    reparametrize_toy(twin, toy_symmetry_map(twin))
+    kw = dict(rho=RHO, metric="inv", epsilon=0.0, riemannian_norm=False, **COMMON)
+    a = gs.geodesic_sharpness(model, batches, symmetry_map=toy_symmetry_map(model), **kw)
+    b = gs.geodesic_sharpness(twin, batches, symmetry_map=toy_symmetry_map(twin), **kw)
+    assert abs(a.value - b.value) > 1e-3 * abs(a.value)
+
+
+def _scalar_model(G0=1.3, H0=0.7):
+    class Scalar(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.G = nn.Parameter(torch.tensor([[G0]], dtype=torch.float64))
+            self.H = nn.Parameter(torch.tensor([[H0]], dtype=torch.float64))
+
+        def forward(self, x, y):
+            return {"loss": ((x * (self.G @ self.H.T)[0, 0] - y) ** 2).mean()}
+
+    model = Scalar()
+    smap = SymmetryMap.empty(model)
+    smap.blocks = [PairBlock("linear", "scalar", torch.tensor([[[0]]]), torch.tensor([[[1]]]))]
+    return model, smap
+
+
+@pytest.mark.parametrize("y", [0.5, 2.0])
+def test_scalar_toy_matches_closed_form(y):
+    """Spec §2.6: n = h = 1, inv metric. With Exp2 the horizontal curve is G(1 + b + b^2/2), ||xi|| = sqrt(2)|b|."""
+    model, smap = _scalar_model()
+    y0 = 1.3 * 0.7
+    batch = [{"x": torch.tensor([1.0], dtype=torch.float64), "y": torch.tensor([y], dtype=torch.float64)}]
+    values = {}
+    for rho in (0.2, 0.1, 0.05):
+        res = gs.geodesic_sharpness(model, batch, rho=rho, metric="inv", epsilon=0.0, steps=20, progress=False, symmetry_map=smap)
+        b = np.linspace(-rho / np.sqrt(2), rho / np.sqrt(2), 200001)
+        exp2 = np.max((y0 * (1 + b + b**2 / 2) ** 2 - y) ** 2) - (y0 - y) ** 2
+        exact = np.max(y0**2 * (np.exp(4 * b) - 1) - 2 * y * y0 * (np.exp(2 * b) - 1))
+        assert res.value == pytest.approx(exp2, rel=1e-6)
+        values[rho] = abs(res.value - exact)
+    # the second-order geodesic differs from the exact one by O(rho^3)
+    assert values[0.2] / values[0.1] > 6 and values[0.1] / values[0.05] > 6
+
+
+def test_restore_guarantee_after_success_with_train_mode_grads_and_frozen_params():
+    model, batches = ToyAttention(), toy_batches()
+    model.train()
+    model.head.weight.grad = torch.ones_like(model.head.weight)
+    model.norm.weight.requires_grad_(False)
+    snap = _snapshot(model)
+    gs.geodesic_sharpness(model, batches, rho=RHO, symmetry_map=toy_symmetry_map(model), **COMMON)
+    gs.adaptive_sharpness(model, batches, rho=RHO, **COMMON)
+    _assert_unchanged(model, snap)
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_restore_guarantee_when_the_loss_raises_mid_solve(error):
+    model, batches = ToyAttention(), toy_batches()
+    model.train()
+    snap = _snapshot(model)
+    calls = {"n": 0}
+
+    def loss_fn(m, batch):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise error("boom")
+        return m(**batch)["loss"]
+
+    with pytest.raises(error):
+        gs.geodesic_sharpness(model, batches, rho=RHO, loss_fn=loss_fn, symmetry_map=toy_symmetry_map(model), **COMMON)
+    _assert_unchanged(model, snap)
+
+
+def test_all_parameters_frozen_still_works_and_keeps_flags():
+    model, batches = ToyAttention(), toy_batches()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    res = gs.geodesic_sharpness(model, batches, rho=RHO, symmetry_map=toy_symmetry_map(model), **COMMON)
+    assert res.value > 0
+    assert not any(p.requires_grad for p in model.parameters())
+
+
+def test_solver_runs_in_eval_mode_so_dropout_is_off():
+    model, batches = ToyAttention(), toy_batches()
+    model.train()
+    a = gs.adaptive_sharpness(model, batches, rho=RHO, **COMMON)
+    b = gs.adaptive_sharpness(model, batches, rho=RHO, **COMMON)
+    assert a.value == b.value and model.training
+    with torch.no_grad():
+        assert a.clean_loss == pytest.approx(np.mean([model.eval()(**x)["loss"].item() for x in batches]), rel=1e-12)
+
+
+def test_same_seed_same_result_bit_for_bit():
+    model, batches = ToyAttention(), toy_batches()
+    kw = dict(rho=RHO, mode="average", n_samples=4, symmetry_map=toy_symmetry_map(model), progress=False)
+    assert gs.geodesic_sharpness(model, batches, seed=3, **kw).per_batch == gs.geodesic_sharpness(model, batches, seed=3, **kw).per_batch
+    assert gs.geodesic_sharpness(model, batches, seed=3, **kw).value != gs.geodesic_sharpness(model, batches, seed=4, **kw).value
+
+
+def test_worst_case_stays_in_the_ball_and_beats_average_case():
+    model, batches = ToyAttention(), toy_batches()
+    smap = toy_symmetry_map(model)
+    worst = gs.geodesic_sharpness(model, batches, rho=RHO, symmetry_map=smap, **COMMON)
+    avg = gs.geodesic_sharpness(model, batches, rho=RHO, mode="average", symmetry_map=smap, **COMMON)
+    assert worst.value > avg.value
+    assert worst.clean_loss == pytest.approx(avg.clean_loss, rel=1e-12)
+
+
+def test_half_precision_model_is_measured_in_float32():
+    model = ToyAttention(dtype=torch.bfloat16)
+    res = gs.adaptive_sharpness(model, toy_batches(dtype=torch.bfloat16), rho=RHO, **COMMON)
+    assert math.isfinite(res.value)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    "kwargs, batches, match",
+    [
+        (dict(rho=0.0), None, "rho must be a positive"),
+        (dict(rho=-1.0), None, "rho must be a positive"),
+        (dict(rho=float("nan")), None, "rho must be a positive"),
+        (dict(metric="euclid"), None, "metric must be"),
+        (dict(mode="best"), None, "mode must be"),
+        (dict(steps=0), None, "steps must be"),
+        ({}, [], "No batches"),
+        ({}, [{}], "Batch 0 is empty"),
+    ],
+)
+def test_bad_arguments_get_clear_errors(kwargs, batches, match):
+    model = ToyAttention()
+    with pytest.raises(ValueError, match=match):
+        gs.geodesic_sharpness(
+            model, toy_batches() if batches is None else batches, symmetry_map=toy_symmetry_map(model), **{**COMMON, **kwargs}
+        )
+
+
+def test_missing_loss_and_non_finite_loss_are_explained():
+    model = ToyAttention()
+    batches = toy_batches()
+    no_labels = [{"x": b["x"]} for b in batches]
+    with pytest.raises(ValueError, match="returned no loss"):
+        gs.adaptive_sharpness(model, no_labels, **COMMON)
+    bad = [{"x": b["x"] * float("nan"), "labels": b["labels"]} for b in batches]
+    with pytest.raises(FloatingPointError, match="unperturbed"):
+        gs.adaptive_sharpness(model, bad, **COMMON)
+    nan_model = ToyAttention()
+    with torch.no_grad():
+        nan_model.head.bias[0] = float("nan")
+    with pytest.raises(ValueError, match="head.bias"):
+        gs.adaptive_sharpness(nan_model, batches, **COMMON)
+
+
+def test_symmetry_map_of_another_model_is_refused():
+    with pytest.raises(ValueError, match="another model"):
+        gs.geodesic_sharpness(ToyAttention(), toy_batches(), symmetry_map=SymmetryMap.empty(nn.Linear(2, 2)), **COMMON)
+
+
+def test_as23_variant_reports_a_larger_or_equal_loss_increase_than_zero():
+    model, batches = ToyAttention(), toy_batches()
+    as23 = gs.adaptive_sharpness(model, batches, rho=RHO, variant="as23", **COMMON)
+    clean = gs.adaptive_sharpness(model, batches, rho=RHO, variant="clean", **COMMON)
+    assert as23.value > 0 and clean.value > 0
+    assert as23.measure == "adaptive_as23_worst" and clean.measure == "adaptive_clean_worst"

@@ -1,0 +1,203 @@
+"""The quotient geometry against the mathematical properties of spec §9 (float64, tiny shapes)."""
+
+import numpy as np
+import pytest
+import scipy.integrate
+import scipy.linalg
+import torch
+
+from hf_geosharp.geometry.elementwise import ElementwiseGeometry
+from hf_geosharp.geometry.gl_quotient import GLQuotient
+from hf_geosharp.solver import as23_checkpoints
+
+K, N, M, H = 3, 7, 5, 3
+METRICS = ["inv", "mix"]
+
+
+def _pair(seed=0, k=K, n=N, m=M, h=H):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(k, n, h, generator=g, dtype=torch.float64), torch.randn(k, m, h, generator=g, dtype=torch.float64))
+
+
+def _random_group_element(seed=1, k=K, h=H, condition=10.0):
+    g = torch.Generator().manual_seed(seed)
+    U, _ = torch.linalg.qr(torch.randn(k, h, h, generator=g, dtype=torch.float64))
+    V, _ = torch.linalg.qr(torch.randn(k, h, h, generator=g, dtype=torch.float64))
+    s = torch.logspace(0, np.log10(condition), h, dtype=torch.float64)
+    return U @ torch.diag_embed(s.expand(k, h)) @ V.mT
+
+
+def _act(A, pair):
+    return pair[0] @ torch.linalg.inv(A), pair[1] @ A.mT
+
+
+def _full_basis(h=H):
+    return torch.eye(h * h, dtype=torch.float64).reshape(h * h, h, h)
+
+
+@pytest.fixture(params=METRICS)
+def metric(request):
+    return request.param
+
+
+def test_projection_is_orthogonal_to_vertical_space_and_idempotent(metric):
+    G, Hm = _pair()
+    geo = GLQuotient(G, Hm, metric, epsilon=0.0)
+    xi = _pair(seed=5)
+    p = geo.projection(xi)
+    for seed in range(3):
+        Lam = torch.randn(K, H, H, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+        v = geo.vertical_vector(Lam)
+        assert geo.inner_product(p, v).abs().max() < 1e-11
+        assert geo.inner_product(xi, v).abs().max() > 1e-3  # the test would notice a no-op projection
+    pp = geo.projection(p)
+    assert torch.allclose(pp[0], p[0], atol=1e-12) and torch.allclose(pp[1], p[1], atol=1e-12)
+
+
+def test_paper_literal_inv_projection_is_not_horizontal():
+    """The printed `A Lam + Lam A^T = B` fails (spec §1.5): our corrected solve is the one that works."""
+    G, Hm = _pair()
+    geo = GLQuotient(G, Hm, "inv", epsilon=0.0)
+    xi = _pair(seed=5)
+    P, Q = (G.mT @ G), (Hm.mT @ Hm)
+    A = (P @ Q)[0].numpy()
+    B = (P @ Hm.mT @ xi[1] - xi[0].mT @ G @ Q)[0].numpy()
+    lam_literal = torch.from_numpy(scipy.linalg.solve_sylvester(A, A.T, B))
+    lam = geo._projection_lambda(xi)[0]
+    assert torch.allclose(lam.mT, torch.from_numpy(scipy.linalg.solve_sylvester(A, A, B)), atol=1e-10)
+    wrong = (xi[0][0] + G[0] @ lam_literal, xi[1][0] - Hm[0] @ lam_literal.mT)
+    one = GLQuotient(G[:1], Hm[:1], "inv", epsilon=0.0)
+    v = one.vertical_vector(torch.randn(1, H, H, dtype=torch.float64))
+    assert one.inner_product((wrong[0][None], wrong[1][None]), v).abs().max() > 1e-6
+
+
+def test_reduced_group_with_full_basis_matches_closed_form(metric):
+    G, Hm = _pair()
+    full = GLQuotient(G, Hm, metric, epsilon=1e-3)
+    reduced = GLQuotient(G, Hm, metric, epsilon=1e-3, lie_basis=_full_basis())
+    xi = _pair(seed=9)
+    a, b = full.projection(xi), reduced.projection(xi)
+    assert torch.allclose(a[0], b[0], atol=1e-10) and torch.allclose(a[1], b[1], atol=1e-10)
+
+
+def test_reduced_group_projection_is_orthogonal_to_its_vertical_space(metric):
+    basis = _full_basis()[[0, 4, 8]]  # diagonal subgroup: per-column rescaling
+    G, Hm = _pair()
+    geo = GLQuotient(G, Hm, metric, epsilon=0.0, lie_basis=basis)
+    p = geo.projection(_pair(seed=2))
+    for E in basis:
+        assert geo.inner_product(p, geo.vertical_vector(E.expand(K, H, H))).abs().max() < 1e-11
+
+
+def test_metric_invariance_and_projection_equivariance(metric):
+    G, Hm = _pair()
+    A = _random_group_element()
+    geo, geo_A = GLQuotient(G, Hm, metric, 0.0), GLQuotient(*_act(A, (G, Hm)), metric, 0.0)
+    a, b = _pair(seed=3), _pair(seed=4)
+    assert torch.allclose(geo.inner_product(a, b), geo_A.inner_product(_act(A, a), _act(A, b)), rtol=1e-10)
+    pa = _act(A, geo.projection(a))
+    pa_A = geo_A.projection(_act(A, a))
+    assert torch.allclose(pa[0], pa_A[0], atol=1e-9) and torch.allclose(pa[1], pa_A[1], atol=1e-9)
+
+
+def test_riemannian_gradient_represents_the_euclidean_gradient(metric):
+    G, Hm = _pair()
+    geo = GLQuotient(G, Hm, metric, 0.0)
+    e, eta = _pair(seed=6), _pair(seed=7)
+    r = geo.euclidean_to_riemannian_gradient(e)
+    frob = (e[0] * eta[0]).sum((-2, -1)) + (e[1] * eta[1]).sum((-2, -1))
+    assert torch.allclose(geo.inner_product(r, eta), frob, rtol=1e-10)
+
+
+def test_exp2_is_equivariant(metric):
+    G, Hm = _pair()
+    A = _random_group_element(condition=100.0)
+    geo, geo_A = GLQuotient(G, Hm, metric, 0.0), GLQuotient(*_act(A, (G, Hm)), metric, 0.0)
+    xi = geo.projection(_pair(seed=8))
+    w1 = geo.exp2(xi)
+    w2 = geo_A.exp2(_act(A, xi))
+    assert torch.allclose(w1[0] @ w1[1].mT, w2[0] @ w2[1].mT, atol=1e-9)
+
+
+def _geodesic_ode(G, Hm, xi, metric, t):
+    """Integrate the geodesic equation x'' = -Gamma_x(x', x') (DOP853) for one pair."""
+    shapes = [G.shape, Hm.shape]
+    sizes = [G.numel(), Hm.numel()]
+
+    def rhs(_, y):
+        pos = torch.from_numpy(y[: sum(sizes)])
+        vel = torch.from_numpy(y[sum(sizes) :])
+        g = pos[: sizes[0]].view(shapes[0]), pos[sizes[0] :].view(shapes[1])
+        v = vel[: sizes[0]].view(shapes[0]), vel[sizes[0] :].view(shapes[1])
+        cG, cH = GLQuotient(g[0], g[1], metric, 0.0).exp2_correction(v)  # = -Gamma/2
+        return np.concatenate([vel.numpy(), 2 * cG.reshape(-1).numpy(), 2 * cH.reshape(-1).numpy()])
+
+    y0 = np.concatenate([G.reshape(-1), Hm.reshape(-1), xi[0].reshape(-1), xi[1].reshape(-1)])
+    sol = scipy.integrate.solve_ivp(rhs, (0, t), y0, method="DOP853", rtol=1e-12, atol=1e-12)
+    y = torch.from_numpy(sol.y[: sum(sizes), -1])
+    return y[: sizes[0]].view(shapes[0]), y[sizes[0] :].view(shapes[1])
+
+
+def test_second_order_geodesic_error_is_cubic(metric):
+    G, Hm = _pair(k=1)
+    geo = GLQuotient(G, Hm, metric, 0.0)
+    xi = geo.projection(_pair(seed=11, k=1))
+    scale = 0.3 / float(geo.norm(xi).max())
+    errors_2, errors_1 = [], []
+    for t in (1.0, 0.5, 0.25):
+        v = (xi[0] * scale * t, xi[1] * scale * t)
+        exact = _geodesic_ode(G, Hm, v, metric, 1.0)
+        second = geo.exp2(v)
+        errors_2.append(float(torch.cat([(second[i] - exact[i]).reshape(-1) for i in range(2)]).norm()))
+        errors_1.append(float(torch.cat([(G + v[0] - exact[0]).reshape(-1), (Hm + v[1] - exact[1]).reshape(-1)]).norm()))
+    ratios_2 = [errors_2[i] / errors_2[i + 1] for i in range(2)]
+    ratios_1 = [errors_1[i] / errors_1[i + 1] for i in range(2)]
+    assert all(6.5 < r < 9.5 for r in ratios_2), ratios_2  # O(t^3)
+    assert all(3.2 < r < 4.8 for r in ratios_1), ratios_1  # first order is only O(t^2)
+
+
+def test_sampler_has_metric_isotropic_covariance(metric):
+    G, Hm = _pair(k=1, n=4, m=4, h=2)
+    geo = GLQuotient(G, Hm, metric, 0.0, probe_generator=torch.Generator().manual_seed(0))
+    gen = torch.Generator().manual_seed(1)
+    zs = torch.cat([geo.random_tangent_vector(gen)[0].reshape(-1, 2) for _ in range(6000)])
+    cov = zs.mT @ zs / zs.shape[0]
+    target = (G.mT @ G)[0] if metric == "inv" else torch.linalg.inv(Hm.mT @ Hm)[0]
+    assert torch.allclose(cov, target, rtol=0.06, atol=0.03 * float(target.abs().max()))
+
+
+def test_sampler_is_equivariant(metric):
+    G, Hm = _pair()
+    A = _random_group_element(condition=100.0)
+    geo = GLQuotient(G, Hm, metric, 0.0, probe_generator=torch.Generator().manual_seed(0))
+    geo_A = GLQuotient(*_act(A, (G, Hm)), metric, 0.0, probe_generator=torch.Generator().manual_seed(0))
+    z = geo.random_tangent_vector(torch.Generator().manual_seed(3))
+    z_A = geo_A.random_tangent_vector(torch.Generator().manual_seed(3))
+    expected = _act(A, z)
+    assert torch.allclose(z_A[0], expected[0], atol=1e-8) and torch.allclose(z_A[1], expected[1], atol=1e-8)
+
+
+def test_singular_head_without_epsilon_gives_clear_error():
+    G, Hm = _pair()
+    G[0, :, 0] = 0.0
+    with pytest.raises(ValueError, match="epsilon"):
+        GLQuotient(G, Hm, "inv", epsilon=0.0)
+    geo = GLQuotient(G, Hm, "inv", epsilon=1e-6)  # the relaxation keeps it finite
+    assert torch.isfinite(geo.projection(_pair(seed=2))[0]).all()
+
+
+def test_elementwise_geometry_matches_adaptive_sharpness_conventions():
+    w = torch.tensor([2.0, -0.5, 0.0, 1.0], dtype=torch.float64)
+    geo = ElementwiseGeometry(w, curvature="exact_exp")
+    xi = torch.tensor([0.2, 0.1, 0.3, -0.1], dtype=torch.float64)
+    assert torch.isclose(geo.norm(xi), torch.tensor([0.1, 0.2, 0.0, 0.1], dtype=torch.float64).norm())
+    assert geo.projection(xi)[2] == 0  # zero weights never move
+    moved = w + geo.projection(xi) + geo.exp_correction(geo.projection(xi))
+    exact = torch.where(w != 0, w * torch.exp(geo.projection(xi) / torch.where(w != 0, w, 1)), w)
+    assert torch.allclose(moved, exact)
+    second = ElementwiseGeometry(w, curvature="second_order").exp_correction(xi)
+    assert torch.allclose(second[[0, 1, 3]], (xi**2 / (2 * w))[[0, 1, 3]])
+
+
+def test_as23_checkpoint_schedule():
+    assert as23_checkpoints(20) == [5, 9, 12, 15, 16, 18, 19, 20]
