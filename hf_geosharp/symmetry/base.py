@@ -91,6 +91,9 @@ class SymmetryMap:
         blocks: the pair blocks; their index sets are disjoint.
         fallbacks: modules with attention-like parameters that could not be mapped (treated elementwise).
         notes: other remarks for the report (e.g. "key bias is invisible to softmax").
+        scope: ``"all"``, or ``"trainable"`` when only pairs of trainable parameters were mapped
+            (``map_symmetries(params="trainable")``); the flat vector still covers all parameters.
+        frozen: names of the parameters that ``scope="trainable"`` leaves out (no ``requires_grad`` when mapped).
     """
 
     param_names: list[str]
@@ -98,6 +101,8 @@ class SymmetryMap:
     blocks: list[PairBlock] = field(default_factory=list)
     fallbacks: list[Fallback] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    scope: Literal["all", "trainable"] = "all"
+    frozen: list[str] = field(default_factory=list)
 
     @property
     def offsets(self) -> list[int]:
@@ -122,3 +127,12 @@ class SymmetryMap:
         i = self.param_names.index(name)
         shape = torch.Size(self.param_shapes[i])
         return self.offsets[i] + torch.arange(shape.numel()).view(shape)
+
+    def summary(self, model: torch.nn.Module | None = None) -> dict:
+        """The symmetry report as a JSON-ready dict; pass ``model`` to add per-head conditioning of G and H.
+
+        See :func:`hf_geosharp.symmetry.report.symmetry_report`.
+        """
+        from .report import symmetry_report  # the report needs the weights' linear algebra; keep base light
+
+        return symmetry_report(self, model)

@@ -1,0 +1,380 @@
+"""Adapters: recognise one attention layout in a live module and describe it as index maps.
+
+Every adapter looks at a module of the instantiated model (its class, children and attributes; never checkpoint
+keys) and either returns ``None`` (not this layout), an :class:`AttentionLayout` (q, k, v and o projections as flat
+index tensors in ``nn.Linear`` orientation, plus heads, RoPE and qk-norm), or raises :class:`Unmappable` when it
+recognises the layout but cannot map it safely. Turning a layout into GL(h) pairs is done once, in
+:mod:`hf_geosharp.symmetry.mapping`, for all layouts alike.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+
+class Unmappable(Exception):
+    """The module is an attention layout we know, but this instance cannot be mapped; the message says why."""
+
+
+@dataclass
+class Proj:
+    """A projection in ``nn.Linear`` orientation: ``weight [out, in]`` and ``bias [out]`` as flat indices.
+
+    ``params`` are the real parameters behind the indices (for ``params="trainable"``); ``lora`` says that a PEFT
+    LoRA adapter wraps the projection (its base weight then is not the whole story).
+    """
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    params: tuple[nn.Parameter, ...]
+    lora: bool = False
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    def select(self, rows: torch.Tensor | slice) -> Proj:
+        """The sub-projection made of the given output units (fused layouts)."""
+        bias = None if self.bias is None else self.bias[rows]
+        return Proj(self.weight[rows], bias, self.params, self.lora)
+
+
+@dataclass
+class AttentionLayout:
+    """One attention module as projections: head ``i`` owns q rows and o columns ``[i*d, (i+1)*d)``.
+
+    KV head ``g`` owns k and v rows ``[g*d, (g+1)*d)`` and serves query heads ``g*H/KV ... (g+1)*H/KV - 1``
+    (``repeat_kv`` order). ``rope`` is ``(rotary_dim, interleaved)``; ``rope_on_values`` says that values are
+    rotated too (RoFormer ``rotary_value``). ``k_extra``/``v_extra`` are learned extra key/value tokens
+    (``add_bias_kv``); their ``weight`` is a vector ``[KV*d]``.
+    """
+
+    module: str
+    layout: str
+    q: Proj
+    k: Proj
+    v: Proj
+    o: Proj
+    n_heads: int
+    n_kv: int
+    head_dim: int
+    rope: tuple[int, bool] | None = None
+    rope_on_values: bool = False
+    qk_norm: str | None = None
+    k_extra: Proj | None = None
+    v_extra: Proj | None = None
+
+    def validate(self) -> None:
+        h, kv, d = self.n_heads, self.n_kv, self.head_dim
+        if d <= 0 or h <= 0 or kv <= 0 or h % kv:
+            raise Unmappable(f"inconsistent head counts: {h} query heads, {kv} KV heads, head_dim {d}")
+        expected = {"q": (self.q.out_features, h * d), "k": (self.k.out_features, kv * d),
+                    "v": (self.v.out_features, kv * d), "o input": (self.o.weight.shape[1], h * d)}
+        for what, (got, want) in expected.items():
+            if got != want:
+                raise Unmappable(f"{what} has {got} units but {h} heads x {kv} KV heads x head_dim {d} need {want}")
+
+
+class LayoutContext:
+    """What adapters need besides the module: flat indices of parameters and the model's config."""
+
+    def __init__(self, model: nn.Module, index_of: Callable[[str], torch.Tensor]) -> None:
+        self.config = getattr(model, "config", None)
+        self._index_of = index_of
+        self._names = {}
+        for name, p in model.named_parameters():
+            self._names.setdefault(id(p), name)
+
+    def index(self, param: nn.Parameter) -> torch.Tensor:
+        return self._index_of(self._names[id(param)])
+
+    def proj(self, module: nn.Module) -> Proj:
+        """A ``Linear``/``Conv1D`` (possibly LoRA-wrapped) as a :class:`Proj` in ``nn.Linear`` orientation."""
+        base, lora = unwrap_lora(module)
+        weight = getattr(base, "weight", None)
+        if not isinstance(weight, nn.Parameter) or weight.dim() != 2:
+            raise Unmappable(f"projection {type(base).__name__} has no 2-D weight")
+        w_idx = self.index(weight)
+        if isinstance(base, Conv1D):  # Conv1D stores [in, out]
+            w_idx = w_idx.T
+        bias = getattr(base, "bias", None)
+        b_idx = self.index(bias) if isinstance(bias, nn.Parameter) else None
+        params = (weight,) if b_idx is None else (weight, bias)
+        return Proj(w_idx, b_idx, params, lora)
+
+    def raw(self, weight: nn.Parameter, bias: nn.Parameter | None) -> Proj:
+        """A bare weight (already ``[out, in]``) and bias, e.g. ``nn.MultiheadAttention.in_proj_weight``."""
+        b_idx = None if bias is None else self.index(bias)
+        return Proj(self.index(weight), b_idx, (weight,) if bias is None else (weight, bias))
+
+
+def unwrap_lora(module: nn.Module) -> tuple[nn.Module, bool]:
+    """The base layer under PEFT wrappers, and whether a LoRA adapter is attached on the way."""
+    lora = False
+    while hasattr(module, "base_layer"):
+        lora = lora or is_lora_layer(module)
+        module = module.base_layer
+    return module, lora
+
+
+def is_lora_layer(module: nn.Module) -> bool:
+    """A PEFT LoRA layer with at least one adapter (detected structurally, without importing peft)."""
+    for a_name, b_name in (("lora_A", "lora_B"), ("lora_embedding_A", "lora_embedding_B")):
+        a, b = getattr(module, a_name, None), getattr(module, b_name, None)
+        if isinstance(a, (nn.ModuleDict, nn.ParameterDict)) and isinstance(b, type(a)) and len(a) > 0:
+            return True
+    return False
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# introspection helpers
+# ---------------------------------------------------------------------------------------------------------------
+
+_HEAD_DIM_ATTRS = ("head_dim", "attention_head_size", "head_size", "key_value_proj_dim")
+_QK_NORM_NAMES = ("q_norm", "k_norm", "q_layernorm", "k_layernorm", "query_layernorm", "key_layernorm", "q_ln", "k_ln")
+_ROPE_WORDS = ("rotary", "rotate_half", "rotate_every_two", "apply_rope")
+
+
+def _head_dim(holders: list[nn.Module], config: object) -> int:
+    for holder in holders:
+        for attr in _HEAD_DIM_ATTRS:
+            value = getattr(holder, attr, None)
+            if isinstance(value, int) and value > 0:
+                return value
+    for attr in ("head_dim", "d_kv"):
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    raise Unmappable("cannot determine head_dim from the module's attributes or its config")
+
+
+def _config_of(holders: list[nn.Module], ctx: LayoutContext) -> object:
+    for holder in holders:
+        if getattr(holder, "config", None) is not None:
+            return holder.config
+    return ctx.config
+
+
+def _source(obj: object) -> str:
+    try:
+        return inspect.getsource(obj)
+    except (OSError, TypeError):
+        return ""
+
+
+def _rope(holders: list[nn.Module], config: object, head_dim: int) -> tuple[int, bool] | None:
+    """``(rotary_dim, interleaved)`` if the module applies rotary embeddings to q and k, else ``None``.
+
+    RoPE use is read from the forward code of the live module classes (HF attention forwards call
+    ``apply_rotary_pos_emb``); ALiBi configs (Falcon) build a rotary module they never use, hence the config check.
+    Missing RoPE would be a wrong map, an extra one only a smaller group, so any mention counts.
+    """
+    if getattr(config, "alibi", False):
+        return None
+    classes = {type(h) for h in holders}
+    if not any(word in _source(cls.forward) for cls in classes for word in _ROPE_WORDS):
+        return None
+    rotary_dim = _rotary_dim(holders, config, head_dim)
+    interleaved = False  # pairs (2j, 2j+1) instead of rotate_half's (j, j + r/2): GPT-J, RoFormer, Cohere
+    for cls in classes:
+        namespace = vars(sys.modules[cls.__module__])
+        sources = [_source(cls)] + [_source(namespace.get(fn)) for fn in ("apply_rotary_pos_emb", "rotate_half")]
+        interleaved = interleaved or any("rotate_every_two" in src or "::2]" in src for src in sources)
+    if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > head_dim:
+        raise Unmappable(f"rotary dimension {rotary_dim} is not even and within head_dim {head_dim}")
+    return rotary_dim, interleaved
+
+
+def _rotary_dim(holders: list[nn.Module], config: object, head_dim: int) -> int:
+    for holder in holders:
+        for attr in ("rotary_ndims", "rotary_dim", "rotary_emb_dim"):
+            if hasattr(holder, attr):
+                value = getattr(holder, attr)
+                return head_dim if value is None else int(value)
+    params = getattr(config, "rope_parameters", None) or {}
+    per_layer_type = [v for v in params.values() if isinstance(v, dict)]
+    default = getattr(config, "partial_rotary_factor", None) or 1.0
+    factors = {float(p.get("partial_rotary_factor") or default) for p in per_layer_type or [params]}
+    if len(factors) != 1:
+        raise Unmappable(f"layer types use different partial rotary factors {sorted(factors)}")
+    return int(head_dim * factors.pop())
+
+
+def _qk_norm(holders: list[nn.Module], head_dim: int) -> str | None:
+    """Why QK is not GL-symmetric when q/k are normalised, or ``None`` without qk-norm."""
+    for holder in holders:
+        for name in _QK_NORM_NAMES:
+            norm = getattr(holder, name, None)
+            if not isinstance(norm, nn.Module):
+                continue
+            weight = getattr(norm, "weight", None)
+            width = weight.numel() if isinstance(weight, torch.Tensor) else None
+            if width is None:
+                return (f"qk-norm ({type(norm).__name__} on q/k): normalising q and k breaks the GL(h) symmetry of "
+                        "the QK pair, so W_q and W_k are treated elementwise; VO is mapped")
+            if width == head_dim:
+                return (f"per-head qk-norm ({type(norm).__name__} on each head's q/k): normalising q and k breaks "
+                        "the GL(h) symmetry of the QK pair, so W_q and W_k are treated elementwise; VO is mapped")
+            return (f"full-width qk-norm ({type(norm).__name__} over all heads' q/k): it couples heads and breaks the "
+                    "GL(h) symmetry of the QK pair, so W_q and W_k are treated elementwise; VO is mapped")
+    return None
+
+
+def _finish(name: str, layout: str, holders: list[nn.Module], ctx: LayoutContext,
+            q: Proj, k: Proj, v: Proj, o: Proj, head_dim: int, **extra: Proj | None) -> AttentionLayout:
+    config = _config_of(holders, ctx)
+    n_heads = o.weight.shape[1] // head_dim
+    n_kv = k.out_features // head_dim
+    result = AttentionLayout(name, layout, q, k, v, o, n_heads, n_kv, head_dim, **extra)
+    result.validate()
+    result.rope = _rope(holders, config, head_dim)
+    result.rope_on_values = result.rope is not None and any(getattr(h, "rotary_value", False) for h in holders)
+    result.qk_norm = _qk_norm(holders, head_dim)
+    return result
+
+
+def _child(module: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return module.get_submodule(path)
+    except AttributeError:
+        return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# adapters
+# ---------------------------------------------------------------------------------------------------------------
+
+# (q, k, v, o) child paths of separate projections, per family; o's input columns are the heads
+_SEPARATE = (
+    ("self.query", "self.key", "self.value", "output.dense"),  # BERT, RoBERTa, ELECTRA, ...
+    ("query", "key", "value", "dense"),  # ALBERT
+    ("q_lin", "k_lin", "v_lin", "out_lin"),  # DistilBERT
+    ("q_proj", "k_proj", "v_proj", "o_proj"),  # Llama, Mistral, Qwen2/3, Gemma, OLMo2, ViT (5.x)
+    ("q_proj", "k_proj", "v_proj", "out_proj"),  # CLIP, OPT, BART, GPT-J, GPT-Neo
+    ("q_proj", "k_proj", "v_proj", "dense"),  # Phi
+    ("q", "k", "v", "o"),  # T5, MPNet
+)
+
+
+def separate_qkv(name: str, module: nn.Module, ctx: LayoutContext) -> AttentionLayout | None:
+    """Separate q, k, v and o projections (self- and cross-attention alike)."""
+    for paths in _SEPARATE:
+        children = [_child(module, p) for p in paths]
+        if any(c is None for c in children):
+            continue
+        q, k, v, o = (ctx.proj(c) for c in children)
+        q_parent = paths[0].rpartition(".")[0]
+        holders = [module] + ([module.get_submodule(q_parent)] if q_parent else [])
+        return _finish(name, "separate q/k/v", holders, ctx, q, k, v, o, _head_dim(holders, ctx.config))
+    return None
+
+
+def gpt2_conv1d(name: str, module: nn.Module, ctx: LayoutContext) -> AttentionLayout | None:
+    """GPT-2: fused ``c_attn`` Conv1D ``[in, 3E]`` = [Q | K | V] columns (cross-attention: ``q_attn`` + [K | V])."""
+    c_attn, c_proj = getattr(module, "c_attn", None), getattr(module, "c_proj", None)
+    if c_attn is None or c_proj is None or not isinstance(unwrap_lora(c_attn)[0], Conv1D):
+        return None
+    d = _head_dim([module], ctx.config)
+    fused = ctx.proj(c_attn)
+    if getattr(module, "is_cross_attention", False):
+        e = fused.out_features // 2
+        q, k, v = ctx.proj(module.q_attn), fused.select(slice(0, e)), fused.select(slice(e, 2 * e))
+    else:
+        e = fused.out_features // 3
+        q, k, v = (fused.select(slice(i * e, (i + 1) * e)) for i in range(3))
+    return _finish(name, "fused Conv1D c_attn", [module], ctx, q, k, v, ctx.proj(c_proj), d)
+
+
+def falcon(name: str, module: nn.Module, ctx: LayoutContext) -> AttentionLayout | None:
+    """Falcon ``query_key_value``: grouped ``[KV, G+2, d]`` (new architecture), ``[H+2, d]`` (multi-query) or
+    interleaved ``[H, 3, d]``. Read from the live module's flags, not the config defaults (which mislead)."""
+    qkv = getattr(module, "query_key_value", None)
+    if qkv is None or not hasattr(module, "new_decoder_architecture") or not hasattr(module, "multi_query"):
+        return None
+    d, n_heads = _head_dim([module], ctx.config), int(module.num_heads)
+    fused = ctx.proj(qkv)
+    if module.new_decoder_architecture:
+        n_kv = int(module.num_kv_heads)
+        rows = torch.arange(fused.out_features).view(n_kv, n_heads // n_kv + 2, d)
+        q_rows, k_rows, v_rows = rows[:, :-2], rows[:, -2], rows[:, -1]
+        layout = "Falcon grouped [KV, G+2, d]"
+    elif module.multi_query:
+        rows = torch.arange(fused.out_features).view(n_heads + 2, d)
+        q_rows, k_rows, v_rows = rows[:-2], rows[-2], rows[-1]
+        layout = "Falcon multi-query [H+2, d]"
+    else:
+        rows = torch.arange(fused.out_features).view(n_heads, 3, d)
+        q_rows, k_rows, v_rows = rows[:, 0], rows[:, 1], rows[:, 2]
+        layout = "Falcon interleaved [H, 3, d]"
+    q, k, v = (fused.select(r.reshape(-1)) for r in (q_rows, k_rows, v_rows))
+    return _finish(name, layout, [module], ctx, q, k, v, ctx.proj(module.dense), d)
+
+
+def interleaved_qkv(name: str, module: nn.Module, ctx: LayoutContext) -> AttentionLayout | None:
+    """GPT-NeoX / BLOOM ``query_key_value``: per head ``[q, k, v]``, i.e. output units ``[H, 3, d]``."""
+    qkv, dense = getattr(module, "query_key_value", None), getattr(module, "dense", None)
+    if qkv is None or dense is None:
+        return None
+    d = _head_dim([module], ctx.config)
+    fused = ctx.proj(qkv)
+    if fused.out_features % (3 * d):
+        raise Unmappable(f"query_key_value has {fused.out_features} units, not a multiple of 3 x head_dim {d}")
+    rows = torch.arange(fused.out_features).view(-1, 3, d)
+    q, k, v = (fused.select(rows[:, i].reshape(-1)) for i in range(3))
+    return _finish(name, "interleaved fused qkv [H, 3, d]", [module], ctx, q, k, v, ctx.proj(dense), d)
+
+
+def fused_blocks(name: str, module: nn.Module, ctx: LayoutContext) -> AttentionLayout | None:
+    """Fused ``[Q (H*d) | K (KV*d) | V (KV*d)]`` projection (Phi-3 ``qkv_proj``, ModernBERT ``Wqkv``)."""
+    for qkv_name, o_name in (("qkv_proj", "o_proj"), ("Wqkv", "Wo")):
+        qkv, o_mod = getattr(module, qkv_name, None), getattr(module, o_name, None)
+        if qkv is None or o_mod is None:
+            continue
+        d = _head_dim([module], ctx.config)
+        fused, o = ctx.proj(qkv), ctx.proj(o_mod)
+        q_units = o.weight.shape[1]
+        kv_units = (fused.out_features - q_units) // 2
+        q = fused.select(slice(0, q_units))
+        k = fused.select(slice(q_units, q_units + kv_units))
+        v = fused.select(slice(q_units + kv_units, fused.out_features))
+        return _finish(name, f"fused blocks {qkv_name} [Q | K | V]", [module], ctx, q, k, v, o, d)
+    return None
+
+
+def multihead_attention(name: str, module: nn.Module, ctx: LayoutContext) -> AttentionLayout | None:
+    """``torch.nn.MultiheadAttention``: ``in_proj_weight`` ``[3E, E]`` blocks (or separate q/k/v weights)."""
+    if not isinstance(module, nn.MultiheadAttention):
+        return None
+    e = module.embed_dim
+    bias = module.in_proj_bias
+    if module._qkv_same_embed_dim:
+        fused = ctx.raw(module.in_proj_weight, bias)
+        q, k, v = (fused.select(slice(i * e, (i + 1) * e)) for i in range(3))
+    else:
+        biases = [None] * 3 if bias is None else [ctx.index(bias)[i * e:(i + 1) * e] for i in range(3)]
+        shared = () if bias is None else (bias,)
+        weights = (module.q_proj_weight, module.k_proj_weight, module.v_proj_weight)
+        q, k, v = (Proj(ctx.index(w), b, (w, *shared)) for w, b in zip(weights, biases))
+    extras = {}
+    if module.bias_k is not None:
+        extras["k_extra"] = Proj(ctx.index(module.bias_k).reshape(e), None, (module.bias_k,))
+        extras["v_extra"] = Proj(ctx.index(module.bias_v).reshape(e), None, (module.bias_v,))
+    return _finish(name, "nn.MultiheadAttention", [module], ctx, q, k, v, ctx.proj(module.out_proj),
+                   module.head_dim, **extras)
+
+
+ADAPTERS: tuple[Callable[[str, nn.Module, LayoutContext], AttentionLayout | None], ...] = (
+    multihead_attention,
+    gpt2_conv1d,
+    falcon,
+    interleaved_qkv,
+    fused_blocks,
+    separate_qkv,
+)

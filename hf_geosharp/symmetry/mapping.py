@@ -1,0 +1,235 @@
+"""``map_symmetries``: walk a live model and describe where its GL(h) pairs live (the :class:`SymmetryMap`).
+
+Adapters in :mod:`hf_geosharp.symmetry.layouts` turn each attention module into q/k/v/o projections; this module
+turns those into pairs in the spec's orientation (§4.3): per KV group a QK pair ``G`` = the group's query heads
+``[W_q^{(i)T}; b_q^{(i)T}]`` stacked by rows, ``H = [W_k^{(g)T}; b_k^{(g)T}]``, and a VO pair ``G = [W_v^{(g)T};
+b_v^{(g)T}]``, ``H`` = the group's ``W_O`` column slices stacked by rows. PEFT LoRA adapters add ``(B, A^T)`` pairs.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections import defaultdict
+from typing import Literal
+
+import torch
+from torch import nn
+
+from ..geometry.lie import rope_commutant_basis
+from .base import Fallback, PairBlock, SymmetryMap
+from .layouts import ADAPTERS, AttentionLayout, LayoutContext, Proj, Unmappable, is_lora_layer
+
+logger = logging.getLogger(__name__)
+
+_ATTENTION_LIKE = re.compile(r"attention|attn", re.IGNORECASE)
+
+
+def map_symmetries(
+    model: nn.Module,
+    strict: bool = False,
+    params: Literal["all", "trainable"] = "all",
+    include_bias: bool = True,
+) -> SymmetryMap:
+    """Map ``model`` onto its attention (and LoRA) symmetry group.
+
+    Args:
+        model: an instantiated model (``transformers`` or plain torch, possibly PEFT-wrapped).
+        strict: raise a ``ValueError`` if any attention module could not be mapped, instead of listing it in
+            ``smap.fallbacks`` and treating its parameters elementwise.
+        params: ``"all"``, or ``"trainable"`` to map only pairs whose parameters all require grad (e.g. LoRA
+            adapters on a frozen base).
+        include_bias: append q/k/v biases to their pairs as an extra row (spec §4.3). Without it, biased q/k/v
+            are left out of the pairs and the group action is no longer an exact symmetry of the model.
+
+    Returns:
+        The :class:`SymmetryMap`; see ``smap.summary(model)`` for the report.
+    """
+    if params not in ("all", "trainable"):
+        raise ValueError(f"params must be 'all' or 'trainable'; got {params!r}.")
+    smap = SymmetryMap.empty(model)
+    smap.scope = params
+    if params == "trainable":
+        smap.frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    builder = _PairBuilder(LayoutContext(model, smap.index_of), trainable_only=params == "trainable",
+                           include_bias=include_bias)
+    claimed: set[str] = set()
+    for name, module in model.named_modules():
+        if is_lora_layer(module):
+            builder.add_lora(name, module, smap)
+        if _inside(name, claimed):
+            continue
+        for adapter in ADAPTERS:
+            try:
+                layout = adapter(name, module, builder.ctx)
+            except Unmappable as exc:
+                smap.fallbacks.append(Fallback(name, f"{type(module).__name__}: {exc}"))
+                claimed.add(name)
+                break
+            if layout is not None:
+                builder.add_attention(layout)
+                claimed.add(name)
+                break
+    smap.fallbacks += _unrecognised(model, claimed)
+    smap.blocks = builder.blocks
+    smap.notes = builder.notes()
+    logger.debug(
+        "symmetry map: %d QK, %d VO, %d LoRA pairs; %d fallback(s)",
+        *(sum(b.n_pairs for b in smap.blocks if b.kind == kind) for kind in ("qk", "vo", "lora")),
+        len(smap.fallbacks),
+    )
+    if strict and smap.fallbacks:
+        listing = "\n".join(f"  - {f.module}: {f.reason}" for f in smap.fallbacks)
+        raise ValueError(
+            f"map_symmetries(strict=True): {len(smap.fallbacks)} attention module(s) could not be mapped onto "
+            f"GL(h) pairs:\n{listing}\nPass strict=False to treat them elementwise (they are listed in "
+            "smap.fallbacks and in the symmetry report), or add an adapter for this layout in "
+            "hf_geosharp/symmetry/layouts.py."
+        )
+    return smap
+
+
+def _inside(name: str, claimed: set[str]) -> bool:
+    """Whether a proper ancestor of module ``name`` is claimed (the root's name is ``""``)."""
+    if not claimed or not name:
+        return False
+    parts = name.split(".")
+    return any(".".join(parts[:i]) in claimed for i in range(len(parts)))
+
+
+def _unrecognised(model: nn.Module, claimed: set[str]) -> list[Fallback]:
+    """Attention-like modules with parameters that no adapter claimed (outermost only)."""
+    out: list[Fallback] = []
+    reported: set[str] = set()
+    for name, module in model.named_modules():
+        if not _ATTENTION_LIKE.search(type(module).__name__) or name in claimed:
+            continue
+        has_claimed_descendant = any(c.startswith(name + ".") for c in claimed) if name else bool(claimed)
+        if has_claimed_descendant or _inside(name, claimed | reported):
+            continue
+        if next(module.parameters(), None) is None:
+            continue
+        weights = [n for n, sub in module.named_modules() if isinstance(getattr(sub, "weight", None), torch.Tensor)
+                   and sub.weight.dim() == 2]
+        shown = ", ".join(weights[:8]) + (", ..." if len(weights) > 8 else "")
+        out.append(Fallback(name, f"{type(module).__name__}: no adapter recognises this attention layout (matrices: "
+                                  f"{shown or 'none'}); its parameters are treated elementwise"))
+        reported.add(name)
+    return out
+
+
+class _PairBuilder:
+    """Turns layouts and LoRA layers into :class:`PairBlock` s and collects notes for the report."""
+
+    def __init__(self, ctx: LayoutContext, trainable_only: bool, include_bias: bool) -> None:
+        self.ctx = ctx
+        self.trainable_only = trainable_only
+        self.include_bias = include_bias
+        self.blocks: list[PairBlock] = []
+        self._notes: dict[str, list[str]] = defaultdict(list)
+        self._owner: dict[int, str] = {}  # id(parameter) -> module that mapped it (tied weights are mapped once)
+
+    def notes(self) -> list[str]:
+        out = []
+        for text, modules in self._notes.items():
+            shown = ", ".join(modules[:4]) + (f", ... ({len(modules)} modules)" if len(modules) > 4 else "")
+            out.append(f"{text} [{shown}]")
+        return out
+
+    def _note(self, text: str, module: str) -> None:
+        self._notes[text].append(module)
+
+    def _add(self, block: PairBlock, params: list[nn.Parameter]) -> None:
+        if self.trainable_only and not all(p.requires_grad for p in params):
+            self._note("pairs touching frozen parameters are not mapped (params='trainable')", block.module)
+            return
+        owners = {self._owner[id(p)] for p in params if id(p) in self._owner} - {block.module}
+        if owners:
+            self._note(f"{block.kind.upper()} pair shares (tied) parameters with {sorted(owners)}; mapped once",
+                       block.module)
+            return
+        for p in params:
+            self._owner[id(p)] = block.module
+        self.blocks.append(block)
+
+    def _rows(self, proj: Proj, unit: int, d: int, extra: Proj | None) -> torch.Tensor:
+        """``[n(+1)(+1), d]``: the transposed weight rows of head ``unit``, with bias and extra-token rows."""
+        cols = [proj.weight[unit * d:(unit + 1) * d]]
+        if self.include_bias and proj.bias is not None:
+            cols.append(proj.bias[unit * d:(unit + 1) * d, None])
+        if self.include_bias and extra is not None:
+            cols.append(extra.weight[unit * d:(unit + 1) * d, None])
+        return torch.cat(cols, dim=1).T
+
+    def _params(self, *projs: Proj | None) -> list[nn.Parameter]:
+        out: list[nn.Parameter] = []
+        for proj in projs:
+            if proj is not None:
+                out += proj.params if self.include_bias else proj.params[:1]
+        return out
+
+    @staticmethod
+    def _rope_basis(lay: AttentionLayout) -> torch.Tensor:
+        rotary_dim, interleaved = lay.rope
+        return rope_commutant_basis(lay.head_dim, rotary_dim, interleaved=interleaved)
+
+    def add_attention(self, lay: AttentionLayout) -> None:
+        d, per_group = lay.head_dim, lay.n_heads // lay.n_kv
+        groups = [range(g * per_group, (g + 1) * per_group) for g in range(lay.n_kv)]
+        labels = [f"{lay.module} head {g}" if per_group == 1 else
+                  f"{lay.module} kv-group {g} (heads {grp[0]}-{grp[-1]})" for g, grp in enumerate(groups)]
+        has_bias = any(p.bias is not None for p in (lay.q, lay.k, lay.v)) or lay.k_extra is not None
+        if has_bias and not self.include_bias:
+            self._note("q/k/v biases left out of the pairs (include_bias=False): the group action then changes the "
+                       "model's function", lay.module)
+        if lay.qk_norm is not None:
+            self._note(lay.qk_norm, lay.module)
+        elif lay.q.lora or lay.k.lora:
+            self._note("LoRA on q/k: the QK pair is left unmapped because a LoRA factor cannot belong to two groups; "
+                       "the adapters' (B, A) pairs are mapped instead", lay.module)
+        else:
+            g_index = torch.stack([torch.cat([self._rows(lay.q, i, d, None) for i in grp]) for grp in groups])
+            h_index = torch.stack([self._rows(lay.k, g, d, lay.k_extra) for g in range(lay.n_kv)])
+            basis, note = None, f"{lay.layout}; GL({d})"
+            if lay.rope is not None:
+                rotary_dim, interleaved = lay.rope
+                basis = self._rope_basis(lay)
+                pairing = "(2j, 2j+1)" if interleaved else "(j, j+r/2)"
+                note = (f"{lay.layout}; RoPE on {rotary_dim} of {d} dims, pairs {pairing}: GL({d}) reduced to the "
+                        f"commutant of the rotations (dim {basis.shape[0]})")
+            if self.include_bias and lay.k.bias is not None and lay.rope is None:  # RoPE rotates b_k per key
+                self._note("key bias is invisible to softmax (q.b_k is the same for every key): its coordinates are "
+                           "redundant beyond the GL orbit", lay.module)
+            self._add(PairBlock("qk", lay.module, g_index, h_index, basis, labels, note),
+                      self._params(lay.q, lay.k, lay.k_extra))
+        if lay.v.lora or lay.o.lora:
+            self._note("LoRA on v/o: the VO pair is left unmapped because a LoRA factor cannot belong to two groups; "
+                       "the adapters' (B, A) pairs are mapped instead", lay.module)
+            return
+        g_index = torch.stack([self._rows(lay.v, g, d, lay.v_extra) for g in range(lay.n_kv)])
+        h_index = torch.stack([torch.cat([lay.o.weight[:, i * d:(i + 1) * d] for i in grp]) for grp in groups])
+        basis, note = None, f"{lay.layout}; GL({d})"
+        if lay.rope_on_values:
+            basis = self._rope_basis(lay)
+            note = f"{lay.layout}; values are rotated too: GL({d}) reduced to the commutant of the rotations"
+        self._add(PairBlock("vo", lay.module, g_index, h_index, basis, labels, note),
+                  self._params(lay.v, lay.v_extra) + [lay.o.params[0]])
+
+    def add_lora(self, name: str, module: nn.Module, smap: SymmetryMap) -> None:
+        """One GL(r) pair ``(G, H) = (B, A^T)`` per adapter: the update ``B A`` is all the model sees."""
+        for a_attr, b_attr in (("lora_A", "lora_B"), ("lora_embedding_A", "lora_embedding_B")):
+            a_dict, b_dict = getattr(module, a_attr, None), getattr(module, b_attr, None)
+            for key in (a_dict or {}):
+                a = a_dict[key] if isinstance(a_dict, nn.ParameterDict) else a_dict[key].weight
+                b = b_dict[key] if isinstance(b_dict, nn.ParameterDict) else b_dict[key].weight
+                rank = a.shape[0]
+                if b.dim() < 2 or b.shape[1] != rank or any(s != 1 for s in b.shape[2:]):
+                    smap.fallbacks.append(Fallback(f"{name}.{a_attr}.{key}", f"LoRA factors of shapes "
+                                                   f"{tuple(b.shape)} and {tuple(a.shape)} are not a rank-{rank} "
+                                                   "product B A; treated elementwise"))
+                    continue
+                g_index = self.ctx.index(b).reshape(b.shape[0], rank)
+                h_index = self.ctx.index(a).reshape(rank, -1).T
+                block = PairBlock("lora", name, g_index[None], h_index[None], None, [f"{name} adapter {key!r}"],
+                                  f"LoRA update B A: GL({rank}) on the adapter rank")
+                self._add(block, [b, a])

