@@ -23,4 +23,7 @@ if [ "$extras" = "test" ]; then
 else
     pip install -q -e .
 fi
+# Register the evaluate module so that evaluate.load("geodesic_sharpness") resolves from any directory, even in a
+# process that never imports hf_geosharp (evaluate has no plugin hook; this writes into its module cache).
+geosharp register
 echo "installed hf_geosharp into $(pwd)/.venv"

@@ -1,0 +1,38 @@
+"""``geosharp register``: make ``evaluate.load("geodesic_sharpness")`` work from any directory, in any new process.
+
+``import hf_geosharp`` does the same silently; this command is for install scripts and for processes that load the
+measurement without ever importing the package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..register import NAME, register_evaluate_module
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "register",
+        help=f"register the {NAME!r} evaluate module in evaluate's module cache",
+        description=f"Write the {NAME!r} loading script into evaluate's module cache (HF_MODULES_CACHE) so that "
+        f'evaluate.load("{NAME}") resolves from any working directory, also offline. Idempotent.',
+    )
+    parser.add_argument("--quiet", action="store_true", help="print nothing")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        target = register_evaluate_module()
+    except OSError as err:
+        print(
+            f"error: could not write to evaluate's module cache: {err}. Set HF_HOME or HF_MODULES_CACHE to a "
+            "writable folder, or load the module by path: evaluate.load(hf_geosharp.EVALUATE_MODULE_DIR).",
+            file=sys.stderr,
+        )
+        return 1
+    if not args.quiet:
+        print(f'registered {NAME}: evaluate.load("{NAME}") now resolves to {target}')
+    return 0

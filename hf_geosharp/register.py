@@ -1,0 +1,67 @@
+"""Make the bare name ``evaluate.load("geodesic_sharpness")`` resolve from any working directory.
+
+evaluate has no plugin or entry-point hook. For a bare name it tries the cwd, then the Hub's ``evaluate-*`` orgs (which
+belong to Hugging Face), and then falls back to its module cache, taking any 64-character sub-folder of
+``$HF_MODULES_CACHE/evaluate_modules/metrics/evaluate-measurement--geodesic_sharpness/`` (the newest ``.py`` wins).
+Registering therefore means writing our loading script there, which is what a Hub download would have left behind.
+The script is a one-line shim that imports :class:`hf_geosharp.measurement.GeodesicSharpness`, so upgrading the
+package upgrades the module without re-registering.
+
+This module is stdlib-only so that ``import hf_geosharp`` (which registers automatically) stays cheap.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+NAME = "geodesic_sharpness"
+SCRIPT = Path(__file__).with_name(NAME) / f"{NAME}.py"
+CACHE_FOLDER = f"evaluate-measurement--{NAME}"
+
+
+def modules_cache() -> Path:
+    """evaluate's ``HF_MODULES_CACHE``, resolved from the environment exactly as ``evaluate.config`` does."""
+    xdg = os.getenv("XDG_CACHE_HOME", "~/.cache")
+    hf_home = os.path.expanduser(os.getenv("HF_HOME", os.path.join(xdg, "huggingface")))
+    return Path(os.getenv("HF_MODULES_CACHE", os.path.join(hf_home, "modules")))
+
+
+def registered_script() -> Path:
+    """Where :func:`register_evaluate_module` puts the loading script for the current environment."""
+    digest = hashlib.sha256(SCRIPT.read_bytes()).hexdigest()  # evaluate accepts any 64-character folder name
+    return modules_cache() / "evaluate_modules" / "metrics" / CACHE_FOLDER / digest / f"{NAME}.py"
+
+
+def register_evaluate_module() -> Path:
+    """Write (or refresh) the loading script in evaluate's module cache; idempotent and safe to run concurrently.
+
+    Returns the path of the registered script. A script that is already there gets its mtime refreshed, so that after an
+    up- or downgrade the installed version's script is the newest and evaluate picks it.
+    """
+    target = registered_script()
+    if target.exists():
+        os.utime(target)
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    root = modules_cache()
+    for folder in (root, *target.parents[: len(target.relative_to(root).parts) - 1]):
+        (folder / "__init__.py").touch(exist_ok=True)  # evaluate imports the script as a package member
+    with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".tmp", delete=False) as tmp:
+        tmp.write(SCRIPT.read_bytes())
+    os.replace(tmp.name, target)  # atomic: ranks launched together never see a half-written script
+    logger.debug("registered %s at %s", NAME, target)
+    return target
+
+
+def autoregister() -> None:
+    """Register on ``import hf_geosharp``; a read-only or unusable cache must never break the import."""
+    try:
+        register_evaluate_module()
+    except OSError as err:
+        logger.debug("could not register %s in evaluate's module cache: %s", NAME, err)

@@ -1,0 +1,198 @@
+"""The evaluate face: registration, the literal ``evaluate.load("geodesic_sharpness")``, and ``compute`` matching the
+Python API on tiny text (BERT), vision (ViT) and causal-LM (GPT-2) models."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import evaluate
+import pytest
+import torch
+from .tiny_fixtures import one_thread, sentences, tiny_bert, tiny_tokenizer, tiny_vit  # noqa: F401
+
+import hf_geosharp as gs
+from hf_geosharp import register
+
+REPO = Path(__file__).resolve().parents[1]
+SETTINGS = dict(rho=0.05, mode="worst", steps=3, seed=0)
+
+
+def _env(hf_home: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    return {**env, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1", "HF_EVALUATE_OFFLINE": "1",
+            "HF_GEOSHARP_NO_AUTOREGISTER": "1", "OMP_NUM_THREADS": "1"}  # fmt: skip
+
+
+def _pad(rows: list[list[int]], value: int) -> torch.Tensor:
+    width = max(map(len, rows))
+    return torch.tensor([r + [value] * (width - len(r)) for r in rows])
+
+
+def _text_data(tmp_path: Path, n: int = 10):
+    texts, labels = sentences(n, seed=1)
+    enc = tiny_tokenizer(tmp_path / "tok")(texts, truncation=True)
+    return enc, labels
+
+
+def _api_batches(enc, labels, batch_size: int) -> list[dict[str, torch.Tensor]]:
+    """Batches built by hand (independently of hf_geosharp.data), padded to each batch's longest row."""
+    batches = []
+    for s in range(0, len(labels), batch_size):
+        sl = slice(s, s + batch_size)
+        batches.append({
+            "input_ids": _pad(enc["input_ids"][sl], 0), "attention_mask": _pad(enc["attention_mask"][sl], 0),
+            "token_type_ids": _pad(enc["token_type_ids"][sl], 0), "labels": torch.tensor(labels[sl]),
+        })  # fmt: skip
+    return batches
+
+
+def test_register_is_idempotent_and_the_installed_version_wins(tmp_path, monkeypatch):
+    from evaluate.loading import CachedEvaluationModuleFactory
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    monkeypatch.delenv("HF_MODULES_CACHE", raising=False)
+
+    def resolved() -> str:
+        modules = str(tmp_path / "modules/evaluate_modules")
+        return CachedEvaluationModuleFactory(register.CACHE_FOLDER, dynamic_modules_path=modules).get_module().hash
+
+    ours = register.register_evaluate_module()
+    assert register.register_evaluate_module() == ours and ours.read_bytes() == register.SCRIPT.read_bytes()
+    assert ours.is_relative_to(tmp_path / "modules/evaluate_modules/metrics")
+    # another version registered later (an up- or downgrade): evaluate now picks that one ...
+    now = ours.stat().st_mtime
+    os.utime(ours, (now - 100, now - 100))
+    other = ours.parents[1] / ("0" * 64) / ours.name
+    other.parent.mkdir()
+    other.write_text("raise ImportError('another version')\n")
+    os.utime(other, (now - 10, now - 10))
+    assert resolved() == "0" * 64
+    # ... until this version registers again (as `import hf_geosharp` does)
+    register.register_evaluate_module()
+    assert resolved() == ours.parent.name
+
+
+def test_bare_name_loads_in_a_fresh_process_from_any_directory(tmp_path):
+    """After ``geosharp register``, a process that never imported hf_geosharp loads the bare name offline."""
+    hf_home, cwd = tmp_path / "hf", tmp_path / "elsewhere"
+    cwd.mkdir()
+    env = _env(hf_home)
+    subprocess.run([sys.executable, "-m", "hf_geosharp", "register", "--quiet"], env=env, check=True, cwd=cwd)
+    enc, labels = _text_data(tmp_path)
+    (tmp_path / "data.json").write_text(json.dumps({"input_ids": enc["input_ids"], "labels": labels}))
+    script = textwrap.dedent(f"""
+        import json, sys
+        import evaluate
+        assert "hf_geosharp" not in sys.modules
+        module = evaluate.load("geodesic_sharpness")
+        cached = [m for m in sys.modules if "evaluate-measurement--geodesic_sharpness" in m]
+        sys.path.insert(0, {str(REPO / "tests")!r})
+        from tiny_fixtures import tiny_bert
+        data = json.load(open({str(tmp_path / "data.json")!r}))
+        out = module.compute(model=tiny_bert(), **data, batch_size=4, metric="inv", baseline=False,
+                             rho=0.05, steps=3, seed=0)
+        print(json.dumps({{"class": type(module).__name__, "type": module.info.module_type, "cached": cached,
+                          "value": out["geodesic_sharpness"]}}))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=cwd, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["class"] == "GeodesicSharpness" and got["type"] == "measurement"
+    assert got["cached"], "the module did not come from evaluate's module cache"
+    batches = [{k: v for k, v in b.items() if k != "token_type_ids"} for b in _api_batches(enc, labels, 4)]
+    expected = gs.geodesic_sharpness(tiny_bert(), batches, metric="inv", progress=False, **SETTINGS).value
+    assert got["value"] == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.fixture(scope="module")
+def module_from_checkout_root():
+    """The literal bare name from the repository root resolves to the checkout's ``geodesic_sharpness/`` folder."""
+    old = os.getcwd()
+    os.chdir(REPO)
+    try:
+        return evaluate.load("geodesic_sharpness", keep_in_memory=True)
+    finally:
+        os.chdir(old)
+
+
+def test_module_dir_constant_loads_and_matches_the_checkout_folder():
+    module = evaluate.load(gs.EVALUATE_MODULE_DIR)
+    assert type(module).__name__ == "GeodesicSharpness"
+    assert (REPO / "geodesic_sharpness/geodesic_sharpness.py").read_bytes() == register.SCRIPT.read_bytes()
+    card = (REPO / "geodesic_sharpness/README.md").read_text()
+    assert card == (REPO / "metric_card/README.md").read_text() and card.startswith("---\n")
+    for section in ("## Measurement Description", "## How to Use", "### Inputs", "### Output Values",
+                    "## Limitations and Bias", "## Citation"):  # fmt: skip
+        assert section in card
+
+
+def test_text_compute_equals_the_python_api(tmp_path, module_from_checkout_root):
+    enc, labels = _text_data(tmp_path)
+    model = tiny_bert()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    out = module_from_checkout_root.compute(
+        model=model, input_ids=enc["input_ids"], attention_mask=enc["attention_mask"],
+        token_type_ids=enc["token_type_ids"], labels=labels, metric="inv,mix", batch_size=4, **SETTINGS,
+    )  # fmt: skip
+    batches = _api_batches(enc, labels, 4)
+    for m in ("inv", "mix"):
+        ref = gs.geodesic_sharpness(model, batches, metric=m, progress=False, **SETTINGS)
+        assert out[f"geodesic_sharpness_{m}"] == pytest.approx(ref.value, rel=1e-6)
+        assert out[f"geodesic_sharpness_{m}_per_batch"] == pytest.approx(ref.per_batch, rel=1e-6)
+    ref = gs.adaptive_sharpness(model, batches, progress=False, **SETTINGS)
+    assert out["adaptive_sharpness"] == pytest.approx(ref.value, rel=1e-6)
+    assert out["clean_loss"] == pytest.approx(ref.clean_loss, rel=1e-6)
+    assert len(out["clean_loss_per_batch"]) == 3 and out["config"]["n_examples"] == 10
+    assert all(v >= 0 for v in out["geodesic_sharpness_inv_per_batch"]) and out["geodesic_sharpness_inv"] > 0
+    assert "geodesic_sharpness" not in out  # several metrics: one key per metric
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_vision_compute_equals_the_python_api(module_from_checkout_root):
+    torch.manual_seed(1)
+    pixels, labels = torch.randn(6, 3, 8, 8), [0, 1, 2, 0, 1, 2]
+    model = tiny_vit()
+    out = module_from_checkout_root.compute(
+        model=model, pixel_values=pixels, labels=labels, metric="mix", batch_size=3, baseline=False, **SETTINGS
+    )
+    batches = [{"pixel_values": pixels[:3], "labels": torch.tensor(labels[:3])},
+               {"pixel_values": pixels[3:], "labels": torch.tensor(labels[3:])}]  # fmt: skip
+    ref = gs.geodesic_sharpness(model, batches, metric="mix", progress=False, **SETTINGS)
+    assert out["geodesic_sharpness"] == pytest.approx(ref.value, rel=1e-6)
+    assert out["clean_loss_per_batch"] == pytest.approx(ref.per_batch_clean_loss, rel=1e-6)
+    assert "adaptive_sharpness" not in out
+
+
+def test_causal_lm_labels_default_to_the_input_ids(module_from_checkout_root):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=100, n_positions=32, n_embd=32, n_layer=2, n_head=4)).eval()
+    ids = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16]]
+    out = module_from_checkout_root.compute(model=model, input_ids=ids, batch_size=3, baseline=False, **SETTINGS)
+    padded = _pad(ids, 0)
+    mask = _pad([[1] * len(r) for r in ids], 0)
+    batch = {"input_ids": padded, "attention_mask": mask, "labels": padded.masked_fill(mask == 0, -100)}
+    ref = gs.geodesic_sharpness(model, [batch], progress=False, **SETTINGS)
+    assert out["geodesic_sharpness"] == pytest.approx(ref.value, rel=1e-6)
+
+
+def test_add_and_add_batch_then_compute_and_clear_input_errors(tmp_path, module_from_checkout_root):
+    enc, labels = _text_data(tmp_path, n=4)
+    module = module_from_checkout_root
+    module.add(input_ids=enc["input_ids"][0], labels=labels[0])
+    module.add_batch(input_ids=enc["input_ids"][1:], labels=labels[1:])
+    out = module.compute(model=tiny_bert(), batch_size=4, metric="inv", baseline=False, **SETTINGS)
+    assert out["config"]["n_examples"] == 4 and len(out["geodesic_sharpness_per_batch"]) == 1
+
+    with pytest.raises(ValueError, match="labels= is missing"):
+        module.compute(model=tiny_bert(), input_ids=enc["input_ids"])
+    with pytest.raises(ValueError, match="exactly one of model="):
+        module.compute(input_ids=enc["input_ids"], labels=labels)
+    with pytest.raises(ValueError, match="metric='foo'"):
+        module.compute(model=tiny_bert(), input_ids=enc["input_ids"], labels=labels, metric="foo")
