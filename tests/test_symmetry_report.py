@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
 import torch
 import transformers as tf
 
-from hf_geosharp.commands import symmetry as symmetry_command
+from hf_geosharp import cli
 from hf_geosharp.symmetry import map_symmetries
 from hf_geosharp.symmetry.report import format_report
 from hf_geosharp.symmetry.tiny import build
@@ -59,10 +58,20 @@ def test_healthy_model_has_no_warnings_and_zero_lora_factor_is_flagged():
 
 
 def _cli(*args: str) -> int:
-    parser = argparse.ArgumentParser()
-    symmetry_command.add_parser(parser.add_subparsers())
-    ns = parser.parse_args(["symmetry", *args])
-    return ns.func(ns)
+    """``geosharp symmetry ARGS`` through the real console entry point."""
+    return cli.main(["symmetry", *args])
+
+
+def test_cli_help_lists_the_symmetry_command(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--help"])
+    assert exc.value.code == 0
+    assert "symmetry" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["symmetry", "--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    assert "--audit" in text and "--strict" in text and "exit codes" in text
 
 
 def _save(model: torch.nn.Module, folder) -> str:

@@ -62,7 +62,8 @@ class AuditResult:
         lines += [f"  known redundancy, {name}: {dim}" for name, dim in self.redundancies.items()]
         lines.append(f"  predicted rank {self.predicted_rank}, measured {self.rank}: gap {self.gap}")
         if self.gap > 0:
-            lines.append("  gap > 0: redundancies the map does not cover (e.g. a norm's gain feeding linear layers)")
+            lines.append("  gap > 0: redundancies the map does not cover (e.g. LayerNorm's shift and scale invariance, "
+                         "embedding tables that enter only through their sum)")
         elif self.gap < 0:
             lines.append("  gap < 0: the map claims more symmetry than the model has; the mapping is wrong")
         return "\n".join(lines)
