@@ -1,0 +1,61 @@
+"""``geosharp card``: put sharpness results into a model card's ``model-index``, locally or as a Hub pull request.
+
+Reads the JSON of ``geosharp run --json`` (or ``SharpnessResult.to_dict()`` output), merges one eval result per
+measure into ``MODEL/README.md`` (other content kept; an entry with the same configuration is replaced, not
+duplicated) and prints the YAML. ``--push REPO_ID`` opens a pull request on the Hub with the user's token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from huggingface_hub import ModelCard
+
+from ..cards import CardError, card_yaml, dataset_info, eval_result, push_card, read_results, require_online, task_type
+from ..cards import write_card
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "card",
+        help="write sharpness results into a model card (model-index), optionally as a Hub pull request",
+        description="Merge sharpness results into the model-index of MODEL/README.md (or a README.md path): other "
+        "content is preserved and an entry with the same configuration is replaced instead of duplicated.",
+    )
+    p.add_argument("model", type=Path, help="model folder (its README.md is edited or created) or a README.md path")
+    p.add_argument("--results", type=Path, required=True, help="JSON from `geosharp run --json`")
+    p.add_argument("--dataset", help="dataset name for the card (default: the one recorded in the results)")
+    p.add_argument("--split", help="dataset split (default: the one recorded in the results)")
+    p.add_argument("--task-type", help="Hub task type (default: from the model class, e.g. text-classification)")
+    p.add_argument("--model-name", help="model name in the model-index (default: the card's, else the folder name)")
+    p.add_argument("--push", metavar="REPO_ID", help="also open a pull request with these entries on this Hub model")
+    p.add_argument("--token", help="Hub token for --push (default: the one from `hf auth login` / HF_TOKEN)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        if args.push:
+            require_online(args.push)  # before anything is written: a failed command changes nothing
+        results, context = read_results(args.results)
+        dataset = dataset_info(context, name=args.dataset, split=args.split)
+        task = args.task_type or task_type(context.get("model_class"))
+        entries = [eval_result(r, dataset, task) for r in results]
+    except CardError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    path = write_card(args.model, entries, args.model_name)
+    print(card_yaml(entries, ModelCard.load(path).data.model_name))
+    print(f"wrote {len(entries)} eval result(s) into {path}")
+    if args.push:
+        try:
+            url = push_card(args.push, entries, token=args.token)
+        except CardError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return EXIT_FAILED
+        print(f"opened a pull request: {url}")
+    return EXIT_OK

@@ -1,0 +1,312 @@
+"""The embedded demo zoo: small ViT classifiers trained on scikit-learn's bundled digits.
+
+A generalisation measure is only interesting across models whose generalisation differs, and the demo must run offline.
+So the zoo trains its own models on data that ship with scikit-learn: tiny ``ViTForImageClassification`` models (8x8
+grey images, patches of 2 or 4 pixels, 1-2 layers) whose hyperparameters (learning rate, weight decay, width, epochs,
+batch size, label noise) are drawn from a seeded generator, like the random hyperparameter search behind the paper's
+model-soups zoo. Everything is deterministic: the same member config always trains the same weights on the same machine.
+
+Cache layout (``$HF_GEOSHARP_CACHE/zoo``, default ``~/.cache/hf_geosharp/zoo``)::
+
+    digits/            the train/test split as a ``datasets`` folder (``save_to_disk``): the data any face can load
+    zoo-00/ ...        ``save_pretrained`` model + image processor + ``zoo_metrics.json`` (train/test loss and error)
+
+A member folder appears atomically (trained in a temporary folder, then renamed), and it is reused only when its
+recorded fingerprint matches its config, so an interrupted or outdated build is simply redone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+if TYPE_CHECKING:
+    from transformers import ViTImageProcessorPil
+
+logger = logging.getLogger(__name__)
+
+ZOO_VERSION = 1  # bump when training changes, so that cached members are retrained
+N_TRAIN = 500  # of the 1797 digits; the remaining 1297 are the test split (small train set: real gaps)
+SPLIT_SEED = 0
+METRICS_FILE = "zoo_metrics.json"
+DIGITS_DIR = "digits"
+SPLIT_FILE = "zoo_split.json"
+ZooSize = Literal["mini", "full"]
+
+
+def cache_root() -> Path:
+    """``$HF_GEOSHARP_CACHE`` or ``~/.cache/hf_geosharp``: where the zoo and its data live."""
+    return Path(os.environ.get("HF_GEOSHARP_CACHE") or Path.home() / ".cache" / "hf_geosharp")
+
+
+@dataclass(frozen=True)
+class ZooMember:
+    """One model of the zoo: its architecture and training recipe."""
+
+    name: str
+    hidden: int
+    layers: int
+    heads: int
+    patch: int
+    lr: float
+    weight_decay: float
+    epochs: int
+    batch_size: int
+    label_noise: float
+    seed: int
+
+    def fingerprint(self) -> str:
+        """Changes whenever anything that determines the trained weights changes."""
+        payload = json.dumps({**asdict(self), "zoo_version": ZOO_VERSION, "n_train": N_TRAIN}, sort_keys=True)
+        return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def zoo_members(size: ZooSize | int = "full") -> list[ZooMember]:
+    """The zoo's member configs: ``"full"`` (20 models, the demo), ``"mini"`` (4 fast models, tests) or a count.
+
+    Hyperparameters are drawn from a seeded generator, with the number of optimiser steps capped so that the whole full
+    zoo trains in about two minutes on two CPU cores. The mini zoo is hand-picked to span small and large gaps quickly.
+    """
+    if size == "mini":
+        return [
+            ZooMember("mini-00", 16, 1, 2, 4, 3e-3, 0.0, 4, 64, 0.0, 0),
+            ZooMember("mini-01", 16, 1, 2, 4, 1e-2, 0.0, 12, 32, 0.3, 1),
+            ZooMember("mini-02", 24, 1, 2, 2, 3e-3, 0.1, 6, 64, 0.1, 2),
+            ZooMember("mini-03", 16, 2, 4, 4, 1e-3, 0.0, 2, 128, 0.0, 3),
+        ]
+    n = 20 if size == "full" else size
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"zoo size must be 'mini', 'full' or a positive integer, got {size!r}.")
+    rng = np.random.default_rng(2025)
+    members = []
+    for i in range(n):
+        hidden = int(rng.choice([16, 24, 32]))
+        batch_size = int(rng.choice([16, 32, 64, 128]))
+        max_epochs = max(3, 1000 * batch_size // N_TRAIN)  # at most ~1000 optimiser steps
+        members.append(
+            ZooMember(
+                name=f"zoo-{i:02d}",
+                hidden=hidden,
+                layers=int(rng.choice([1, 2])),
+                heads=int(rng.choice([2, 4])),
+                patch=int(rng.choice([2, 4])),
+                lr=float(rng.choice([1e-3, 3e-3, 1e-2])),
+                weight_decay=float(rng.choice([0.0, 0.01, 0.1, 0.5])),
+                epochs=int(rng.integers(3, max_epochs + 1)),
+                batch_size=batch_size,
+                label_noise=float(rng.choice([0.0, 0.0, 0.1, 0.25, 0.4])),
+                seed=i,
+            )
+        )
+    return members
+
+
+# ------------------------------------------------------------------------------------------------------------ data
+
+
+def digits_arrays() -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """The fixed train/test split of scikit-learn's digits as uint8 images (0-255) and labels."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    images = np.rint(digits.images * (255.0 / 16.0)).astype(np.uint8)
+    order = np.random.default_rng(SPLIT_SEED).permutation(len(images))
+    train, test = order[:N_TRAIN], order[N_TRAIN:]
+    return {"train": (images[train], digits.target[train]), "test": (images[test], digits.target[test])}
+
+
+def pixel_values(images: np.ndarray) -> torch.Tensor:
+    """What the saved image processor produces from these images: ``[N, 1, 8, 8]`` scaled to [-1, 1]."""
+    return torch.from_numpy((images.astype(np.float32) / 255.0 - 0.5) / 0.5)[:, None]
+
+
+def image_processor() -> ViTImageProcessorPil:
+    """Rescale to [0, 1] and normalise to [-1, 1]; no resizing (the images are already 8x8)."""
+    from transformers import ViTImageProcessorPil
+
+    return ViTImageProcessorPil(
+        do_resize=False, size={"height": 8, "width": 8}, image_mean=[0.5], image_std=[0.5], rescale_factor=1 / 255
+    )
+
+
+def export_digits(folder: Path) -> Path:
+    """Write the split as a ``datasets`` folder with ``image`` and ``label`` columns, unless it is already there
+    (a folder written for another split, e.g. by an older version, is rewritten)."""
+    split_id = json.dumps({"zoo_version": ZOO_VERSION, "n_train": N_TRAIN, "split_seed": SPLIT_SEED})
+    marker = folder / SPLIT_FILE
+    if marker.exists() and marker.read_text() == split_id:
+        return folder
+    import datasets
+    from PIL import Image
+
+    label_feature = datasets.ClassLabel(names=[str(d) for d in range(10)])
+    features = datasets.Features({"image": datasets.Image(), "label": label_feature})
+    splits = {
+        name: datasets.Dataset.from_dict(
+            {"image": [Image.fromarray(img) for img in images], "label": labels.tolist()}, features=features
+        )
+        for name, (images, labels) in digits_arrays().items()
+    }
+    tmp = Path(tempfile.mkdtemp(prefix=".digits-", dir=folder.parent))
+    datasets.DatasetDict(splits).save_to_disk(str(tmp / "data"))
+    (tmp / "data" / SPLIT_FILE).write_text(split_id)
+    _replace_dir(tmp / "data", folder)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def _replace_dir(src: Path, dst: Path) -> None:
+    """Move a finished folder into place; a stale one is removed first (a reader never sees half a folder)."""
+    if dst.exists():
+        shutil.rmtree(dst)
+    os.replace(src, dst)
+
+
+# -------------------------------------------------------------------------------------------------------- training
+
+
+def _noisy(labels: torch.Tensor, fraction: float, generator: torch.Generator) -> torch.Tensor:
+    """Replace ``fraction`` of the labels by a different class, chosen at random."""
+    flip = torch.rand(len(labels), generator=generator) < fraction
+    shift = torch.randint(1, 10, (len(labels),), generator=generator)
+    return torch.where(flip, (labels + shift) % 10, labels)
+
+
+@torch.no_grad()
+def _metrics(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
+    out = model(pixel_values=x, labels=y)
+    return {"loss": float(out.loss), "error": float((out.logits.argmax(-1) != y).float().mean())}
+
+
+def train_member(member: ZooMember, data: dict[str, tuple[np.ndarray, np.ndarray]], folder: Path) -> dict:
+    """Train one member from its seed and save it (model, image processor, metrics) into ``folder``."""
+    from transformers import ViTConfig, ViTForImageClassification
+
+    generator = torch.Generator().manual_seed(member.seed)
+    config = ViTConfig(
+        image_size=8, patch_size=member.patch, num_channels=1, hidden_size=member.hidden,
+        num_hidden_layers=member.layers, num_attention_heads=member.heads, intermediate_size=2 * member.hidden,
+        num_labels=10, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        id2label={i: str(i) for i in range(10)}, label2id={str(i): i for i in range(10)},
+    )
+    with torch.random.fork_rng(devices=[]):  # seeds the initial weights without touching the caller's RNG
+        torch.manual_seed(member.seed)
+        model = ViTForImageClassification(config)
+    x_train, y_train = pixel_values(data["train"][0]), torch.as_tensor(data["train"][1])
+    x_test, y_test = pixel_values(data["test"][0]), torch.as_tensor(data["test"][1])
+    y_fit = _noisy(y_train, member.label_noise, generator)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=member.lr, weight_decay=member.weight_decay)
+    model.train()
+    for _ in range(member.epochs):
+        order = torch.randperm(len(x_train), generator=generator)
+        for start in range(0, len(order), member.batch_size):
+            idx = order[start : start + member.batch_size]
+            loss = model(pixel_values=x_train[idx], labels=y_fit[idx]).loss
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+    model.eval()
+    train, test = _metrics(model, x_train, y_train), _metrics(model, x_test, y_test)
+    metrics = {
+        "member": asdict(member), "fingerprint": member.fingerprint(),
+        "train_loss": train["loss"], "train_error": train["error"],
+        "test_loss": test["loss"], "test_error": test["error"],
+        "fit_loss": _metrics(model, x_train, y_fit)["loss"], "n_params": sum(p.numel() for p in model.parameters()),
+    }
+    model.save_pretrained(folder)
+    image_processor().save_pretrained(folder)
+    (folder / METRICS_FILE).write_text(json.dumps(metrics, indent=2))
+    return metrics
+
+
+@contextlib.contextmanager
+def torch_threads(n: int = 1) -> Iterator[None]:
+    """Run torch on ``n`` threads (default one): the zoo's tiny matmuls gain nothing from more, and on a busy machine
+    extra threads spin and cost up to 15x (measured on a shared 2-core box)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _cached(folder: Path, member: ZooMember) -> bool:
+    try:
+        return json.loads((folder / METRICS_FILE).read_text())["fingerprint"] == member.fingerprint()
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+@dataclass
+class Zoo:
+    """A built zoo: where its models and its data are."""
+
+    root: Path
+    members: list[ZooMember]
+
+    @property
+    def model_dirs(self) -> list[Path]:
+        return [self.root / m.name for m in self.members]
+
+    @property
+    def data_dir(self) -> Path:
+        return self.root / DIGITS_DIR
+
+    def metrics(self) -> dict[str, dict]:
+        """Each member's recorded train/test metrics, by name."""
+        return {m.name: json.loads((self.root / m.name / METRICS_FILE).read_text()) for m in self.members}
+
+
+def build_zoo(
+    size: ZooSize | int = "full",
+    cache_dir: str | Path | None = None,
+    progress: bool = True,
+    names: list[str] | None = None,
+) -> Zoo:
+    """Train (or reuse from the cache) the members of the zoo and export the digits split next to them.
+
+    Args:
+        size: ``"full"`` (20 models, for the demo), ``"mini"`` (4 fast models, for tests) or a number of models.
+        cache_dir: the zoo folder; default ``cache_root() / "zoo"``.
+        progress: show a progress bar over the members.
+        names: only these members (the Space trains just the model a visitor picks).
+    """
+    root = Path(cache_dir) if cache_dir is not None else cache_root() / "zoo"
+    root.mkdir(parents=True, exist_ok=True)
+    members = zoo_members(size)
+    if names is not None:
+        unknown = sorted(set(names) - {m.name for m in members})
+        if unknown:
+            raise ValueError(f"no zoo members named {unknown}; the {size!r} zoo has {[m.name for m in members]}.")
+        members = [m for m in members if m.name in names]
+    export_digits(root / DIGITS_DIR)
+    todo = [m for m in members if not _cached(root / m.name, m)]
+    if todo:
+        logger.info("training %d of %d zoo models into %s (cached ones are reused)", len(todo), len(members), root)
+        data = digits_arrays()
+        with torch_threads(1):
+            for member in tqdm(todo, desc="training zoo", unit="model", disable=not progress):
+                tmp = Path(tempfile.mkdtemp(prefix=f".{member.name}-", dir=root))
+                try:
+                    metrics = train_member(member, data, tmp)
+                    _replace_dir(tmp, root / member.name)
+                finally:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                logger.debug(
+                    "%s: train error %.3f, test error %.3f", member.name, metrics["train_error"], metrics["test_error"]
+                )
+    return Zoo(root, members)

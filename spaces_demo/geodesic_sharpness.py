@@ -1,0 +1,1 @@
+../hf_geosharp/geodesic_sharpness/geodesic_sharpness.py

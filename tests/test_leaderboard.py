@@ -1,0 +1,290 @@
+"""The leaderboard (store, resume after SIGKILL, taus, outputs), the demo zoo and ``geosharp demo``, on the mini zoo."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from scipy import stats
+
+from hf_geosharp import cli
+from hf_geosharp.data import DataError, DataSpec, load_batches, load_model, load_processor
+from hf_geosharp.leaderboard import (
+    MIN_MODELS_FOR_CI,
+    STORE_FILE,
+    TRIVIAL,
+    GapSpec,
+    Leaderboard,
+    Measure,
+    ModelRef,
+    ResultStore,
+    Settings,
+    kendall_taus,
+    ranked,
+    read_gap_file,
+    resolve_models,
+    run_leaderboard,
+    write_outputs,
+)
+from hf_geosharp.zoo import METRICS_FILE, build_zoo, pixel_values, torch_threads, train_member, zoo_members
+from hf_geosharp.zoo import SPLIT_FILE, digits_arrays, export_digits
+
+ROOT = Path(__file__).resolve().parents[1]
+FAST = ["--n-examples", "64", "--batch-size", "32", "--steps", "3"]
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory):
+    """The 4-model mini zoo, shared by every test module of the session (trained once, about 10 s)."""
+    with torch_threads(1):
+        return build_zoo("mini", tmp_path_factory.getbasetemp() / "zoo", progress=False)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    with torch_threads(1):  # the subprocess runs with OMP_NUM_THREADS=1: same kernels, same numbers
+        yield
+
+
+def _leaderboard_args(zoo, out: Path) -> list[str]:
+    return ["leaderboard", str(zoo.root), "--dataset", str(zoo.data_dir), "--gap-splits", "train,test",
+            "--out", str(out), "--quiet", *FAST]
+
+
+def _table(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+# ------------------------------------------------------------------------------------------------------- zoo
+
+
+def test_zoo_members_vary_every_hyperparameter():
+    members = zoo_members("full")
+    assert 16 <= len(members) <= 24 and len({m.name for m in members}) == len(members)
+    for field in ("lr", "weight_decay", "hidden", "epochs", "batch_size", "label_noise"):
+        assert len({getattr(m, field) for m in members}) > 1, field
+    assert zoo_members("full") == members  # drawn from a fixed seed
+    assert len(zoo_members("mini")) == 4 and len(zoo_members(7)) == 7
+    with pytest.raises(ValueError, match="zoo size"):
+        zoo_members(0)
+
+
+def test_zoo_is_cached_deterministic_and_matches_its_image_processor(zoo, tmp_path):
+    weights = zoo.root / "mini-00" / "model.safetensors"
+    before = weights.stat().st_mtime_ns
+    again = build_zoo("mini", zoo.root, progress=False)
+    assert weights.stat().st_mtime_ns == before  # reused, not retrained
+    assert [p.name for p in again.model_dirs] == ["mini-00", "mini-01", "mini-02", "mini-03"]
+    metrics = zoo.metrics()["mini-01"]
+    assert {"train_loss", "train_error", "test_loss", "test_error"} <= set(metrics)
+    assert json.loads((zoo.root / "mini-01" / METRICS_FILE).read_text())["fingerprint"] == zoo.members[1].fingerprint()
+
+    retrained = train_member(zoo.members[0], digits_arrays(), tmp_path)  # same seed -> same weights
+    fresh, cached = load_file(tmp_path / "model.safetensors"), load_file(weights)
+    assert all(torch.equal(fresh[k], cached[k]) for k in cached)
+    assert retrained["test_error"] == zoo.metrics()["mini-00"]["test_error"]
+
+    model = load_model(str(zoo.root / "mini-00"))
+    spec = DataSpec(dataset=str(zoo.data_dir), split="train", n_examples=None, batch_size=1000, shuffle=False)
+    (batch,) = load_batches(model, load_processor(str(zoo.root / "mini-00"), model), spec)
+    images, labels = digits_arrays()["train"]
+    assert torch.equal(batch["pixel_values"], pixel_values(images))  # what it was trained on is what it is measured on
+    assert batch["labels"].tolist() == labels.tolist()
+
+
+def test_build_zoo_subset_trains_only_the_named_member(tmp_path):
+    with torch_threads(1):
+        part = build_zoo("mini", tmp_path, progress=False, names=["mini-03"])
+    assert [m.name for m in part.members] == ["mini-03"]
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["digits", "mini-03"]
+    with pytest.raises(ValueError, match="no zoo members named"):
+        build_zoo("mini", tmp_path, names=["zoo-99"])
+
+    marker = part.data_dir / SPLIT_FILE  # data exported for another split are rewritten, not reused
+    current = marker.read_text()
+    marker.write_text('{"n_train": 1000}')
+    export_digits(part.data_dir)
+    assert marker.read_text() == current and (part.data_dir / "dataset_dict.json").exists()
+
+
+# ----------------------------------------------------------------------------------------------------- store
+
+
+def test_store_cuts_a_torn_last_line_and_appends_after_it(tmp_path):
+    path = tmp_path / STORE_FILE
+    store = ResultStore(path)
+    store.put({"key": "a", "value": 1.0})
+    store.put({"key": "b", "value": 2.0})
+    with open(path, "ab") as f:
+        f.write(b'{"key": "c", "val')  # a kill inside write()
+    reopened = ResultStore(path)
+    assert set(reopened.records) == {"a", "b"} and reopened.get("b")["value"] == 2.0
+    reopened.put({"key": "c", "value": 3.0})
+    lines = path.read_text().splitlines()
+    assert [json.loads(line)["key"] for line in lines] == ["a", "b", "c"]
+
+
+def test_killed_leaderboard_resumes_to_the_same_table_without_recomputing(zoo, tmp_path):
+    reference = tmp_path / "reference"
+    assert cli.main(_leaderboard_args(zoo, reference)) == 0
+
+    out = tmp_path / "killed"
+    store = out / STORE_FILE
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_GEOSHARP_NO_AUTOREGISTER": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "hf_geosharp", *_leaderboard_args(zoo, out)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and proc.poll() is None:
+        if store.exists() and store.read_bytes().count(b"\n") >= 3:
+            break
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait(timeout=30) == -signal.SIGKILL
+    before = store.read_bytes()
+    finished = before[: before.rfind(b"\n") + 1].decode().splitlines()
+    total = 4 * (3 + 2)  # models x (measures + stats + split metrics)
+    assert 3 <= len(finished) < total, "the run was not killed midway"
+
+    assert cli.main(_leaderboard_args(zoo, out)) == 0
+    lines = store.read_text().splitlines()
+    assert lines[: len(finished)] == finished  # finished results kept as they were
+    keys = [json.loads(line)["key"] for line in lines]
+    assert len(keys) == len(set(keys)) == total  # each result computed exactly once over both runs
+
+    resumed, expected = _table(out / "leaderboard.csv"), _table(reference / "leaderboard.csv")
+    assert [r["model"] for r in resumed] == [r["model"] for r in expected]
+    for got, want in zip(resumed, expected):
+        for column in want:
+            if column == "model":
+                continue
+            assert float(got[column]) == pytest.approx(float(want[column]), rel=1e-9), column
+    assert (out / "scatter.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ------------------------------------------------------------------------------------------------ statistics
+
+
+def _board(gap: list[float], **predictors: list[float]) -> Leaderboard:
+    rows = [{"model": f"m{i}", "gap": g, **{k: v[i] for k, v in predictors.items()}} for i, g in enumerate(gap)]
+    board = Leaderboard(rows, [k for k in predictors if k not in TRIVIAL], "error")
+    board.taus = kendall_taus(rows, board.predictors, n_resamples=500)
+    return board
+
+
+def test_kendall_taus_and_intervals():
+    rng = np.random.default_rng(0)
+    gap = rng.random(20).tolist()
+    noisy = (np.array(gap) + rng.normal(0, 0.3, 20)).tolist()
+    board = _board(gap, monotone=[g**3 for g in gap], reversed=[-g for g in gap], noisy=noisy,
+                   param_norm=rng.random(20).tolist(), clean_loss=rng.random(20).tolist())
+    taus = board.taus
+    assert taus["monotone"]["tau"] == 1.0 and taus["monotone"]["ci_low"] == pytest.approx(1.0)
+    assert taus["reversed"]["tau"] == -1.0
+    assert taus["noisy"]["tau"] == pytest.approx(stats.kendalltau(noisy, gap).statistic)
+    assert taus["noisy"]["ci_low"] < taus["noisy"]["tau"] < taus["noisy"]["ci_high"]
+    assert set(taus) == {"monotone", "reversed", "noisy", *TRIVIAL}  # trivial predictors always correlated too
+    n = MIN_MODELS_FOR_CI - 1
+    few = _board(gap[:n], s=gap[:n], param_norm=noisy[:n], clean_loss=noisy[:n])
+    assert few.taus["s"]["tau"] == 1.0 and math.isnan(few.taus["s"]["ci_low"])  # too few models to resample
+
+
+def test_outputs_rank_by_the_first_measure_and_plot_one_panel_per_predictor(tmp_path):
+    from PIL import Image
+
+    board = _board([0.3, 0.1, 0.2, 0.4], sharp=[3.0, 1.0, 2.0, 0.5], other=[1.0, 2.0, 3.0, 4.0],
+                   param_norm=[1.0, 2.0, 3.0, 4.0], clean_loss=[4.0, 3.0, 2.0, 1.0])
+    assert [r["model"] for r in ranked(board)] == ["m3", "m1", "m2", "m0"]
+    paths = write_outputs(board, tmp_path)
+    assert [r["rank"] for r in _table(paths["csv"])] == ["1", "2", "3", "4"]
+    text = paths["markdown"].read_text()
+    assert "| 1 | m3 |" in text and "| param_norm |" in text and "Kendall tau" in text
+    assert json.loads(paths["taus"].read_text())["taus"]["sharp"]["n"] == 4
+    width, height = Image.open(paths["plot"]).size
+    assert width == pytest.approx(3.2 * 4 * 120, abs=2) and height == pytest.approx(3.2 * 120, abs=2)
+
+
+# ------------------------------------------------------------------------------------------- inputs and gap
+
+
+def test_models_resolve_from_folders_list_files_and_hub_ids(zoo, tmp_path):
+    refs = resolve_models([str(zoo.root)])  # a folder of checkpoints: every sub-folder with a config.json
+    assert [r.name for r in refs][:4] == ["mini-00", "mini-01", "mini-02", "mini-03"]
+    listing = tmp_path / "models.txt"
+    listing.write_text(f"# two models\n{os.path.relpath(zoo.root / 'mini-01', tmp_path)}\n\nsome-org/some-model\n")
+    refs = resolve_models([str(listing)])
+    assert [(r.name, r.source) for r in refs] == [("mini-01", str(zoo.root / "mini-01")),
+                                                  ("some-org/some-model", "some-org/some-model")]
+    with pytest.raises(DataError, match="holds no model"):
+        resolve_models([str(tmp_path)])
+    with pytest.raises(DataError, match="neither"):
+        resolve_models(["not a/model/path"])
+
+
+def test_gap_from_a_file_and_adaptive_only(zoo, tmp_path):
+    models = resolve_models([str(zoo.root / n) for n in ("mini-00", "mini-01", "mini-02", "mini-03")])
+    gap_file = tmp_path / "gap.csv"
+    gap_file.write_text("model,gap\n" + "".join(f"{r.name},{i / 10}\n" for i, r in enumerate(models)))
+    assert read_gap_file(gap_file) == {"mini-00": 0.0, "mini-01": 0.1, "mini-02": 0.2, "mini-03": 0.3}
+    (tmp_path / "gap.json").write_text(json.dumps({"mini-00": 0.5}))
+    assert read_gap_file(tmp_path / "gap.json") == {"mini-00": 0.5}
+
+    data = DataSpec(dataset=str(zoo.data_dir), split="train", n_examples=32, batch_size=32)
+    store = ResultStore(tmp_path / STORE_FILE)
+    board = run_leaderboard(models, data, [Measure("adaptive")], store, settings=Settings(steps=1),
+                            gap=GapSpec(file=gap_file), progress=False)
+    assert [r["gap"] for r in board.rows] == [0.0, 0.1, 0.2, 0.3]
+    assert board.measures == ["adaptive_as23_worst"] and set(board.taus) == {"adaptive_as23_worst", *TRIVIAL}
+    assert all(r["adaptive_as23_worst"] >= 0 and r["param_norm"] > 0 for r in board.rows)
+
+    lines = (tmp_path / STORE_FILE).read_text().count("\n")
+    weights = Path(models[2].source) / "model.safetensors"
+    copy = tmp_path / "mini-02"
+    shutil.copytree(weights.parent, copy)
+    os.utime(copy / "model.safetensors", ns=(0, weights.stat().st_mtime_ns + 1))  # "retrained" in place
+    models[2] = ModelRef("mini-02", str(copy))
+    run_leaderboard(models, data, [Measure("adaptive")], store, settings=Settings(steps=1),
+                    gap=GapSpec(file=gap_file), progress=False)
+    assert (tmp_path / STORE_FILE).read_text().count("\n") == lines + 2  # only that model's two results anew
+
+    gap_file.write_text("model,gap\nmini-00,0.1\n")
+    with pytest.raises(DataError, match="no row for model 'mini-01'"):
+        run_leaderboard(models, data, [Measure("adaptive")], store, settings=Settings(steps=1),
+                        gap=GapSpec(file=gap_file), progress=False)
+
+
+def test_leaderboard_cli_rejects_bad_input(zoo, tmp_path, capsys):
+    assert cli.main(["leaderboard", str(tmp_path / "nothing"), "--dataset", str(zoo.data_dir), "--out",
+                     str(tmp_path)]) == 2
+    assert "neither a model folder" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["leaderboard", str(zoo.root), "--dataset", "x", "--measures", "inv,sharpest"])
+
+
+# ---------------------------------------------------------------------------------------------------- demo
+
+
+def test_demo_prints_table_taus_plot_and_card_and_reuses_the_cache(zoo, tmp_path, capsys):
+    args = ["demo", "--size", "mini", "--cache-dir", str(zoo.root), "--out", str(tmp_path), *FAST]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert "| rank | model | geodesic_inv_worst | geodesic_mix_worst | adaptive_as23_worst |" in out
+    assert "Kendall tau" in out and str(tmp_path / "scatter.png") in out
+    assert "model-index:" in out and "type: geodesic_sharpness" in out
+    stored = (tmp_path / STORE_FILE).read_bytes()
+
+    assert cli.main(args) == 0  # second run: zoo and results come from the caches
+    assert (tmp_path / STORE_FILE).read_bytes() == stored
+    assert "model-index:" in capsys.readouterr().out
