@@ -1,0 +1,676 @@
+r"""Diagonal-network reproduction of da Silva, Dangel & Oore (ICML 2025), §5.1.1 and Fig. 3 (spec §7.2).
+
+Fifty diagonal linear nets :math:`f(x) = x^\top(u \odot v)` are fitted by full-batch gradient descent to the same sparse
+regression problem (``d = 200`` features, ``n = 100 < d`` training points, a 90 %-sparse ground truth ``beta*``) until
+their training loss reaches ``1e-5``. Because ``n < d`` every net interpolates, and *which* interpolator it finds is
+decided by the hyperparameters (the init scale ``alpha`` and the learning rate): small ``alpha`` gives the sparse,
+well-generalising solution, large ``alpha`` the dense minimum-norm one, and learning rates near the stability edge
+move a net away from both. The generalisation measure is the test loss on fresh isotropic Gaussian inputs, which for
+noiseless labels is exactly ``||beta - beta*||^2``.
+
+For each net we measure
+
+* worst-case adaptive sharpness (AS23's ``m_apgd_l2`` variant, through :func:`hf_geosharp.adaptive_sharpness` on a
+  two-parameter ``nn.Module``);
+* worst-case geodesic sharpness for the inv and mix metrics with the **exact** geodesics of spec §2.5
+  (:class:`ExactGeodesicSpace`, solved by the library's :func:`hf_geosharp.solver.apgd`);
+
+and report Kendall's tau against the test loss with a bootstrap 95 % interval, beside trivial predictors. Three
+switches are known to decide the outcome and each is a flag: the mix constraint (``--mix-constraint``), the
+initialisation (``--init``) and the adaptive solver's iterations (``--adaptive-steps``). Unless ``--no-sweeps`` is
+given, the run also flips each switch, scans rho and repeats the main setting on further data seeds.
+
+Run from the repository root: ``python -m experiments.diagonal_networks`` (results in ``artifacts/diagonal_networks/``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import math
+import platform
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import scipy.stats
+import torch
+from torch import Tensor, nn
+
+import hf_geosharp as gs
+from hf_geosharp.solver import apgd
+
+logger = logging.getLogger(__name__)
+
+Init = Literal["reference", "balanced"]
+Truth = Literal["signed", "nonnegative"]
+Metric = Literal["inv", "mix"]
+Constraint = Literal["metric", "loose"]
+
+AS23_STEPS = 20
+PAPER_TAU = {"adaptive": -0.68, "geodesic_inv": -0.83, "geodesic_mix": -0.86}
+SHARPNESS_MEASURES = ("adaptive", "geodesic_inv", "geodesic_mix_metric", "geodesic_mix_loose")
+GEODESIC_MEASURES: dict[str, tuple[Metric, Constraint]] = {
+    "geodesic_inv": ("inv", "metric"),
+    "geodesic_mix_metric": ("mix", "metric"),
+    "geodesic_mix_loose": ("mix", "loose"),
+}
+TRIVIAL_PREDICTORS = ("beta_l2", "beta_l1", "train_loss", "alpha")
+DTYPE = torch.float64
+
+
+# ---------------------------------------------------------------------------------------------------------- data
+@dataclass(frozen=True)
+class Problem:
+    """The regression task shared by all nets of a run: ``y = X beta*``, no label noise.
+
+    Attributes:
+        X: ``[n, d]`` training inputs, iid standard Gaussian.
+        y: ``[n]`` training targets.
+        beta_star: ``[d]`` ground truth.
+    """
+
+    X: Tensor
+    y: Tensor
+    beta_star: Tensor
+
+    def train_loss(self, beta: Tensor) -> Tensor:
+        """Mean squared error on the training set (batched over the leading dimensions of ``beta``)."""
+        return (beta @ self.X.T - self.y).square().mean(-1)
+
+    def test_loss(self, beta: Tensor) -> Tensor:
+        """Expected squared error on a fresh ``x ~ N(0, I)``; for noiseless labels this is ``||beta - beta*||^2``."""
+        return (beta - self.beta_star).square().sum(-1)
+
+
+def make_problem(dim: int, n_train: int, nonzeros: int, truth: Truth, seed: int) -> Problem:
+    """Gaussian design and a ``nonzeros``-sparse ground truth with N(0, 1) entries (absolute values if nonnegative).
+
+    The same seed gives the same design and support for both truths, so the two can be compared net by net."""
+    g = torch.Generator().manual_seed(seed)
+    X = torch.randn(n_train, dim, generator=g, dtype=DTYPE)
+    support = torch.randperm(dim, generator=g)[:nonzeros]
+    values = torch.randn(nonzeros, generator=g, dtype=DTYPE)
+    beta_star = torch.zeros(dim, dtype=DTYPE)
+    beta_star[support] = values.abs() if truth == "nonnegative" else values
+    return Problem(X, X @ beta_star, beta_star)
+
+
+def sample_hyperparameters(
+    n_nets: int, alpha_range: Sequence[float], lr_range: Sequence[float], seed: int
+) -> tuple[Tensor, Tensor]:
+    """Log-uniform init scales and learning rates, the knobs that give the nets different implicit biases."""
+    rng = np.random.default_rng(seed)
+    alpha = np.exp(rng.uniform(np.log(alpha_range[0]), np.log(alpha_range[1]), n_nets))
+    lr = np.exp(rng.uniform(np.log(lr_range[0]), np.log(lr_range[1]), n_nets))
+    return torch.tensor(alpha, dtype=DTYPE), torch.tensor(lr, dtype=DTYPE)
+
+
+def initial_weights(alpha: Tensor, dim: int, init: Init) -> tuple[Tensor, Tensor]:
+    """``reference``: ``u0 = alpha 1, v0 = 0`` (beta starts at 0; the u-odot-v form of the standard symmetric init).
+    ``balanced``: ``u0 = v0 = alpha 1``. GD then keeps ``u = v`` exactly, so ``beta = u^2 >= 0`` throughout."""
+    u0 = alpha[:, None].expand(-1, dim).clone()
+    return u0, (torch.zeros_like(u0) if init == "reference" else u0.clone())
+
+
+@dataclass
+class TrainedNets:
+    """Weights and training record of a population of diagonal nets (row ``i`` is net ``i``)."""
+
+    u: Tensor
+    v: Tensor
+    steps: Tensor
+    train_loss: Tensor
+    converged: Tensor
+
+    @property
+    def beta(self) -> Tensor:
+        return self.u * self.v
+
+
+def train_gd(
+    problem: Problem, u0: Tensor, v0: Tensor, lr: Tensor, *, target_loss: float, max_steps: int
+) -> TrainedNets:
+    """Full-batch gradient descent on all nets at once, each with its own learning rate.
+
+    Each net stops at the first step where its training loss is ``<= target_loss`` (so all end at about the same
+    loss, as in the paper); finished nets leave the working batch, which keeps the long tail of slow nets cheap. A net
+    that reaches ``max_steps`` or a non-finite loss is kept and flagged ``converged=False``."""
+    n_nets, n = u0.shape[0], problem.X.shape[0]
+    u, v = u0.clone(), v0.clone()
+    steps = torch.full((n_nets,), max_steps, dtype=torch.long)
+    final_loss = torch.full((n_nets,), float("nan"), dtype=DTYPE)
+    converged = torch.zeros(n_nets, dtype=torch.bool)
+    index, ua, va, lra = torch.arange(n_nets), u.clone(), v.clone(), lr.clone()
+    Xt = problem.X.T.contiguous()
+    for step in range(max_steps + 1):
+        residual = (ua * va) @ Xt - problem.y
+        loss = residual.square().mean(1)
+        reached = loss <= target_loss
+        done = reached | ~torch.isfinite(loss) | (step == max_steps)
+        if done.any():
+            rows = index[done]
+            u[rows], v[rows], steps[rows] = ua[done], va[done], step
+            final_loss[rows], converged[rows] = loss[done], reached[done]
+            keep = ~done
+            index, ua, va, lra, residual = index[keep], ua[keep], va[keep], lra[keep], residual[keep]
+            if index.numel() == 0:
+                break
+        grad_beta = (residual @ problem.X) * (2.0 / n) * lra[:, None]
+        ua, va = ua - va * grad_beta, va - ua * grad_beta
+    return TrainedNets(u, v, steps, final_loss, converged)
+
+
+# ------------------------------------------------------------------------------------- exact-geodesic geometry
+class ExactGeodesicSpace:
+    r"""Horizontal perturbations of one diagonal net with the exact geodesics of spec §2.5.
+
+    Points are ``(u, v)`` with ``beta = u * v``; a tangent vector is the flat ``[2d]`` tensor ``(xi_u, xi_v)``. The
+    GL(1) action ``(a u, v / a)`` per coordinate has vertical vectors ``(lam * u, -lam * v)``; the horizontal space is
+    ``xi_u / u = xi_v / v =: b`` for **both** metrics (inv, Eq. 6: weights ``(1/u^2, 1/v^2)``; mix, Eq. 7: weights
+    ``(v^2, u^2)``), and for both the g-orthogonal projection is ``b = (xi_u / u + xi_v / v) / 2``. Exact geodesics
+    with horizontal velocity ``b``:
+
+    * inv: ``(u e^{bt}, v e^{bt})``, so ``beta(1) = beta0 e^{2b}`` and ``||xi||_inv = sqrt(2) ||b||``;
+    * mix: ``(u sqrt(1+2bt), v sqrt(1+2bt))``, so ``beta(1) = beta0 (1 + 2b)`` and ``||xi||_mix = sqrt(2) ||b beta0||``.
+
+    The mix geodesic reaches the degenerate point ``u = v = 0`` (where the mix metric vanishes) at ``b = -1/2`` and
+    cannot be continued, so the geodesic ball cannot flip the sign of any ``beta_i``; a velocity with ``b_i < -1/2``
+    stops there (``beta_i = 0``). Under the metric constraint this binds on the many near-zero coordinates of a
+    sparse net, which is what makes the metric and the loose constraint differ.
+
+    ``constraint="loose"`` replaces the ball by ``||b|| <= rho`` (the form the paper's appendices write). That is the
+    ball of the inv metric scaled by 1/2, so the space then uses that metric for norms and gradients: projected
+    gradient ascent must measure steps in the geometry of its feasible set to converge to the constrained maximum.
+
+    Coordinates with ``|u|`` or ``|v|`` below ``zero_tol`` are frozen (zero allowed perturbation), as the library
+    does for zero weights (spec §2.4): the horizontal space and the mix metric are undefined there.
+
+    Args:
+        u, v: ``[d]`` the trained weights (float64).
+        metric: which geodesics (and, with ``constraint="metric"``, which norm).
+        constraint: ``"metric"`` (``||xi||_g <= rho``, spec §2.5) or ``"loose"`` (``||b|| <= rho``).
+        zero_tol: weights smaller than this in magnitude are frozen.
+    """
+
+    def __init__(
+        self, u: Tensor, v: Tensor, metric: Metric, constraint: Constraint = "metric", zero_tol: float = 1e-12
+    ) -> None:
+        if metric not in ("inv", "mix"):
+            raise ValueError(f"metric must be 'inv' or 'mix', got {metric!r}.")
+        if constraint not in ("metric", "loose"):
+            raise ValueError(f"constraint must be 'metric' or 'loose', got {constraint!r}.")
+        self.u, self.v = u.detach().to(DTYPE), v.detach().to(DTYPE)
+        self.metric, self.constraint = metric, constraint
+        self.movable = (self.u.abs() >= zero_tol) & (self.v.abs() >= zero_tol)
+        one = torch.ones_like(self.u)
+        self.inv_u = torch.where(self.movable, 1.0 / torch.where(self.movable, self.u, one), 0.0)
+        self.inv_v = torch.where(self.movable, 1.0 / torch.where(self.movable, self.v, one), 0.0)
+        if constraint == "loose":
+            weights = 0.5 * torch.cat([self.inv_u, self.inv_v]).square()
+        elif metric == "inv":
+            weights = torch.cat([self.inv_u, self.inv_v]).square()
+        else:
+            weights = torch.cat([self.v, self.u]).square() * torch.cat([self.movable, self.movable])
+        self.weights = weights
+        positive = weights > 0
+        safe = torch.where(positive, weights, torch.ones_like(weights))
+        self.inverse_weights = torch.where(positive, 1.0 / safe, 0.0)
+
+    @property
+    def beta0(self) -> Tensor:
+        return self.u * self.v
+
+    def split(self, xi: Tensor) -> tuple[Tensor, Tensor]:
+        d = self.u.numel()
+        return xi[:d], xi[d:]
+
+    def b_of(self, xi: Tensor) -> Tensor:
+        """The horizontal coordinate ``b`` of ``xi``'s horizontal part (differentiable)."""
+        xi_u, xi_v = self.split(xi)
+        return 0.5 * (xi_u * self.inv_u + xi_v * self.inv_v)
+
+    def horizontal_vector(self, b: Tensor) -> Tensor:
+        """The horizontal tangent vector ``(b u, b v)`` (zero on frozen coordinates)."""
+        b = b * self.movable
+        return torch.cat([b * self.u, b * self.v])
+
+    def vertical_vector(self, lam: Tensor) -> Tensor:
+        """The tangent vector ``(lam u, -lam v)`` of the GL(1) orbit, along which ``u * v`` does not change."""
+        return torch.cat([lam * self.u, -lam * self.v])
+
+    # -------------------------------------------------------------------- the solver's Space protocol
+    def zero(self) -> Tensor:
+        return torch.zeros(2 * self.u.numel(), dtype=DTYPE)
+
+    def inner_product(self, xi: Tensor, eta: Tensor) -> Tensor:
+        return (self.weights * xi * eta).sum()
+
+    def norm(self, xi: Tensor) -> Tensor:
+        return self.inner_product(xi, xi).clamp_min(0).sqrt()
+
+    def horizontal(self, xi: Tensor) -> Tensor:
+        """g-orthogonal projection onto the horizontal space (the same map for the inv, mix and loose metrics)."""
+        return self.horizontal_vector(self.b_of(xi))
+
+    def riemannian_gradient(self, egrad: Tensor, out: Tensor | None = None) -> Tensor:
+        """Raise the Euclidean gradient with the metric, then make it horizontal (written into ``out`` if given)."""
+        r = self.horizontal(egrad * self.inverse_weights)
+        return out.copy_(r) if out is not None else r
+
+    def gradient_inner_product(self, egrad: Tensor, direction: Tensor, xi: Tensor) -> float:
+        """``<riemannian_gradient(egrad), xi>_g`` for horizontal ``xi``: the projection is g-self-adjoint, so this is
+        the Euclidean ``<egrad, xi>`` (``direction`` is that gradient, accepted for the solver's protocol)."""
+        return float(torch.dot(egrad, xi))
+
+    def project(self, xi: Tensor, rho: float) -> Tensor:
+        """Onto ``{horizontal, ||xi||_g <= rho}``: horizontal projection, then radial scaling (both g-orthogonal)."""
+        xi = self.horizontal(xi)
+        norm = float(self.norm(xi))
+        return xi * (rho / norm) if norm > rho else xi
+
+    def random_tangent_vector(self, generator: torch.Generator) -> Tensor:
+        """A metric-isotropic Gaussian vector (covariance g^-1), made horizontal."""
+        z = torch.randn(2 * self.u.numel(), generator=generator, dtype=DTYPE)
+        return self.horizontal(z * self.inverse_weights.sqrt())
+
+    # -------------------------------------------------------------------- exact geodesics
+    def geodesic(self, xi: Tensor, t: float = 1.0) -> tuple[Tensor, Tensor]:
+        """``(u(t), v(t))`` on the exact geodesic with initial velocity ``horizontal(xi)`` (spec §2.5)."""
+        b = self.b_of(xi)
+        scale = torch.exp(b * t) if self.metric == "inv" else torch.clamp(1.0 + 2.0 * b * t, min=0.0).sqrt()
+        return self.u * scale, self.v * scale
+
+    def endpoint_beta(self, xi: Tensor) -> Tensor:
+        """``u(1) * v(1)`` in closed form; unlike the product of :meth:`geodesic` it has a finite gradient where the
+        mix geodesic stops at ``beta_i = 0``."""
+        b = self.b_of(xi)
+        factor = torch.exp(2.0 * b) if self.metric == "inv" else torch.clamp(1.0 + 2.0 * b, min=0.0)
+        return self.beta0 * factor
+
+
+class ExactGeodesicObjective:
+    """``(xi, need_grad) -> (train MSE at the geodesic endpoint, d loss / d xi)``, the solver's objective.
+
+    It remembers the worst point it has seen (the solver's best point), so that a caller can ask how many mix
+    coordinates ended at the end of their geodesic."""
+
+    def __init__(self, space: ExactGeodesicSpace, problem: Problem) -> None:
+        self.space, self.problem = space, problem
+        self.worst_loss, self.worst_xi = -float("inf"), space.zero()
+
+    def __call__(self, xi: Tensor, need_grad: bool, out: Tensor | None = None) -> tuple[float, Tensor | None]:
+        xi = xi.detach().requires_grad_(need_grad)
+        with torch.set_grad_enabled(need_grad):
+            loss = self.problem.train_loss(self.space.endpoint_beta(xi))
+            grad = torch.autograd.grad(loss, xi)[0] if need_grad else None
+        if grad is not None and out is not None:
+            grad = out.copy_(grad)
+        value = float(loss.detach())
+        if not math.isfinite(value):
+            raise FloatingPointError(f"The loss is {value} on the geodesic ball; lower rho.")
+        if value > self.worst_loss:
+            self.worst_loss, self.worst_xi = value, xi.detach().clone()
+        return value, grad
+
+
+def geodesic_sharpness(
+    u: Tensor, v: Tensor, problem: Problem, *, metric: Metric, constraint: Constraint, rho: float, steps: int
+) -> tuple[float, int]:
+    """Worst-case geodesic sharpness of one net and the number of coordinates whose (mix) geodesic was cut at
+    ``beta_i = 0`` at the worst point found."""
+    space = ExactGeodesicSpace(u, v, metric, constraint)
+    objective = ExactGeodesicObjective(space, problem)
+    result = apgd(space, objective, rho=rho, steps=steps)
+    cut = int((1.0 + 2.0 * space.b_of(objective.worst_xi) <= 0).sum()) if metric == "mix" else 0
+    return result.sharpness, cut
+
+
+class DiagonalNet(nn.Module):
+    """``x -> x (u * v)`` as a module, so that the library's adaptive sharpness perturbs ``u`` and ``v``."""
+
+    def __init__(self, u: Tensor, v: Tensor) -> None:
+        super().__init__()
+        self.u = nn.Parameter(u.detach().clone())
+        self.v = nn.Parameter(v.detach().clone())
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x @ (self.u * self.v)
+
+
+def _mse(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
+    return (model(batch["x"]) - batch["y"]).square().mean()
+
+
+def adaptive_sharpness(u: Tensor, v: Tensor, problem: Problem, *, rho: float, steps: int) -> float:
+    """AS23 worst-case adaptive sharpness of one net on the full training batch, via the public API."""
+    batch = {"x": problem.X, "y": problem.y}
+    result = gs.adaptive_sharpness(
+        DiagonalNet(u, v), [batch], rho=rho, steps=steps, variant="as23", loss_fn=_mse, progress=False
+    )
+    return result.value
+
+
+# ------------------------------------------------------------------------------------------------ statistics
+def bootstrap_kendall(x: np.ndarray, y: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Kendall's tau-b of every bootstrap resample at once, given each resample's multiplicity vector ``c``.
+
+    With ``S_x[i, j] = sign(x_i - x_j)`` (likewise ``S_y``), a resample's pairs are the pairs of its draws, so its
+    tau-b is ``c^T (S_x * S_y) c / sqrt(c^T |S_x| c * c^T |S_y| c)``: repeated draws of one model form tied pairs and
+    drop out of numerator and denominator exactly as in ``scipy.stats.kendalltau``. This costs one ``[B, n] x [n, n]``
+    product instead of ``B`` calls (which dominated the run time)."""
+    sx, sy = np.sign(x[:, None] - x[None, :]), np.sign(y[:, None] - y[None, :])
+
+    def quad(m: np.ndarray) -> np.ndarray:
+        return np.einsum("bi,ij,bj->b", counts, m, counts)
+
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return quad(sx * sy) / np.sqrt(quad(np.abs(sx)) * quad(np.abs(sy)))
+
+
+def kendall(x: np.ndarray, y: np.ndarray, *, n_boot: int, seed: int) -> dict[str, Any]:
+    """Kendall's tau (``scipy.stats.kendalltau``: tau-b, the paper's tau-a when there are no ties) with a percentile
+    bootstrap 95 % interval over resampled models."""
+    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    result = scipy.stats.kendalltau(x, y)
+    rng = np.random.default_rng(seed)
+    counts = rng.multinomial(len(x), np.full(len(x), 1.0 / len(x)), size=n_boot).astype(float)
+    lo, hi = np.nanpercentile(bootstrap_kendall(x, y, counts), [2.5, 97.5])
+    return {"tau": float(result.statistic), "ci95": [float(lo), float(hi)], "p_value": float(result.pvalue)}
+
+
+# ------------------------------------------------------------------------------------------------ experiment
+@dataclass(frozen=True)
+class Setting:
+    """Everything that determines one population of nets and its sharpness values."""
+
+    init: Init = "reference"
+    truth: Truth = "signed"
+    data_seed: int = 0
+    rho: float = 0.1
+    adaptive_steps: int = AS23_STEPS
+    geodesic_steps: int = AS23_STEPS
+
+
+class Experiment:
+    """Trains populations of nets and measures them, caching both, so that sweeps only pay for what changes."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.alpha, self.lr = sample_hyperparameters(args.n_nets, args.alpha_range, args.lr_range, args.seed)
+        self._nets: dict[tuple, tuple[Problem, TrainedNets]] = {}
+        self._values: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+
+    def nets(self, setting: Setting) -> tuple[Problem, TrainedNets]:
+        key = (setting.init, setting.truth, setting.data_seed)
+        if key not in self._nets:
+            a = self.args
+            start = time.perf_counter()
+            problem = make_problem(a.dim, a.n_train, a.nonzeros, setting.truth, setting.data_seed)
+            u0, v0 = initial_weights(self.alpha, a.dim, setting.init)
+            nets = train_gd(problem, u0, v0, self.lr, target_loss=a.target_loss, max_steps=a.max_steps)
+            logger.info(
+                "trained %d nets (init=%s, truth=%s, data seed %d) in %.1f s: %d converged, max %d steps",
+                a.n_nets, *key, time.perf_counter() - start, int(nets.converged.sum()), int(nets.steps.max()),
+            )
+            self._nets[key] = (problem, nets)
+        return self._nets[key]
+
+    def sharpness(self, setting: Setting, measure: str) -> tuple[np.ndarray, np.ndarray]:
+        """One measure for every net that reached the target loss (NaN for the others), and the number of coordinates
+        whose geodesic was cut at ``beta_i = 0`` at the worst point (only the mix geodesic can be cut; else 0)."""
+        steps = setting.adaptive_steps if measure == "adaptive" else setting.geodesic_steps
+        key = (setting.init, setting.truth, setting.data_seed, measure, setting.rho, steps)
+        if key not in self._values:
+            problem, nets = self.nets(setting)
+            start = time.perf_counter()
+            values, cut = np.full(len(nets.u), np.nan), np.zeros(len(nets.u), dtype=int)
+            for i in np.flatnonzero(nets.converged.numpy()):
+                if measure == "adaptive":
+                    values[i] = adaptive_sharpness(nets.u[i], nets.v[i], problem, rho=setting.rho, steps=steps)
+                else:
+                    metric, constraint = GEODESIC_MEASURES[measure]
+                    values[i], cut[i] = geodesic_sharpness(
+                        nets.u[i], nets.v[i], problem,
+                        metric=metric, constraint=constraint, rho=setting.rho, steps=steps,
+                    )
+            logger.info(
+                "%s (rho=%g, %d steps, %s): %.1f s", measure, setting.rho, steps, key[:3], time.perf_counter() - start
+            )
+            self._values[key] = (values, cut)
+        return self._values[key]
+
+    def evaluate(self, setting: Setting, *, with_models: bool = False) -> dict[str, Any]:
+        """Kendall tau against the test loss of every sharpness measure and trivial predictor, over the nets that
+        reached the target loss (the paper's population: all trained to 1e-5)."""
+        problem, nets = self.nets(setting)
+        ok = nets.converged.numpy()
+        test_loss = problem.test_loss(nets.beta).numpy()
+        columns: dict[str, np.ndarray] = {m: self.sharpness(setting, m)[0] for m in SHARPNESS_MEASURES}
+        columns.update(
+            beta_l2=nets.beta.norm(dim=1).numpy(),
+            beta_l1=nets.beta.abs().sum(1).numpy(),
+            train_loss=nets.train_loss.numpy(),
+            alpha=self.alpha.numpy(),
+        )
+        cut = {c: self.sharpness(setting, f"geodesic_mix_{c}")[1] for c in ("metric", "loose")}
+        gram = problem.X.T @ problem.X / problem.X.shape[0]
+        boot = dict(n_boot=self.args.bootstrap, seed=self.args.seed)
+        out: dict[str, Any] = {
+            "setting": dataclasses.asdict(setting),
+            "tau": {name: kendall(col[ok], test_loss[ok], **boot) for name, col in columns.items()},
+            "n_converged": int(ok.sum()),
+            "test_loss_range": [float(test_loss[ok].min()), float(test_loss[ok].max())],
+            "mix_cut_coordinates_median": {c: float(np.median(v[ok])) for c, v in cut.items()},
+            "sharpness_range": {
+                m: [float(columns[m][ok].min()), float(columns[m][ok].max())] for m in SHARPNESS_MEASURES
+            },
+            # The metric-ball mix sharpness every interpolating net would have if its geodesics could cross beta_i = 0:
+            # max over ||delta|| <= sqrt(2) rho of delta^T (X^T X / n) delta.
+            "mix_metric_uncut_value": 2 * setting.rho**2 * float(torch.linalg.eigvalsh(gram).max()),
+        }
+        if with_models:
+            models = {
+                "alpha": self.alpha.numpy(), "lr": self.lr.numpy(), "steps": nets.steps.numpy(), "converged": ok,
+                "test_loss": test_loss, **columns, **{f"mix_cut_{c}": v for c, v in cut.items()},
+            }
+            out["models"] = [{k: _plain(np.asarray(v)[i]) for k, v in models.items()} for i in range(len(test_loss))]
+            out["columns"] = {name: col[ok] for name, col in {"test_loss": test_loss, **columns}.items()}
+        return out
+
+
+def _plain(x: np.generic) -> Any:
+    """A JSON-ready scalar: non-finite floats (nets that never reached the target loss) become ``None``."""
+    value = x.item()
+    return None if isinstance(value, float) and not np.isfinite(value) else value
+
+
+def _other_steps(steps: int, converged: int) -> int:
+    return converged if steps != converged else AS23_STEPS
+
+
+def solver_convergence(experiment: Experiment, main: Setting) -> dict[str, dict[str, Any]]:
+    """Per measure, how far the main setting's solver is from a run with the other iteration count: an
+    under-converged solver can shift or reorder values and so fake (or hide) a difference in tau."""
+    conv = experiment.args.converged_steps
+    ok = experiment.nets(main)[1].converged.numpy()
+    out = {}
+    for measure in SHARPNESS_MEASURES:
+        field = "adaptive_steps" if measure == "adaptive" else "geodesic_steps"
+        other = dataclasses.replace(main, **{field: _other_steps(getattr(main, field), conv)})
+        a, b = experiment.sharpness(main, measure)[0][ok], experiment.sharpness(other, measure)[0][ok]
+        ratio = a / b
+        out[measure] = {
+            "steps": [getattr(main, field), getattr(other, field)],
+            "ratio_min": float(ratio.min()),
+            "ratio_median": float(np.median(ratio)),
+            "ratio_max": float(ratio.max()),
+            "tau_between": float(scipy.stats.kendalltau(a, b).statistic),
+        }
+    return out
+
+
+def sweeps(experiment: Experiment, main: Setting) -> dict[str, Any]:
+    """Flip each switch once (the mix constraint is a column of every row), then scan rho and the data seed."""
+    conv = experiment.args.converged_steps
+    other_init: Init = "balanced" if main.init == "reference" else "reference"
+    other_truth: Truth = "nonnegative" if main.truth == "signed" else "signed"
+    adaptive_steps = _other_steps(main.adaptive_steps, conv)
+    geodesic_steps = _other_steps(main.geodesic_steps, conv)
+    replace = dataclasses.replace
+    rows: dict[str, list[tuple[str, Setting]]] = {
+        "switches": [
+            ("main", main),
+            (f"adaptive {adaptive_steps} steps", replace(main, adaptive_steps=adaptive_steps)),
+            (f"geodesic {geodesic_steps} steps", replace(main, geodesic_steps=geodesic_steps)),
+            (f"init {other_init}", replace(main, init=other_init)),
+            (f"truth {other_truth}", replace(main, truth=other_truth)),
+            (f"init {other_init}, truth {other_truth}", replace(main, init=other_init, truth=other_truth)),
+        ],
+        "rho": [(f"rho {rho:g}", replace(main, rho=rho)) for rho in experiment.args.rho_grid],
+        "data_seed": [
+            (f"data seed {seed}", replace(main, data_seed=seed))
+            for seed in dict.fromkeys([main.data_seed, *experiment.args.data_seeds])
+        ],
+    }
+    out: dict[str, Any] = {
+        group: [{"label": label, **experiment.evaluate(setting)} for label, setting in settings]
+        for group, settings in rows.items()
+    }
+    out["solver_convergence"] = solver_convergence(experiment, main)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ reporting
+PANELS = (("adaptive", "adaptive (AS23)"), ("geodesic_inv", "geodesic inv"), ("geodesic_mix", "geodesic mix"))
+
+
+def plot_figure(
+    columns: dict[str, np.ndarray], tau: dict[str, dict], setting: Setting, mix_constraint: str, path: Path
+) -> None:
+    """Fig. 3 of the paper: one panel per measure, sharpness against test loss, tau in the title; colour = alpha."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13.5, 4.2), constrained_layout=True)
+    colour = np.log10(columns["alpha"])
+    for ax, (name, title) in zip(axes, PANELS):
+        key = f"geodesic_mix_{mix_constraint}" if name == "geodesic_mix" else name
+        steps = setting.adaptive_steps if name == "adaptive" else setting.geodesic_steps
+        t = tau[key]
+        points = ax.scatter(columns[key], columns["test_loss"], c=colour, cmap="viridis", s=22, edgecolors="none")
+        ax.set_title(
+            f"{title}" + (f", {mix_constraint} ball" if name == "geodesic_mix" else "") + f", {steps} it.\n"
+            f"$\\tau$ = {t['tau']:.2f}  [{t['ci95'][0]:.2f}, {t['ci95'][1]:.2f}]   (paper {PAPER_TAU[name]:.2f})"
+        )
+        ax.set_xlabel(f"worst-case sharpness ($\\rho$ = {setting.rho:g})")
+        ax.set_ylabel("test loss $\\|\\beta - \\beta^*\\|^2$")
+        ax.grid(alpha=0.3)
+    fig.colorbar(points, ax=axes, label=r"$\log_{10}$ init scale $\alpha$")
+    fig.suptitle(f"Diagonal linear nets (init {setting.init}, truth {setting.truth}, data seed {setting.data_seed})")
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+def format_table(main: dict[str, Any], sweep: dict[str, Any] | None) -> str:
+    """Plain-text summary printed at the end of a run."""
+
+    def cell(t: dict[str, Any]) -> str:
+        return f"{t['tau']:+.2f} [{t['ci95'][0]:+.2f},{t['ci95'][1]:+.2f}]"
+
+    names = list(SHARPNESS_MEASURES) + ["beta_l1"]
+    header = f"{'setting':38s}" + "".join(f"{n:>22s}" for n in names)
+    rows = [header]
+    if sweep is None:
+        rows.append(f"{'main':38s}" + "".join(f"{cell(main['tau'][n]):>22s}" for n in names))
+    for group in ("switches", "rho", "data_seed") if sweep else ():
+        for row in sweep[group]:
+            rows.append(f"{row['label'][:38]:38s}" + "".join(f"{cell(row['tau'][n]):>22s}" for n in names))
+    rows.append("paper: adaptive -0.68, geodesic inv -0.83, geodesic mix -0.86")
+    return "\n".join(rows)
+
+
+# ------------------------------------------------------------------------------------------------ command line
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m experiments.diagonal_networks",
+        description="Diagonal-network reproduction (paper §5.1.1, Fig. 3): sharpness vs test loss, Kendall tau.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--out", type=Path, default=Path("artifacts/diagonal_networks"), help="output folder")
+    p.add_argument("--n-nets", type=int, default=50)
+    p.add_argument("--dim", type=int, default=200, help="number of features d")
+    p.add_argument("--n-train", type=int, default=100, help="training points n (< d: every net interpolates)")
+    p.add_argument("--nonzeros", type=int, default=20, help="non-zeros of beta* (20 of 200: 90%% sparse)")
+    p.add_argument("--truth", choices=("signed", "nonnegative"), default="signed", help="sign of beta*'s non-zeros")
+    p.add_argument("--init", choices=("reference", "balanced"), default="reference",
+                   help="reference: u0 = alpha, v0 = 0; balanced: u0 = v0 = alpha (forces beta >= 0)")
+    p.add_argument("--alpha-range", type=float, nargs=2, default=(0.01, 1.0), help="log-uniform init scales")
+    p.add_argument("--lr-range", type=float, nargs=2, default=(0.01, 0.25), help="log-uniform learning rates")
+    p.add_argument("--target-loss", type=float, default=1e-5, help="GD stops at this training MSE")
+    p.add_argument("--max-steps", type=int, default=200_000, help="GD step cap (nets that hit it are flagged)")
+    p.add_argument("--rho", type=float, default=0.1, help="radius of every sharpness ball")
+    p.add_argument("--mix-constraint", choices=("metric", "loose"), default="metric",
+                   help="mix ball shown in the figure: metric sqrt(2)||b*beta0|| <= rho (spec) or loose ||b|| <= rho")
+    p.add_argument("--adaptive-steps", type=int, default=AS23_STEPS, help="AS23 solver iterations (AS23 uses 20)")
+    p.add_argument("--geodesic-steps", type=int, default=AS23_STEPS, help="geodesic APGD iterations")
+    p.add_argument("--converged-steps", type=int, default=200, help="iterations of the 'converged' sweep rows")
+    p.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples for the tau intervals")
+    p.add_argument("--data-seed", type=int, default=0, help="seed of X and beta*")
+    p.add_argument("--seed", type=int, default=0, help="seed of the hyperparameters and of the bootstrap")
+    p.add_argument("--no-sweeps", action="store_true", help="only the main setting (no switch/rho/seed tables)")
+    p.add_argument("--rho-grid", type=float, nargs="*", default=(0.01, 0.03, 0.3, 1.0), help="rho sweep")
+    p.add_argument("--data-seeds", type=int, nargs="*", default=(1, 2, 3, 4), help="further data seeds")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (the problems are tiny; more threads mostly add contention)")
+    return p
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Train, measure, write ``diagonal_networks.{json,png}`` into ``args.out`` and return the report."""
+    start, cpu_start = time.perf_counter(), time.process_time()
+    experiment = Experiment(args)
+    setting = Setting(args.init, args.truth, args.data_seed, args.rho, args.adaptive_steps, args.geodesic_steps)
+    main_result = experiment.evaluate(setting, with_models=True)
+    columns = main_result.pop("columns")
+    sweep = None if args.no_sweeps else sweeps(experiment, setting)
+    runtime, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    plot_figure(columns, main_result["tau"], setting, args.mix_constraint, args.out / "diagonal_networks.png")
+    report = {
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "paper_tau": PAPER_TAU,
+        "figure_measures": {"adaptive": "adaptive", "geodesic_inv": "geodesic_inv",
+                            "geodesic_mix": f"geodesic_mix_{args.mix_constraint}"},
+        "main": main_result,
+        "sweeps": sweep,
+        "runtime_s": runtime,
+        "cpu_s": cpu,
+        "environment": {"torch": torch.__version__, "hf_geosharp": gs.__version__, "threads": torch.get_num_threads(),
+                        "python": platform.python_version(), "machine": platform.machine()},
+    }
+    (args.out / "diagonal_networks.json").write_text(json.dumps(report, indent=1))
+    logger.info("wrote %s/diagonal_networks.{json,png}: %.0f s wall, %.0f s CPU", args.out, runtime, cpu)
+    return report
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Command-line entry: configure logging and threads (process-wide), run, print the tau table."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("hf_geosharp").setLevel(logging.WARNING)  # one INFO line per adaptive call is noise here
+    torch.set_num_threads(args.threads)
+    report = run(args)
+    print(format_table(report["main"], report["sweeps"]))
+
+
+if __name__ == "__main__":
+    main()
