@@ -59,6 +59,14 @@ def _compute_on_my_shard(module, data: dict, out_dir: str) -> None:
         json.dump({k: v for k, v in out.items() if k != "config"} | {"world_size": out["config"]["world_size"]}, f)
 
 
+def _launch_two_ranks(data_path: str, out_dir: str) -> None:
+    """Run in a fresh interpreter: ``debug_launcher`` forks, and forking a process whose OpenMP pool is already
+    running (as it is after earlier tests) can deadlock the children."""
+    data = json.loads(open(data_path).read())
+    module = evaluate.load(gs.EVALUATE_MODULE_DIR, keep_in_memory=True)
+    debug_launcher(lambda: _compute_on_my_shard(module, data, out_dir), num_processes=2)
+
+
 def test_evaluate_compute_on_shards_matches_one_process(tmp_path):
     texts, labels = sentences(11, seed=2)
     enc = tiny_tokenizer(tmp_path / "tok")(texts, truncation=True)
@@ -66,7 +74,15 @@ def test_evaluate_compute_on_shards_matches_one_process(tmp_path):
     module = evaluate.load(gs.EVALUATE_MODULE_DIR, keep_in_memory=True)
     one = module.compute(model=tiny_bert(), **data, batch_size=3, metric="inv,mix", **SETTINGS)
 
-    debug_launcher(lambda: _compute_on_my_shard(module, data, str(tmp_path)), num_processes=2)
+    (tmp_path / "data.json").write_text(json.dumps(data))
+    script = (
+        "from tests.test_distributed import _launch_two_ranks; "
+        f"_launch_two_ranks({str(tmp_path / 'data.json')!r}, {str(tmp_path)!r})"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_GEOSHARP_NO_AUTOREGISTER": "1"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0] == ranks[1] and ranks[0]["world_size"] == 2 and one["config"]["world_size"] == 1
     for key in ("geodesic_sharpness_inv", "geodesic_sharpness_mix", "adaptive_sharpness", "clean_loss"):
