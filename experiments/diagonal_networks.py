@@ -263,10 +263,10 @@ class ExactGeodesicSpace:
         r = self.horizontal(egrad * self.inverse_weights)
         return out.copy_(r) if out is not None else r
 
-    def gradient_inner_product(self, egrad: Tensor, direction: Tensor, xi: Tensor) -> float:
-        """``<riemannian_gradient(egrad), xi>_g`` for horizontal ``xi``: the projection is g-self-adjoint, so this is
-        the Euclidean ``<egrad, xi>`` (``direction`` is that gradient, accepted for the solver's protocol)."""
-        return float(torch.dot(egrad, xi))
+    def gradient_inner_products(self, egrad: Tensor, direction: Tensor, vectors: Tensor) -> list[float]:
+        """``<riemannian_gradient(egrad), v>_g`` for every horizontal row ``v`` of ``vectors``: the projection is
+        g-self-adjoint, so this is the Euclidean ``<egrad, v>`` (``direction`` is accepted for the solver's protocol)."""
+        return torch.mv(vectors, egrad).tolist()
 
     def project(self, xi: Tensor, rho: float) -> Tensor:
         """Onto ``{horizontal, ||xi||_g <= rho}``: horizontal projection, then radial scaling (both g-orthogonal)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
@@ -100,11 +101,14 @@ def _flat_parameters(model: nn.Module) -> tuple[list[str], list[Tensor], Tensor]
             raise ValueError(f"Parameter {name!r} has dtype {p.dtype}; sharpness needs floating-point weights.")
     work_dtype = torch.promote_types(torch.float32, max((p.dtype for p in params), key=lambda d: torch.finfo(d).bits))
     theta0 = torch.cat([p.detach().reshape(-1).to(work_dtype) for p in params])
-    bad = ~torch.isfinite(theta0)
-    if bad.any():
-        offsets = torch.tensor([0] + [p.numel() for p in params]).cumsum(0)
-        first = int(torch.searchsorted(offsets, bad.nonzero()[0, 0], right=True)) - 1
-        raise ValueError(f"Parameter {names[first]!r} has NaN or inf entries; sharpness is undefined for such weights.")
+    if not torch.isfinite(theta0.sum()):  # one read pass: NaN and inf propagate; the search runs only then
+        bad = (~torch.isfinite(theta0)).nonzero()
+        if len(bad):  # (a finite vector can still overflow the sum)
+            offsets = torch.tensor([0] + [p.numel() for p in params]).cumsum(0)
+            first = int(torch.searchsorted(offsets, bad[0, 0].cpu(), right=True)) - 1
+            raise ValueError(
+                f"Parameter {names[first]!r} has NaN or inf entries; sharpness is undefined for such weights."
+            )
     return names, params, theta0
 
 
@@ -131,44 +135,142 @@ def _to_device(batch: Any, device: torch.device) -> Any:
 
 
 class _Objective:
-    """``(xi, need_grad) -> (loss, dloss/dxi)`` on one batch at weights ``theta0 + displacement(xi)``."""
+    """``(xi, need_grad, out=None) -> (loss, dloss/dxi)`` at weights ``Exp(theta0; xi)`` on the current ``batch``.
 
-    def __init__(self, model, names, params, space: PerturbationSpace, batch, loss_fn: LossFn, rho: float) -> None:
-        self.model, self.space, self.batch, self.loss_fn, self.rho = model, space, batch, loss_fn, rho
-        self.layout = [(n, p.shape, p.dtype, p.numel()) for n, p in zip(names, params)]
+    One objective serves a whole run, so its parameter-sized buffer is allocated once. The perturbed weights are
+    written into that flat buffer (``space.exp_point``) and its per-parameter views are swapped into the model for
+    one call (stateless reparametrisation): the user's parameters are never touched. For the backward pass the views
+    are detached leaves, so backward yields per-parameter gradients, each copied into the flat ``out`` as soon as it
+    is ready; differentiating through slices of a flat tensor instead would cost a parameter-sized zero fill per
+    parameter. The derivative of the geodesic's curvature terms is then applied by the space's pullback.
 
-    def __call__(self, xi: Tensor, need_grad: bool) -> tuple[float, Tensor | None]:
-        if need_grad:
-            xi = xi.detach().requires_grad_(True)
-        with torch.set_grad_enabled(need_grad):
-            theta = self.space.theta0 + self.space.displacement(xi)
-            views, offset = {}, 0
-            for name, shape, dtype, numel in self.layout:
-                views[name] = theta[offset : offset + numel].view(shape).to(dtype)
-                offset += numel
-            with _reparametrize_module(self.model, views, tie_weights=True):
-                loss = self.loss_fn(self.model, self.batch)
-            if not isinstance(loss, Tensor) or loss.numel() != 1:
-                raise TypeError("The loss must be a scalar tensor (a mean over the batch).")
-            value = float(loss.detach())
-            if not math.isfinite(value):
-                where = "the unperturbed weights" if not bool(xi.detach().any()) else f"a perturbed point (rho={self.rho})"
-                hint = "check the inputs and labels" if "unperturbed" in where else "lower rho"
-                raise FloatingPointError(f"The loss is {value} at {where}; {hint}.")
-            grad = torch.autograd.grad(loss, xi)[0] if need_grad else None
-        return value, grad
+    Args:
+        grad_scope: ``"movable"`` computes gradients only for parameters that can move (enough for the clean solver,
+            which multiplies the gradient by the metric); ``"all"`` for every parameter (AS23 and the Euclidean step
+            normalisation divide by the global gradient norm, frozen and zero-weight coordinates included).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        names: list[str],
+        params: list[Tensor],
+        space: PerturbationSpace,
+        loss_fn: LossFn,
+        rho: float,
+        grad_scope: Literal["movable", "all"] = "movable",
+    ) -> None:
+        self.model, self.space, self.loss_fn, self.rho = model, space, loss_fn, rho
+        self.batch: Any = None
+        self.names, self.dtypes = names, [p.dtype for p in params]
+        self.numels = [p.numel() for p in params]
+        self.theta = torch.empty_like(space.theta0)
+        self.views = [v.view(p.shape) for v, p in zip(self.theta.split(self.numels), params)]
+        moves = space.segments_move(self.numels)
+        self.differentiate = [grad_scope == "all" or m for m in moves]
+        self.positions = [i for i, d in enumerate(self.differentiate) if d]
+
+    def __call__(self, xi: Tensor, need_grad: bool, out: Tensor | None = None) -> tuple[float, Tensor | None]:
+        pullback = self.space.exp_point(xi, self.theta, need_grad)
+        tensors, leaves = {}, []
+        for name, view, dtype, differentiate in zip(self.names, self.views, self.dtypes, self.differentiate):
+            t = view if view.dtype == dtype else view.to(dtype)
+            if need_grad and differentiate:
+                t = t.detach().requires_grad_(True)
+                leaves.append(t)
+            tensors[name] = t
+        with torch.set_grad_enabled(need_grad), _reparametrize_module(self.model, tensors, tie_weights=True):
+            loss = self.loss_fn(self.model, self.batch)
+        if not isinstance(loss, Tensor) or loss.numel() != 1:
+            raise TypeError("The loss must be a scalar tensor (a mean over the batch).")
+        value = float(loss.detach())
+        if not math.isfinite(value):
+            where = "the unperturbed weights" if not bool(xi.any()) else f"a perturbed point (rho={self.rho})"
+            hint = "check the inputs and labels" if "unperturbed" in where else "lower rho"
+            raise FloatingPointError(f"The loss is {value} at {where}; {hint}.")
+        if not need_grad:
+            return value, None
+        if leaves and not loss.requires_grad:
+            raise TypeError(
+                "The loss does not depend on the model's parameters (it has no autograd graph); a loss_fn must "
+                "compute it from `model(...)` outputs without detaching or using torch.no_grad()."
+            )
+        out = torch.empty_like(self.theta) if out is None else out
+        segments, filled = out.split(self.numels), set()
+
+        def stream(position: int) -> Callable[[Tensor], None]:
+            # Copy each gradient into the flat buffer as soon as backward has it, and drop it: the per-parameter
+            # gradients are then never all alive at once (a plain backward keeps them all in .grad).
+            def hook(leaf: Tensor) -> None:
+                segments[position].copy_(leaf.grad.reshape(-1))
+                leaf.grad = None
+                filled.add(position)
+
+            return hook
+
+        for position, leaf in zip(self.positions, leaves):
+            leaf.register_post_accumulate_grad_hook(stream(position))
+        if leaves:
+            torch.autograd.backward(loss, inputs=leaves)
+        missing = [segment for i, segment in enumerate(segments) if i not in filled]
+        if missing:
+            torch._foreach_zero_(missing)
+        if pullback is not None:
+            pullback(out)
+        return value, out
 
 
 # ---------------------------------------------------------------------- runner
-def _check_common(rho: float, mode: str, steps: int, n_samples: int) -> None:
-    if not isinstance(rho, (int, float)) or not math.isfinite(rho) or rho <= 0:
+def _check_common(rho: float, mode: str, steps: int, n_samples: int, seed: int) -> None:
+    # bool is an int subclass: steps=True would silently mean 1 step
+    if isinstance(rho, bool) or not isinstance(rho, (int, float)) or not math.isfinite(rho) or rho <= 0:
         raise ValueError(f"rho must be a positive finite number, got {rho!r}.")
     if mode not in ("worst", "average"):
         raise ValueError(f"mode must be 'worst' or 'average', got {mode!r}.")
-    if not isinstance(steps, int) or steps < 1:
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive integer, got {steps!r}.")
-    if not isinstance(n_samples, int) or n_samples < 1:
+    if isinstance(n_samples, bool) or not isinstance(n_samples, int) or n_samples < 1:
         raise ValueError(f"n_samples must be a positive integer, got {n_samples!r}.")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed must be an integer, got {seed!r}.")
+
+
+_CLASSIFIER_HEADS = ("ForSequenceClassification", "ForTokenClassification", "ForImageClassification")
+_TOKEN_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "position_ids", "inputs_embeds")
+
+
+def _check_batch(model: nn.Module, batch: Any, i: int) -> None:
+    """Refuse, before any work, the batches that would otherwise fail deep inside the model or the loss.
+
+    Empty batches; rows that disagree in number (dimension 0; size 1 may broadcast); class labels outside the
+    classifier's range, which cross-entropy reports as a bare index error on the CPU and as a device-side assert,
+    that poisons the CUDA context, on a GPU."""
+    if not isinstance(batch, Mapping):
+        return
+    tensors = {k: v for k, v in batch.items() if isinstance(v, Tensor)}
+    if not batch or any(v.numel() == 0 for v in tensors.values()):
+        raise ValueError(f"Batch {i} is empty; drop it or check the data pipeline.")
+    rows = {k: v.shape[0] for k, v in tensors.items() if v.dim() > 0 and v.shape[0] != 1}
+    if len(set(rows.values())) > 1:
+        raise ValueError(f"Batch {i} is ragged: its tensors disagree on the number of examples (dimension 0): {rows}.")
+    lengths = {k: tensors[k].shape[1] for k in _TOKEN_INPUTS if k in tensors and tensors[k].dim() > 1}
+    if len(set(lengths.values())) > 1:  # some models broadcast a short mask silently
+        raise ValueError(f"Batch {i} is ragged: its token inputs disagree on the sequence length: {lengths}.")
+    labels, config = tensors.get("labels"), getattr(model, "config", None)
+    n_labels = getattr(config, "num_labels", None)
+    if (
+        labels is None or labels.is_floating_point() or not isinstance(n_labels, int) or n_labels < 2
+        or getattr(config, "problem_type", None) in ("regression", "multi_label_classification")
+        or not type(model).__name__.endswith(_CLASSIFIER_HEADS)
+    ):
+        return
+    real = labels[labels != -100]  # -100: positions the loss ignores
+    if real.numel() and (int(real.min()) < 0 or int(real.max()) >= n_labels):
+        bad = int(real.max()) if int(real.max()) >= n_labels else int(real.min())
+        raise ValueError(
+            f"Batch {i} has label {bad}, but the model has {n_labels} classes (config.num_labels); labels must be in "
+            f"0..{n_labels - 1} (or -100 to ignore a position)."
+        )
 
 
 def _movable_mask(params: list[Tensor], which: str, device: torch.device) -> Tensor | None:
@@ -199,25 +301,40 @@ def _run(
     progress: bool,
     symmetry_map: SymmetryMap | None,
     config: dict[str, Any],
+    grad_scope: Literal["movable", "all"] = "movable",
 ) -> SharpnessResult:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
+    if isinstance(batches, (Mapping, Tensor, str, bytes)) or not isinstance(batches, Iterable):
+        raise TypeError(
+            "batches must be an iterable of batches (e.g. a list of dicts of model inputs), "
+            f"got {type(batches).__name__}."
+        )
     batches = list(batches)
     if not batches:
         raise ValueError("No batches were given; pass a non-empty list of batches (dicts of model inputs with labels).")
     for i, batch in enumerate(batches):
-        if isinstance(batch, Mapping) and (not batch or any(isinstance(v, Tensor) and v.numel() == 0 for v in batch.values())):
-            raise ValueError(f"Batch {i} is empty; drop it or check the data pipeline.")
+        _check_batch(model, batch, i)
     rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator is not None else (0, 1)
     loss_fn = loss_fn or _default_loss
 
     with preserved_model_state(model):
         names, params, theta0 = _flat_parameters(model)
+        half = sorted({p.dtype for p in params if p.dtype in (torch.float16, torch.bfloat16)}, key=str)
+        if half:
+            warnings.warn(
+                f"The model computes in {', '.join(map(str, half))}. The perturbation is built in float32 but the "
+                "weights are rounded to the model's dtype for each forward pass, so perturbations below its resolution "
+                f"(relative {max(torch.finfo(d).eps for d in half):.0e} per weight) vanish and loss differences are "
+                "quantised: small rho can give exactly 0. Cast the model to float32 (model.float()) to measure it.",
+                UserWarning,
+                stacklevel=3,
+            )
         device = theta0.device
         if options is not None and options.metric is not None and symmetry_map is None:
             from .symmetry import map_symmetries
 
-            symmetry_map = map_symmetries(model)
+            symmetry_map = map_symmetries(model, params=config["params"])
         blocks = []
         if options is not None and options.metric is not None:
             if symmetry_map.param_names != names:
@@ -231,14 +348,20 @@ def _run(
         )
         logger.info("%s: %d GL pairs, %d parameters, %d batches", measure, space.n_pairs, theta0.numel(), len(batches))
 
+        objective = _Objective(model, names, params, space, loss_fn, config["rho"], grad_scope)
         mine = list(range(rank, len(batches), world))
         results: dict[int, tuple[float, float]] = {}
         bar = tqdm(mine, desc=measure, unit="batch", disable=not progress or rank != 0)
         for index in bar:
-            batch = _to_device(batches[index], device)
-            objective = _Objective(model, names, params, space, batch, loss_fn, config["rho"])
+            objective.batch = _to_device(batches[index], device)
             generator = torch.Generator().manual_seed(_batch_seed(config["seed"], index))
-            out = solve(space, objective, generator)
+            try:
+                out = solve(space, objective, generator)
+            except Exception as err:
+                if hasattr(err, "add_note"):  # Python >= 3.11: say where, keep the type and message
+                    keys = ", ".join(map(str, batches[index])) if isinstance(batches[index], Mapping) else "-"
+                    err.add_note(f"hf_geosharp: raised while measuring batch {index} (inputs: {keys}) for {measure}.")
+                raise
             results[index] = (out.sharpness, out.clean_loss)
             bar.set_postfix(sharpness=f"{out.sharpness:.4g}")
 
@@ -311,9 +434,11 @@ def geodesic_sharpness(
         elementwise_curvature: geodesic for non-attention parameters (``"none"``: first order, as the paper).
         step_normalization: ``"riemannian"`` (invariant, default), ``"euclidean"`` or ``"none"``.
     """
-    _check_common(rho, mode, steps, n_samples)
+    _check_common(rho, mode, steps, n_samples, seed)
     if metric not in ("inv", "mix"):
         raise ValueError(f"metric must be 'inv' or 'mix', got {metric!r}.")
+    if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not math.isfinite(epsilon) or epsilon < 0:
+        raise ValueError(f"epsilon must be a finite number >= 0, got {epsilon!r}.")
     if step_normalization not in ("riemannian", "euclidean", "none"):
         raise ValueError(f"step_normalization must be 'riemannian', 'euclidean' or 'none', got {step_normalization!r}.")
     options = SpaceOptions(metric, epsilon, second_order, riemannian_norm, horizontal_projection, elementwise_curvature)
@@ -331,6 +456,7 @@ def geodesic_sharpness(
     return _run(
         model, batches, measure=f"geodesic_{metric}_{mode}", options=options, solve=solve, loss_fn=loss_fn,
         accelerator=accelerator, progress=progress, symmetry_map=symmetry_map, config=config,
+        grad_scope="all" if step_normalization == "euclidean" else "movable",
     )
 
 
@@ -355,7 +481,7 @@ def adaptive_sharpness(
     comparable with the literature; ``"clean"`` runs the same solver as :func:`geodesic_sharpness` on the elementwise
     metric (one forward per step). Arguments as in :func:`geodesic_sharpness`.
     """
-    _check_common(rho, mode, steps, n_samples)
+    _check_common(rho, mode, steps, n_samples, seed)
     if variant not in ("as23", "clean"):
         raise ValueError(f"variant must be 'as23' or 'clean', got {variant!r}.")
     config = dict(rho=rho, mode=mode, steps=steps, seed=seed, variant=variant, params=params, n_samples=n_samples)
@@ -371,4 +497,5 @@ def adaptive_sharpness(
     return _run(
         model, batches, measure=measure, options=None, solve=solve, loss_fn=loss_fn,
         accelerator=accelerator, progress=progress, symmetry_map=None, config=config,
+        grad_scope="all" if variant == "as23" else "movable",
     )

@@ -4,8 +4,13 @@ The worst case is Auto-PGD as used by Andriushchenko et al. 2023 (AS23) and by t
 step-size checkpoints, halving, momentum and best-point tracking. :func:`apgd` is the clean version of spec §4.2
 (one forward and one backward per step: the loss of an iterate comes from the forward that gives its gradient).
 :func:`apgd_as23` reproduces the reference code's quirks (spec §5.1) so that adaptive-sharpness numbers are comparable
-with the literature. Both talk to a space only through ``zero``, ``norm``, ``riemannian_gradient``, ``project`` and
-``random_tangent_vector``; the objective is a callable ``(xi, need_grad) -> (loss, euclidean_grad | None)``.
+with the literature. Both talk to a space only through ``zero``, ``norm``, ``riemannian_gradient``,
+``gradient_inner_products``, ``project`` and ``random_tangent_vector``; the objective is a callable
+``(xi, need_grad, out=None) -> (loss, euclidean_grad | None)`` that writes the gradient into ``out`` when given.
+
+Parameter-sized vectors (1e8 entries for BERT-base) are the cost that is not forward or backward, so the solvers keep
+them in small fixed pools (:class:`_Pool`) and update them in place: a step allocates nothing parameter-sized, which
+on a CPU also spares the page faults of fresh large allocations.
 """
 
 from __future__ import annotations
@@ -17,14 +22,15 @@ from typing import Callable, Literal, Protocol
 import torch
 from torch import Tensor
 
-Objective = Callable[[Tensor, bool], tuple[float, "Tensor | None"]]
+Objective = Callable[..., tuple[float, "Tensor | None"]]
 StepNormalization = Literal["riemannian", "euclidean", "none"]
 
 
 class Space(Protocol):
     def zero(self) -> Tensor: ...
     def norm(self, xi: Tensor) -> Tensor: ...
-    def riemannian_gradient(self, egrad: Tensor) -> Tensor: ...
+    def riemannian_gradient(self, egrad: Tensor, out: Tensor | None = None) -> Tensor: ...
+    def gradient_inner_products(self, egrad: Tensor, direction: Tensor, vectors: Tensor) -> list[float]: ...
     def project(self, xi: Tensor, rho: float) -> Tensor: ...
     def random_tangent_vector(self, generator: torch.Generator) -> Tensor: ...
 
@@ -41,6 +47,53 @@ class SolveResult:
     @property
     def sharpness(self) -> float:
         return self.max_loss - self.clean_loss
+
+
+class _Pool:
+    """``size`` parameter-sized buffers, the rows of one matrix, handed out by identity so that no live vector is
+    overwritten.
+
+    One matrix rather than separate tensors, so that the inner products of a gradient with every buffer are one
+    matrix-vector product and a combination of buffers is one ``addmv``: each reads every row once. Rows are never
+    initialised (a row is written before it is read), so untouched ones cost no memory."""
+
+    def __init__(self, like: Tensor, size: int) -> None:
+        self.matrix = like.new_empty((size, like.numel()))
+        self.rows = list(self.matrix.unbind(0))
+
+    def free(self, *live: Tensor | None) -> Tensor:
+        for row in self.rows:
+            if all(row is not x for x in live):
+                return row
+        raise RuntimeError(f"all {len(self.rows)} solver buffers are live; this is a bug in the solver")
+
+    def position(self, row: Tensor) -> int:
+        return next(i for i, r in enumerate(self.rows) if r is row)
+
+    def combine_into(self, out: Tensor, scale: float, terms: list[tuple[float, Tensor]]) -> None:
+        """``out <- scale * out + sum coef * row`` in place, in one pass (``addmv``); ``out`` must not be a term."""
+        merged: dict[int, float] = {}
+        for coef, row in terms:
+            i = self.position(row)
+            merged[i] = merged.get(i, 0.0) + coef
+        merged = {i: c for i, c in merged.items() if c != 0.0}
+        if not merged:
+            out.mul_(scale)
+            return
+        first, *rest = sorted(merged)
+        step = rest[0] - first if rest else 1
+        rows = self.matrix[first::step][: len(merged)]  # rows `first` and `first + step`: a strided view, no copy
+        coefs = torch.tensor([merged[first + step * j] for j in range(len(merged))], dtype=out.dtype, device=out.device)
+        out.addmv_(rows.t(), coefs, beta=scale)
+
+
+def _gradient_products(space: Space, egrad: Tensor, direction: Tensor, pool: _Pool) -> list[float]:
+    """``<direction, row>_g`` for every row of the pool: one matrix-vector product where the space offers
+    ``gradient_inner_products``; spaces written against the one-vector form ``gradient_inner_product``
+    (``experiments/diagonal_networks.py``) are asked row by row."""
+    if hasattr(space, "gradient_inner_products"):
+        return space.gradient_inner_products(egrad, direction, pool.matrix)
+    return [space.gradient_inner_product(egrad, direction, row) for row in pool.rows]
 
 
 def as23_checkpoints(n_iters: int) -> list[int]:
@@ -89,55 +142,102 @@ def apgd(
     """Worst case ``max_{xi in S} L(Exp(w0; xi)) - L(w0)`` by Auto-PGD (spec §4.2), zero init, ``eta0 = 2 rho``.
 
     ``steps + 1`` forward passes and ``steps`` backward passes in all. With ``step_normalization="riemannian"``
-    every quantity is g-invariant, so the iterates are equivariant under the model's symmetries."""
-    xi = xi_prev = space.zero()
-    clean_loss, egrad = objective(xi, True)
-    best_loss, best_xi, best_egrad = clean_loss, xi, egrad
+    every quantity is g-invariant, so the iterates are equivariant under the model's symmetries.
+
+    How a step stays cheap: the direction ``d`` (the projected Riemannian gradient) and the iterates ``xi``,
+    ``xi_prev`` are horizontal, so ``z = P_S(xi + c d)`` and the momentum point ``P_S(a xi + b d + c xi_prev)`` are
+    radial rescalings of combinations of the three. Their norms follow from the Gram matrix of ``(xi, d, xi_prev)``:
+    the row of ``d`` is one matrix-vector product with the gradient (``space.gradient_inner_products``) and the rest
+    is carried over from the previous step. The new iterate is then written once, in place of ``d``, by one ``addmv``.
+    Iterates live in a pool of four buffers (``xi``, ``xi_prev``, best, next) and gradients in two (current, best), so
+    nothing parameter-sized is allocated per step. ``best_norm`` comes from the same bookkeeping. With ``epsilon > 0``
+    the horizontal projection is g-orthogonal only up to ``O(epsilon)`` (spec §9), and so are these identities.
+    """
+    like = space.zero()
+    tangents, gradients = _Pool(like, 4), _Pool(like, 2)
+    del like
+    xi = xi_prev = best_xi = tangents.free()
+    xi.zero_()
+    sq_xi = sq_prev = cross = best_sq = 0.0  # ||xi||^2, ||xi_prev||^2, <xi, xi_prev>, ||best_xi||^2 (metric g)
+    clean_loss, egrad = objective(xi, True, out=gradients.free())
+    best_loss, best_egrad = clean_loss, egrad
     schedule = _StepSchedule(2.0 * rho, steps, min_update_ratio, clean_loss)
     losses = [clean_loss]
     for k in range(steps):
-        direction = space.riemannian_gradient(egrad)
+        d = space.riemannian_gradient(egrad, out=tangents.free(xi, xi_prev, best_xi))
+        products = _gradient_products(space, egrad, d, tangents)  # <d, row>_g for every row
+        sq_d = max(products[tangents.position(d)], 0.0)
+        d_xi = products[tangents.position(xi)] if sq_xi > 0 else 0.0
+        d_prev = products[tangents.position(xi_prev)] if sq_prev > 0 else 0.0
         if step_normalization == "riemannian":
-            direction = direction / (float(space.norm(direction)) + 1e-12)
+            c = schedule.eta / (math.sqrt(sq_d) + 1e-12)
         elif step_normalization == "euclidean":
-            direction = direction / (float(egrad.double().norm()) + 1e-12)
-        z = space.project(xi + schedule.eta * direction, rho)
-        xi_new = z if k == 0 else space.project(xi + momentum * (z - xi) + (1 - momentum) * (xi - xi_prev), rho)
-        xi_prev, xi = xi, xi_new
-        loss, egrad = objective(xi, k < steps - 1)
+            c = schedule.eta / (math.sqrt(max(float(torch.dot(egrad, egrad)), 0.0)) + 1e-12)
+        else:
+            c = schedule.eta
+        # z = P_S(xi + c d) = s1 (xi + c d)
+        sq_z = max(sq_xi + 2 * c * d_xi + c * c * sq_d, 0.0)
+        s1 = rho / math.sqrt(sq_z) if sq_z > rho * rho else 1.0
+        if k == 0:
+            a, b, g, sq_new = s1, s1 * c, 0.0, s1 * s1 * sq_z
+        else:  # P_S(xi + m (z - xi) + (1 - m)(xi - xi_prev)) = s2 (a xi + b d + g xi_prev)
+            a, b, g = 2 * (1 - momentum) + momentum * s1, momentum * s1 * c, -(1 - momentum)
+            sq_y = max(
+                a * a * sq_xi + b * b * sq_d + g * g * sq_prev
+                + 2 * (a * b * d_xi + a * g * cross + b * g * d_prev),
+                0.0,
+            )
+            s2 = rho / math.sqrt(sq_y) if sq_y > rho * rho else 1.0
+            a, b, g, sq_new = s2 * a, s2 * b, s2 * g, s2 * s2 * sq_y
+        new_cross = a * sq_xi + b * d_xi + g * cross  # <xi_new, xi>
+        tangents.combine_into(d, b, [(a if sq_xi > 0 else 0.0, xi), (g if sq_prev > 0 else 0.0, xi_prev)])
+        xi_prev, xi = xi, d
+        sq_prev, sq_xi, cross = sq_xi, sq_new, new_cross
+        need_grad = k < steps - 1
+        loss, egrad = objective(xi, need_grad, out=gradients.free(best_egrad) if need_grad else None)
         losses.append(loss)
         if loss > best_loss:
-            best_loss, best_xi, best_egrad = loss, xi, egrad
+            best_loss, best_xi, best_egrad, best_sq = loss, xi, egrad, sq_xi
             schedule.n_updates += 1
         if schedule.halve(k, best_loss):
             xi = xi_prev = best_xi
             egrad = best_egrad
+            sq_xi = sq_prev = cross = best_sq
         if on_step is not None:
             on_step(k, best_loss - clean_loss)
-    return SolveResult(best_loss, clean_loss, losses, float(space.norm(best_xi)))
+    return SolveResult(best_loss, clean_loss, losses, math.sqrt(best_sq))
 
 
-def _ellipsoid_projection(delta: Tensor, inv_scale: Tensor, rho: float) -> Tensor:
-    """AS23's Euclidean projection onto ``||delta / |w| || <= rho`` by its own bisection on lambda (spec §5.1)."""
+def _ellipsoid_projection(delta: Tensor, inv_scale: Tensor, rho: float, scratch: tuple[Tensor, Tensor]) -> Tensor:
+    """AS23's Euclidean projection onto ``||delta / |w| || <= rho`` by bisection on lambda (spec §5.1), in place.
 
-    def weighted_norm(d: Tensor) -> float:
-        return float((d * inv_scale).double().norm())
-
-    if weighted_norm(delta) <= rho:
+    The reference evaluates ``||delta / (1 + 2 lambda / w^2) / |w| ||`` from scratch at each bisection step; here
+    ``u = delta / |w|`` is formed once and each step costs a few in-place passes over two scratch buffers. The
+    bisection, its bracket doubling and its stopping rule are the reference's; the sums are cascade-summed, accurate
+    enough for the ``1e-5`` stopping tolerance at any model size. ``max_iter`` only guards against a tolerance that
+    rounding makes unreachable; bisection reaches machine resolution long before."""
+    u, work = scratch
+    torch.mul(delta, inv_scale, out=u)
+    new_norm = float(u.square().sum().sqrt())
+    if new_norm <= rho:
         return delta
-    lmbd, min_lmbd, max_lmbd, max_limit = 0.1, 0.0, 10.0, 10.0
-    tmp, new_norm = delta, weighted_norm(delta)
-    c_sq = inv_scale.square()
-    while abs(new_norm - rho) > 1e-5:
-        tmp = delta / (1 + 2 * lmbd * c_sq)
-        new_norm = weighted_norm(tmp)
+    lmbd, min_lmbd, max_lmbd, max_limit, used = 0.1, 0.0, 10.0, 10.0, None
+    for _ in range(200):
+        if abs(new_norm - rho) <= 1e-5:
+            break
+        used = lmbd
+        torch.mul(inv_scale, inv_scale, out=work).mul_(2 * lmbd).add_(1.0)  # 1 + 2 lambda / w^2
+        new_norm = float(torch.div(u, work, out=work).square_().sum().sqrt())
         if new_norm > rho:
             lmbd, min_lmbd = (lmbd + max_lmbd) / 2, lmbd
         else:
             lmbd, max_lmbd = (min_lmbd + lmbd) / 2, lmbd
         if max_limit - max_lmbd < 1e-2:
             max_limit, max_lmbd = max_limit * 2, max_lmbd * 2
-    return tmp
+    if used is None:
+        return delta
+    torch.mul(inv_scale, inv_scale, out=work).mul_(2 * used).add_(1.0)
+    return delta.div_(work)
 
 
 def apgd_as23(
@@ -154,22 +254,28 @@ def apgd_as23(
 
     ``scale`` is ``|w|`` (zero on frozen coordinates). Faithful to the reference: the step is ``grad * |w|`` over the
     global Euclidean gradient norm, Euclidean projection onto the ellipsoid by bisection, momentum
-    ``0.75 P(z) + 0.25 delta_prev`` without re-projection, an extra no-grad forward per step for the loss, and on halving
-    only the evaluation point (the "model") is reset to the best point, not ``delta``."""
+    ``0.75 P(z) + 0.25 delta_prev`` without re-projection, an extra no-grad forward per step for the loss, and on
+    halving only the evaluation point (the "model") is reset to the best point, not ``delta``."""
     inv_scale = torch.where(scale > 0, 1.0 / torch.where(scale > 0, scale, torch.ones_like(scale)), 0.0)
-    delta = prev_delta = torch.zeros_like(scale)
+    scratch = (torch.empty_like(scale), torch.empty_like(scale))
+    tangents = _Pool(scale, 4)
+    gradient = torch.empty_like(scale)
+    delta = prev_delta = tangents.free()
+    delta.zero_()
     point = delta  # where the next gradient is taken (AS23's model state)
     clean_loss, _ = objective(delta, False)
     best_loss, best_point = clean_loss, delta
     schedule = _StepSchedule(2.0 * rho, steps, min_update_ratio, clean_loss)
     losses = [clean_loss]
     for k in range(steps):
-        _, egrad = objective(point, True)
+        _, egrad = objective(point, True, out=gradient)
         backup = delta
-        step = schedule.eta / (float(egrad.double().norm()) + 1e-12) * egrad * scale
-        delta = _ellipsoid_projection(delta + step, inv_scale, rho)
-        delta = momentum * delta + (1 - momentum) * prev_delta
-        prev_delta = backup
+        grad_norm = math.sqrt(max(float(torch.dot(egrad, egrad)), 0.0))
+        new = tangents.free(delta, prev_delta, best_point, point)
+        torch.mul(egrad, scale, out=new).mul_(schedule.eta / (grad_norm + 1e-12)).add_(delta)
+        new = _ellipsoid_projection(new, inv_scale, rho, scratch)
+        new.mul_(momentum).add_(prev_delta, alpha=1 - momentum)
+        prev_delta, delta = backup, new
         point = delta
         loss, _ = objective(point, False)
         losses.append(loss)
@@ -180,7 +286,7 @@ def apgd_as23(
             point = best_point
         if on_step is not None:
             on_step(k, best_loss - clean_loss)
-    return SolveResult(best_loss, clean_loss, losses, float((best_point * inv_scale).double().norm()))
+    return SolveResult(best_loss, clean_loss, losses, float((best_point * inv_scale).square().sum().sqrt()))
 
 
 def average_case(

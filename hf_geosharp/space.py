@@ -1,14 +1,29 @@
 """The perturbation space: where the solver moves, in the model's own parameter coordinates.
 
 A tangent vector ``xi`` is a flat tensor laid out like the model's flat parameter vector ``theta0`` (see
-:mod:`hf_geosharp.symmetry.base`). Coordinates that belong to a GL(h) pair are handled by :class:`GLQuotient` (gathered
-through the pair's index map, ``[k, n, h]`` at a time); all other coordinates by :class:`ElementwiseGeometry`.
-Adaptive sharpness is the same space with no pairs and first-order steps, so one solver serves both measures.
+:mod:`hf_geosharp.symmetry.base`). Coordinates that belong to a GL(h) pair are handled by :class:`GLQuotient`; all
+other coordinates by :class:`ElementwiseGeometry`. Adaptive sharpness is the same space with no pairs and first-order
+steps, so one solver serves both measures.
+
+Performance (DESIGN.md, "Performance"): a solver step must cost one forward and one backward plus little else, and the
+parameter vector is large (1e8 entries), so
+
+* pair blocks of equal shape (every layer of a BERT) are stacked into one group, so each geometric operation is one
+  batched matmul per group; a group's coordinates are moved through strided views of the flat vector (a few boxes
+  per layer, found once from the index maps), or through index operations where the layout has no such structure;
+* the perturbed point is written into a caller-owned buffer without autograd (:meth:`PerturbationSpace.exp_point`);
+  the derivative of the second-order geodesic term is a closed-form, pair-sized vector-Jacobian product applied
+  afterwards, so no parameter-sized zero fill or scatter ever enters a backward pass;
+* :meth:`PerturbationSpace.gradient_inner_products` uses the defining identity of the Riemannian gradient,
+  ``<grad f, x>_g = <df, x>`` for horizontal ``x``, so the solver's norms cost one matrix-vector product per step.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -16,6 +31,8 @@ from torch import Tensor
 from .geometry.elementwise import Curvature, ElementwiseGeometry
 from .geometry.gl_quotient import GLQuotient, Metric
 from .symmetry.base import PairBlock
+
+Pullback = Callable[[Tensor], None]
 
 
 @dataclass(frozen=True)
@@ -39,8 +56,137 @@ class SpaceOptions:
     elementwise_curvature: Curvature = "none"
 
 
+@dataclass(frozen=True)
+class _Piece:
+    """A box ``[k, r, :]`` of a factor whose flat indices are ``offset + k s_k + r s_r + c s_c``: a strided view."""
+
+    k: slice
+    r: slice
+    size: tuple[int, int, int]
+    stride: tuple[int, int, int]
+    offset: int
+
+
+def _strided_pieces(index: Tensor, min_elements: int = 256) -> list[_Piece] | None:
+    """Cover an index map ``[K, n, m]`` by strided boxes, or ``None`` if it has no such structure.
+
+    Attention factors are slices of weight matrices (transposed or not) plus a bias row, so a handful of boxes per
+    layer describe them. Copying through ``as_strided`` views is 2-4x faster than ``index_select``/``index_copy_`` on
+    a CPU (no index reads, no scattered read-modify-writes). Rows are split where the pattern of head 0 changes;
+    every head is then checked against that split, and heads whose offsets step evenly are merged into one box."""
+    K, n, m = index.shape
+    I = index.cpu()
+    step_c = I[:, :, 1:2] - I[:, :, :1] if m > 1 else torch.ones_like(I[:, :, :1])
+    if m > 1 and not bool((I[:, :, 1:] - I[:, :, :-1] == step_c).all()):
+        return None
+    base = I[:, :, 0]
+    first, steps = base[0].tolist(), step_c[0, :, 0].tolist()  # head 0, as Python ints: the loops are per row
+    runs, r0 = [], 0  # row runs of head 0 with one column step and one row step
+    for r in range(1, n + 1):
+        if r == n or steps[r] != steps[r0] or (r - r0 >= 2 and first[r] - first[r - 1] != first[r0 + 1] - first[r0]):
+            runs.append((r0, r))
+            r0 = r
+    pieces = []
+    for r0, r1 in runs:
+        s_c, s_r = steps[r0], first[r0 + 1] - first[r0] if r1 - r0 > 1 else 1
+        rows = torch.arange(r1 - r0)
+        expected = base[:, r0, None, None] + rows[None, :, None] * s_r + torch.arange(m)[None, None, :] * s_c
+        if s_c < 0 or s_r < 0 or not bool((I[:, r0:r1] == expected).all()):
+            return None
+        offsets, k0 = base[:, r0].tolist(), 0
+        for k in range(1, K + 1):  # merge heads whose offsets form an arithmetic progression
+            if k == K or (k - k0 >= 2 and offsets[k] - offsets[k - 1] != offsets[k0 + 1] - offsets[k0]):
+                s_k = offsets[k0 + 1] - offsets[k0] if k - k0 > 1 else 1
+                if s_k < 0:
+                    return None
+                pieces.append(_Piece(slice(k0, k), slice(r0, r1), (k - k0, r1 - r0, m), (s_k, s_r, s_c), offsets[k0]))
+                k0 = k
+    if index.numel() < min_elements * len(pieces):
+        return None  # tiny boxes: one index operation is cheaper than many small copies
+    return pieces
+
+
+@dataclass
+class Factor:
+    """One factor (all ``G`` or all ``H``) of a pair group: where its ``[k, n, h]`` entries sit in the flat vector.
+
+    Either strided ``pieces`` or, for layouts without that structure, a flat ``index`` (int64: twice the memory of
+    the float coordinates it addresses, so it is dropped when pieces exist)."""
+
+    shape: torch.Size
+    pieces: list[_Piece] | None
+    index: Tensor | None
+
+    @classmethod
+    def of(cls, index: Tensor, device: torch.device) -> "Factor":
+        pieces = _strided_pieces(index)
+        return cls(index.shape, pieces, None if pieces is not None else index.reshape(-1).to(device))
+
+    def _views(self, x: Tensor) -> list[tuple[_Piece, Tensor]]:
+        return [(p, x.as_strided(p.size, p.stride, x.storage_offset() + p.offset)) for p in self.pieces]
+
+    def gather(self, x: Tensor) -> Tensor:
+        if self.pieces is None:
+            return x.index_select(0, self.index).view(self.shape)
+        out = x.new_empty(self.shape)
+        for p, view in self._views(x):
+            out[p.k, p.r].copy_(view)
+        return out
+
+    def write(self, out: Tensor, value: Tensor) -> None:
+        if self.pieces is None:
+            out.index_copy_(0, self.index, value.reshape(-1))
+            return
+        for p, view in self._views(out):
+            view.copy_(value[p.k, p.r])
+
+    def add(self, out: Tensor, value: Tensor) -> None:
+        if self.pieces is None:
+            out.index_add_(0, self.index, value.reshape(-1))
+            return
+        for p, view in self._views(out):
+            view.add_(value[p.k, p.r])
+
+
+@dataclass
+class PairGroup:
+    """Pair blocks of one shape, stacked: their ``G`` and ``H`` factors and the shared geometry."""
+
+    g: Factor
+    h: Factor
+    geometry: GLQuotient
+
+    def gather(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """``(x_G, x_H)``: this group's coordinates of the flat vector ``x``, as ``[k, n, h]`` and ``[k, m, h]``."""
+        return self.g.gather(x), self.h.gather(x)
+
+    def write(self, out: Tensor, pair: tuple[Tensor, Tensor]) -> None:
+        """Put ``(x_G, x_H)`` back at this group's coordinates of ``out``."""
+        self.g.write(out, pair[0])
+        self.h.write(out, pair[1])
+
+    def add(self, out: Tensor, pair: tuple[Tensor, Tensor]) -> None:
+        self.g.add(out, pair[0])
+        self.h.add(out, pair[1])
+
+
+def _stack_alike(blocks: list[PairBlock]) -> list[tuple[Tensor, Tensor, Tensor | None]]:
+    """Stack the index maps of blocks with equal pair shapes and group into one ``[sum k, n, h]`` block.
+
+    Every formula of :class:`GLQuotient` is batched over the leading (head) dimension, so the twelve layers of a BERT
+    become two geometry objects (QK, VO) instead of 24: one batched matmul per operation instead of one per layer."""
+    groups: dict[tuple, list[PairBlock]] = {}
+    for b in blocks:
+        basis = None if b.lie_basis is None else (tuple(b.lie_basis.shape), tuple(b.lie_basis.flatten().tolist()))
+        groups.setdefault((tuple(b.G_index.shape[1:]), tuple(b.H_index.shape[1:]), basis), []).append(b)
+    return [
+        (torch.cat([b.G_index for b in members]), torch.cat([b.H_index for b in members]), members[0].lie_basis)
+        for members in groups.values()
+    ]
+
+
 class PerturbationSpace:
-    """Norms, gradients, projections and geodesic displacements for flat tangent vectors at ``theta0``.
+    """Norms, gradients, projections and geodesic points for flat tangent vectors at ``theta0``.
 
     Args:
         theta0: ``[N]`` the trained weights, flattened (working dtype).
@@ -60,76 +206,111 @@ class PerturbationSpace:
     ) -> None:
         self.theta0 = theta0.detach()
         self.options = options
-        movable = torch.ones_like(self.theta0, dtype=torch.bool) if movable is None else movable.to(torch.bool)
+        movable = None if movable is None else movable.to(torch.bool)
         device = self.theta0.device
         self.blocks = [
             b for b in (blocks if options.metric is not None else [])
-            if bool(movable[b.G_index.to(device)].all() and movable[b.H_index.to(device)].all())
+            if movable is None or bool(movable[b.G_index.to(device)].all() and movable[b.H_index.to(device)].all())
         ]
-        pair_mask = torch.zeros_like(movable)
         probe = torch.Generator().manual_seed(probe_seed)
-        self.pairs: list[tuple[Tensor, Tensor, GLQuotient]] = []
-        for block in self.blocks:
-            gi, hi = block.G_index.to(device), block.H_index.to(device)
-            pair_mask[gi] = True
-            pair_mask[hi] = True
-            geometry = GLQuotient(
-                self.theta0[gi], self.theta0[hi], options.metric, options.epsilon, block.lie_basis, probe
-            )
-            self.pairs.append((gi, hi, geometry))
-        self.elementwise = ElementwiseGeometry(self.theta0, movable & ~pair_mask, options.elementwise_curvature)
-        self._movable = self.elementwise.movable | pair_mask  # frozen and zero-weight coordinates never move
+        self.pairs: list[PairGroup] = []
+        for gi, hi, basis in _stack_alike(self.blocks):
+            g, h = Factor.of(gi, device), Factor.of(hi, device)
+            G, H = g.gather(self.theta0), h.gather(self.theta0)
+            geometry = GLQuotient(G, H, options.metric, options.epsilon, basis, probe)
+            self.pairs.append(PairGroup(g, h, geometry))
+        # Parameter-sized masks only where needed: each costs a pass (and fresh pages) over 1e8 entries.
+        pair_mask = None
+        if self.pairs:
+            pair_mask = torch.zeros_like(self.theta0, dtype=torch.bool)
+            for group in self.pairs:
+                group.g.write(pair_mask, torch.ones(group.g.shape, dtype=torch.bool, device=device))
+                group.h.write(pair_mask, torch.ones(group.h.shape, dtype=torch.bool, device=device))
+        mask = movable
+        if pair_mask is not None:
+            mask = pair_mask.logical_not()
+            if movable is not None:
+                mask &= movable
+        self.elementwise = ElementwiseGeometry(self.theta0, mask, options.elementwise_curvature)
+        del mask
+        self.pair_mask = pair_mask
         # Ablation "riemannian_norm=False": pair coordinates are measured like adaptive sharpness measures them.
         self.pair_elementwise = (
             None if options.riemannian_norm or not self.pairs else ElementwiseGeometry(self.theta0, pair_mask)
-        )
-        self._pair_index = (
-            torch.cat([torch.cat([gi.reshape(-1), hi.reshape(-1)]) for gi, hi, _ in self.pairs])
-            if self.pairs
-            else None
         )
 
     # ------------------------------------------------------------------ helpers
     def zero(self) -> Tensor:
         return torch.zeros_like(self.theta0)
 
+    @functools.cached_property
+    def movable(self) -> Tensor:
+        """``[N]`` bool: the coordinates that can move (frozen and zero-weight ones never do)."""
+        return self.elementwise.movable if self.pair_mask is None else self.elementwise.movable | self.pair_mask
+
+    def segments_move(self, sizes: list[int]) -> list[bool]:
+        """For consecutive segments of the flat vector (e.g. the parameters), whether any coordinate can move."""
+        masks = [self.elementwise.movable] + ([] if self.pair_mask is None else [self.pair_mask])
+        parts = [m.split(sizes) for m in masks]
+        return [any(bool(p[i].any()) for p in parts) for i in range(len(sizes))]
+
     @property
     def n_pairs(self) -> int:
-        return sum(g.G.shape[0] for _, _, g in self.pairs)
+        return sum(g.geometry.G.shape[0] for g in self.pairs)
 
-    def _map_pairs(self, xi: Tensor, fn) -> Tensor:
-        """Apply ``fn((xi_G, xi_H)) -> (G', H')`` per block and write the results into a copy of ``xi``."""
-        out = xi.clone()
-        for gi, hi, geometry in self.pairs:
-            out[gi], out[hi] = fn(geometry, (xi[gi], xi[hi]))
-        return out
+    def _map_pairs(self, x: Tensor, fn: Callable[[GLQuotient, tuple[Tensor, Tensor]], tuple[Tensor, Tensor]]) -> None:
+        """Replace, in place, the pair coordinates of ``x`` by ``fn(geometry, (x_G, x_H))`` group by group."""
+        for group in self.pairs:
+            group.write(x, fn(group.geometry, group.gather(x)))
 
     # ------------------------------------------------------------------ metric
+    def inner_product(self, a: Tensor, b: Tensor) -> Tensor:
+        """Riemannian inner product at ``theta0`` (float64 scalar)."""
+        total = self.elementwise.inner_product(a, b)
+        if self.pair_elementwise is not None:
+            return total + self.pair_elementwise.inner_product(a, b)
+        for group in self.pairs:
+            total = total + group.geometry.inner_product(group.gather(a), group.gather(b)).sum()
+        return total
+
     def norm(self, xi: Tensor) -> Tensor:
         """Riemannian norm at ``theta0`` (float64 scalar)."""
-        sq = self.elementwise.norm(xi).square()
-        if self.pair_elementwise is not None:
-            return (sq + self.pair_elementwise.norm(xi).square()).sqrt()
-        for gi, hi, geometry in self.pairs:
-            sq = sq + geometry.inner_product((xi[gi], xi[hi]), (xi[gi], xi[hi])).sum()
-        return sq.clamp_min(0).sqrt()
+        return self.inner_product(xi, xi).clamp_min(0).sqrt()
 
-    def riemannian_gradient(self, egrad: Tensor) -> Tensor:
-        """Raise the Euclidean gradient with the metric, then make it horizontal (a valid ascent direction)."""
-        r = self.elementwise.euclidean_to_riemannian_gradient(egrad)
+    def gradient_inner_products(self, egrad: Tensor, direction: Tensor, vectors: Tensor) -> list[float]:
+        """``<direction, v>_g`` for every row ``v`` of ``vectors``, where ``direction = riemannian_gradient(egrad)``.
+
+        For horizontal ``v`` the Riemannian gradient's defining identity ``<R e, v>_g = <e, v>`` (with a g-self-adjoint
+        horizontal projection) makes this one matrix-vector product with the Euclidean gradient, one pass over the
+        rows; rows that are not horizontal get meaningless values. The identity needs the projection to be orthogonal
+        in the metric that measures: the ``riemannian_norm=False`` ablation therefore pays for full inner products."""
         if self.pair_elementwise is not None:
-            r = r + self.pair_elementwise.euclidean_to_riemannian_gradient(egrad)
-        else:
-            for gi, hi, geometry in self.pairs:
-                r[gi], r[hi] = geometry.euclidean_to_riemannian_gradient((egrad[gi], egrad[hi]))
-        return self.horizontal(r)
+            return [float(self.inner_product(direction, v)) for v in vectors]
+        return torch.mv(vectors, egrad).tolist()
+
+    def riemannian_gradient(self, egrad: Tensor, out: Tensor | None = None) -> Tensor:
+        """Raise the Euclidean gradient with the metric, then make it horizontal (a valid ascent direction).
+
+        Zero on frozen coordinates (their metric factor is 0). Written into ``out`` when given."""
+        r = self.elementwise.euclidean_to_riemannian_gradient(egrad, out=out)
+        if not self.pairs:
+            return r
+        if self.pair_elementwise is not None:
+            r.addcmul_(egrad, self.pair_elementwise.scale_sq)
+            if self.options.horizontal_projection:
+                self._map_pairs(r, lambda g, x: g.projection(x))
+            return r
+        for group in self.pairs:
+            rp = group.geometry.euclidean_to_riemannian_gradient(group.gather(egrad))
+            group.write(r, group.geometry.projection(rp) if self.options.horizontal_projection else rp)
+        return r
 
     def horizontal(self, xi: Tensor) -> Tensor:
         """g-orthogonal projection onto the horizontal space (identity on elementwise coordinates)."""
-        xi = xi * self._movable
-        if not self.options.horizontal_projection or not self.pairs:
-            return xi
-        return self._map_pairs(xi, lambda g, x: g.projection(x))
+        xi = xi * self.movable
+        if self.options.horizontal_projection and self.pairs:
+            self._map_pairs(xi, lambda g, x: g.projection(x))
+        return xi
 
     def project(self, xi: Tensor, rho: float) -> Tensor:
         """Onto the feasible set ``{horizontal, ||xi||_g <= rho}``: horizontal projection, then radial scaling.
@@ -137,22 +318,40 @@ class PerturbationSpace:
         Both steps are g-orthogonal, so their composition is the g-orthogonal projection onto the set (spec §4.2)."""
         xi = self.horizontal(xi)
         norm = float(self.norm(xi))
-        return xi * (rho / norm) if norm > rho else xi
+        return xi.mul_(rho / norm) if norm > rho else xi
 
     # ------------------------------------------------------------------ geodesics
-    def displacement(self, xi: Tensor) -> Tensor:
-        """``Exp(theta0; xi) - theta0``, differentiable in ``xi``: Exp2 on pairs, the chosen curvature elsewhere."""
-        delta = xi
-        elementwise = self.elementwise.exp_correction(xi)
-        if elementwise is not None:
-            delta = delta + elementwise
-        if self.options.second_order and self.pairs:
-            values = []
-            for gi, hi, geometry in self.pairs:
-                cG, cH = geometry.exp2_correction((xi[gi], xi[hi]))
-                values += [cG.reshape(-1), cH.reshape(-1)]
-            delta = delta + torch.zeros_like(xi).index_put((self._pair_index,), torch.cat(values))
-        return delta
+    def exp_point(self, xi: Tensor, out: Tensor, need_grad: bool) -> Pullback | None:
+        """Write ``Exp(theta0; xi)`` into ``out``: ``Exp2`` on pairs, the chosen curvature elsewhere.
+
+        ``out`` is filled without autograd. With ``need_grad`` the return value is the pullback that turns
+        ``dL/dtheta`` (a flat tensor, modified in place) into ``dL/dxi``; it is ``None`` for a first-order space, where
+        the two coincide. Pairs use the closed-form pullback of :meth:`GLQuotient.exp2_correction_with_pullback`;
+        the (ablation-only) elementwise curvature is differentiated by autograd."""
+        torch.add(self.theta0, xi, out=out)
+        # (vector-Jacobian product of dL/dtheta, how to add it to dL/dtheta) per curvature term
+        stages: list[tuple[Callable[[Tensor], Any], Callable[[Tensor, Any], Any]]] = []
+        if self.options.elementwise_curvature != "none":
+            leaf = xi.detach().requires_grad_(need_grad)
+            with torch.set_grad_enabled(need_grad):
+                correction = self.elementwise.exp_correction(leaf)
+            out.add_(correction.detach())
+            stages.append((lambda g, c=correction, x=leaf: torch.autograd.grad(c, x, g)[0], Tensor.add_))
+        if self.options.second_order:
+            for group in self.pairs:
+                correction, pullback = group.geometry.exp2_correction_with_pullback(group.gather(xi))
+                group.add(out, correction)
+                stages.append((lambda g, group=group, pull=pullback: pull(group.gather(g)), group.add))
+        if not need_grad or not stages:
+            return None
+
+        def pullback_all(grad: Tensor) -> None:
+            # Every product reads dL/dtheta before any of them is added to it.
+            products = [vjp(grad) for vjp, _ in stages]
+            for (_, add), product in zip(stages, products):
+                add(grad, product)
+
+        return pullback_all
 
     # ------------------------------------------------------------------ sampling
     def random_tangent_vector(self, generator: torch.Generator) -> Tensor:
@@ -161,6 +360,6 @@ class PerturbationSpace:
         if self.pair_elementwise is not None:
             z = z + self.pair_elementwise.random_tangent_vector(generator)
         else:
-            for gi, hi, geometry in self.pairs:
-                z[gi], z[hi] = geometry.random_tangent_vector(generator)
+            for group in self.pairs:
+                group.write(z, group.geometry.random_tangent_vector(generator))
         return self.horizontal(z)

@@ -5,6 +5,10 @@ Points and tangent vectors are flat tensors. The metric is :math:`g(\xi, \eta) =
 :math:`w_i \exp(\xi_i / w_i)`; dropping the curvature term gives AS23's adaptive sharpness with ``c = |w|``
 (App. F, Eqs. 38-39). Coordinates with ``|w_i| < zero_tol`` (and coordinates excluded by ``mask``) get zero allowed
 perturbation instead of a division by zero (spec §2.4).
+
+Only ``w^2`` (masked) is stored besides the base point: it is the one factor the solver's hot path needs (the Riemannian
+gradient). ``scale = |w|`` and ``inv_scale = 1/|w|`` are derived on demand, because every stored parameter-sized vector
+counts against the memory budget of a run (spec §4.4).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ class ElementwiseGeometry:
     """GL(1)+ metric on a flat parameter vector.
 
     Args:
-        w: ``[N]`` base point.
+        w: ``[N]`` base point (kept by reference, not copied).
         mask: ``[N]`` bool, coordinates that may move (default: all).
         curvature: ``"none"`` (first order, ``w + xi``: adaptive sharpness), ``"second_order"``
             (``w + xi + xi^2 / (2w)``) or ``"exact_exp"`` (``w exp(xi / w)``).
@@ -34,24 +38,38 @@ class ElementwiseGeometry:
         if curvature not in ("none", "second_order", "exact_exp"):
             raise ValueError(f"elementwise_curvature must be 'none', 'second_order' or 'exact_exp', got {curvature!r}.")
         w = w.detach()
-        movable = w.abs() >= zero_tol
+        scale_sq = w.square()  # each pass over w costs ~1 % of a solver step on a CPU: three here, no more
+        movable = scale_sq >= zero_tol**2
         if mask is not None:
             movable &= mask
         self.curvature = curvature
         self.w = w
-        self.scale = torch.where(movable, w.abs(), torch.zeros_like(w))  # |w| on movable coordinates, else 0
-        self.scale_sq = self.scale.square()
-        self.inv_scale = torch.where(movable, 1.0 / torch.where(movable, w.abs(), torch.ones_like(w)), 0.0)
         self.movable = movable
+        zero = torch.zeros((), dtype=w.dtype, device=w.device)
+        self.scale_sq = torch.where(movable, scale_sq, zero, out=scale_sq)  # in place: no float copy of the mask
+
+    @property
+    def scale(self) -> Tensor:
+        """``|w|`` on movable coordinates, else 0 (a new tensor: not for per-step use)."""
+        return torch.where(self.movable, self.w.abs(), torch.zeros((), dtype=self.w.dtype, device=self.w.device))
+
+    @property
+    def inv_scale(self) -> Tensor:
+        """``1/|w|`` on movable coordinates, else 0 (a new tensor: not for per-step use)."""
+        safe = torch.where(self.movable, self.w.abs(), torch.ones((), dtype=self.w.dtype, device=self.w.device))
+        return torch.where(self.movable, safe.reciprocal(), torch.zeros((), dtype=self.w.dtype, device=self.w.device))
 
     def inner_product(self, a: Tensor, b: Tensor) -> Tensor:
-        return (a * self.inv_scale).double().mul((b * self.inv_scale).double()).sum()
+        """``sum a b / w^2`` over movable coordinates (float64 scalar; cascade-summed, so accurate for 1e8 terms)."""
+        ratio = (a * b).div_(self.scale_sq)  # inf or nan off the movable set, dropped by the mask
+        return torch.where(self.movable, ratio, 0.0).sum().double()
 
     def norm(self, xi: Tensor) -> Tensor:
-        return (xi * self.inv_scale).double().norm()
+        return self.inner_product(xi, xi).clamp_min(0).sqrt()
 
-    def euclidean_to_riemannian_gradient(self, egrad: Tensor) -> Tensor:
-        return egrad * self.scale_sq
+    def euclidean_to_riemannian_gradient(self, egrad: Tensor, out: Tensor | None = None) -> Tensor:
+        """``egrad * w^2`` (zero on frozen coordinates), optionally written into ``out``."""
+        return torch.mul(egrad, self.scale_sq, out=out) if out is not None else egrad * self.scale_sq
 
     def projection(self, xi: Tensor) -> Tensor:
         """No symmetry is quotiented out; only frozen coordinates are zeroed."""
@@ -67,6 +85,8 @@ class ElementwiseGeometry:
         return self.w * (torch.expm1(ratio) - ratio)
 
     def random_tangent_vector(self, generator: torch.Generator | None = None) -> Tensor:
-        """``Z |w|`` with ``Z ~ N(0, I)``: AS23's adaptive Gaussian direction (metric-isotropic)."""
+        """``Z |w|`` with ``Z ~ N(0, I)``: AS23's adaptive Gaussian direction (metric-isotropic).
+
+        ``Z`` is drawn on the CPU in float64 so that a seed gives the same direction on every device and dtype."""
         Z = torch.randn(self.w.shape, generator=generator, dtype=torch.float64, device="cpu")
-        return Z.to(device=self.w.device, dtype=self.w.dtype) * self.scale
+        return Z.to(device=self.w.device, dtype=self.w.dtype).mul_(self.scale)

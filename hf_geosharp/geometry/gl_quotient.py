@@ -21,6 +21,7 @@ and ``random_tangent_vector``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -34,6 +35,19 @@ def _sym_inv_sqrt(S: Tensor) -> Tensor:
     """Symmetric inverse square root of a batch of SPD matrices (float64)."""
     d, U = torch.linalg.eigh(S)
     return (U * d.clamp_min(torch.finfo(S.dtype).tiny).rsqrt().unsqueeze(-2)) @ U.mT
+
+
+def _inv_factor(x: Tensor, W: Tensor, P_inv: Tensor) -> tuple[Tensor, Callable[[Tensor], Tensor]]:
+    """One factor of the inv correction ``c = (x A - W B) / 2`` and its pullback (``exp2_correction_with_pullback``)."""
+    S = x.mT @ W
+    A_half = 0.5 * P_inv @ (S + S.mT)
+    c = torch.bmm(x, A_half).baddbmm_(W, 0.5 * P_inv @ (x.mT @ x), alpha=-1)
+
+    def pullback(d: Tensor) -> Tensor:
+        M, N = (d.mT @ x) @ P_inv, (d.mT @ W) @ P_inv
+        return torch.bmm(d, A_half.mT).baddbmm_(W, 0.5 * (M + M.mT)).baddbmm_(x, 0.5 * (N + N.mT), alpha=-1)
+
+    return c, pullback
 
 
 class GLQuotient:
@@ -96,9 +110,10 @@ class GLQuotient:
             K = torch.einsum("bij,kcij->kbc", E, AE)
             self._K_chol = torch.linalg.cholesky(K)
 
-        # Equivariant square roots of the metric for sampling: R^T R = P with R -> R A^{-1} under the action.
-        self._R_G = self._equivariant_root(G64, P_inv, probe_generator)
-        self._R_H = self._equivariant_root(H64, Q_inv, probe_generator)
+        # Equivariant square roots of the metric for sampling (R^T R = P, R -> R A^{-1} under the action), made on
+        # first use: a worst-case run never samples, and the probe is as large as the pair itself.
+        self._probe_generator = probe_generator
+        self._roots: tuple[Tensor, Tensor] | None = None
 
     # ------------------------------------------------------------------ metric
     def inner_product(self, a: Pair, b: Pair) -> Tensor:
@@ -131,8 +146,9 @@ class GLQuotient:
         return self._add_vertical(xi, self._projection_lambda(xi))
 
     def _add_vertical(self, xi: Pair, Lam: Tensor) -> Pair:
-        vG, vH = self.vertical_vector(Lam)
-        return xi[0] + vG, xi[1] + vH
+        """``xi + vertical_vector(Lam)`` with fused ``baddbmm`` (no ``n x h`` temporaries)."""
+        Lam = Lam.to(self.dtype)
+        return torch.baddbmm(xi[0], self.G, Lam), torch.baddbmm(xi[1], self.H, Lam.mT, alpha=-1)
 
     def _projection_lambda(self, xi: Pair) -> Tensor:
         xG, xH = xi
@@ -177,6 +193,38 @@ class GLQuotient:
         cH = xH @ ((sG + sG.mT) @ self.P_inv) - H @ ((xG.mT @ xG) @ self.P_inv)
         return -0.5 * cG, -0.5 * cH
 
+    def exp2_correction_with_pullback(self, xi: Pair) -> tuple[Pair, Callable[[Pair], Pair]]:
+        r""":meth:`exp2_correction` and its vector-Jacobian product, without autograd.
+
+        The solver needs :math:`\partial L/\partial\xi` through the correction at every step. Autograd would record
+        about ten ``n x h`` temporaries per factor; the closed form below reuses the forward's ``h x h`` products and
+        writes each result with fused ``baddbmm`` calls: four ``n``-sized matmuls per factor forward, five back.
+        For the inv factor :math:`c = \tfrac12[x A - W B]` with :math:`A = P^{-1}(S + S^T)`, :math:`S = x^T W`,
+        :math:`B = P^{-1} x^T x`, the pullback of a cotangent :math:`\delta` is
+        :math:`\tfrac12[\delta A^T + W(M + M^T) - x(N + N^T)]` with :math:`M = \delta^T x P^{-1}`,
+        :math:`N = \delta^T W P^{-1}`. The mix metric couples the factors the same way (G's correction depends on
+        :math:`\xi_H` and vice versa). Checked against autograd of :meth:`exp2_correction` in the tests."""
+        xG, xH = xi
+        if self.metric == "inv":
+            (cG, pull_G), (cH, pull_H) = _inv_factor(xG, self.G, self.P_inv), _inv_factor(xH, self.H, self.Q_inv)
+            return (cG, cH), lambda d: (pull_G(d[0]), pull_H(d[1]))
+        sG, sH = xG.mT @ self.G, xH.mT @ self.H
+        tG, tH = xG.mT @ xG, xH.mT @ xH
+        half_G = -0.5 * (sH + sH.mT) @ self.Q_inv  # cG = xG @ half_G + G @ (T_H Q^-1 / 2)
+        half_H = -0.5 * (sG + sG.mT) @ self.P_inv
+        cG = torch.bmm(xG, half_G).baddbmm_(self.G, 0.5 * tH @ self.Q_inv)
+        cH = torch.bmm(xH, half_H).baddbmm_(self.H, 0.5 * tG @ self.P_inv)
+
+        def pullback(d: Pair) -> Pair:
+            dG, dH = d
+            M, N = self.Q_inv @ (dG.mT @ xG), self.Q_inv @ (dG.mT @ self.G)  # from cG, act on xH
+            M2, N2 = self.P_inv @ (dH.mT @ xH), self.P_inv @ (dH.mT @ self.H)  # from cH, act on xG
+            gG = torch.bmm(dG, half_G.mT).baddbmm_(self.G, -0.5 * (M2 + M2.mT)).baddbmm_(xG, 0.5 * (N2 + N2.mT))
+            gH = torch.bmm(dH, half_H.mT).baddbmm_(self.H, -0.5 * (M + M.mT)).baddbmm_(xH, 0.5 * (N + N.mT))
+            return gG, gH
+
+        return (cG, cH), pullback
+
     def exp2(self, xi: Pair) -> Pair:
         """Second-order geodesic ``Exp2(w; xi) = w + xi - 1/2 Gamma(xi, xi)`` (paper Eq. 5)."""
         cG, cH = self.exp2_correction(xi)
@@ -198,10 +246,16 @@ class GLQuotient:
         """A metric-isotropic Gaussian tangent vector (not yet projected), equivariant for a fixed generator state.
 
         Rows of ``z_G`` have covariance ``P`` (inv) or ``Q^{-1}`` (mix) (spec §3.2)."""
+        if self._roots is None:
+            self._roots = (
+                self._equivariant_root(self.G.double(), self._P_inv64, self._probe_generator),
+                self._equivariant_root(self.H.double(), self._Q_inv64, self._probe_generator),
+            )
+        R_G, R_H = self._roots
         ZG = torch.randn(self.G.shape, generator=generator, dtype=torch.float64, device="cpu").to(self.G.device)
         ZH = torch.randn(self.H.shape, generator=generator, dtype=torch.float64, device="cpu").to(self.G.device)
         if self.metric == "inv":
-            return (ZG @ self._R_G).to(self.dtype), (ZH @ self._R_H).to(self.dtype)
-        root_G = torch.linalg.inv(self._R_H).mT  # (R_H^{-T})^T R_H^{-T} = Q^{-1}, transforms as A^{-1}
-        root_H = torch.linalg.inv(self._R_G).mT
+            return (ZG @ R_G).to(self.dtype), (ZH @ R_H).to(self.dtype)
+        root_G = torch.linalg.inv(R_H).mT  # (R_H^{-T})^T R_H^{-T} = Q^{-1}, transforms as A^{-1}
+        root_H = torch.linalg.inv(R_G).mT
         return (ZG @ root_G).to(self.dtype), (ZH @ root_H).to(self.dtype)
