@@ -295,7 +295,7 @@ def _run(
     *,
     measure: str,
     options: SpaceOptions | None,
-    solve: Callable[[PerturbationSpace, _Objective, torch.Generator], SolveResult],
+    solve: Callable[[PerturbationSpace, _Objective, torch.Generator, Callable[[int, float], None]], SolveResult],
     loss_fn: LossFn | None,
     accelerator: Any,
     progress: bool,
@@ -349,14 +349,20 @@ def _run(
         logger.info("%s: %d GL pairs, %d parameters, %d batches", measure, space.n_pairs, theta0.numel(), len(batches))
 
         objective = _Objective(model, names, params, space, loss_fn, config["rho"], grad_scope)
+        n_steps = config["n_samples"] if config["mode"] == "average" else config["steps"]
         mine = list(range(rank, len(batches), world))
         results: dict[int, tuple[float, float]] = {}
         bar = tqdm(mine, desc=measure, unit="batch", disable=not progress or rank != 0)
         for index in bar:
             objective.batch = _to_device(batches[index], device)
             generator = torch.Generator().manual_seed(_batch_seed(config["seed"], index))
+
+            def on_step(k: int, sharpness: float) -> None:  # solver progress inside the batch bar
+                bar.set_postfix(step=f"{k + 1}/{n_steps}", sharpness=f"{sharpness:.4g}", refresh=False)
+                bar.refresh()
+
             try:
-                out = solve(space, objective, generator)
+                out = solve(space, objective, generator, on_step)
             except Exception as err:
                 if hasattr(err, "add_note"):  # Python >= 3.11: say where, keep the type and message
                     keys = ", ".join(map(str, batches[index])) if isinstance(batches[index], Mapping) else "-"
@@ -448,10 +454,10 @@ def geodesic_sharpness(
         elementwise_curvature=elementwise_curvature, step_normalization=step_normalization,
     )
 
-    def solve(space, objective, generator):
+    def solve(space, objective, generator, on_step):
         if mode == "average":
-            return average_case(space, objective, rho=rho, n_samples=n_samples, generator=generator)
-        return apgd(space, objective, rho=rho, steps=steps, step_normalization=step_normalization)
+            return average_case(space, objective, rho=rho, n_samples=n_samples, generator=generator, on_step=on_step)
+        return apgd(space, objective, rho=rho, steps=steps, step_normalization=step_normalization, on_step=on_step)
 
     return _run(
         model, batches, measure=f"geodesic_{metric}_{mode}", options=options, solve=solve, loss_fn=loss_fn,
@@ -486,12 +492,12 @@ def adaptive_sharpness(
         raise ValueError(f"variant must be 'as23' or 'clean', got {variant!r}.")
     config = dict(rho=rho, mode=mode, steps=steps, seed=seed, variant=variant, params=params, n_samples=n_samples)
 
-    def solve(space, objective, generator):
+    def solve(space, objective, generator, on_step):
         if mode == "average":
-            return average_case(space, objective, rho=rho, n_samples=n_samples, generator=generator)
+            return average_case(space, objective, rho=rho, n_samples=n_samples, generator=generator, on_step=on_step)
         if variant == "as23":
-            return apgd_as23(space.elementwise.scale, objective, rho=rho, steps=steps)
-        return apgd(space, objective, rho=rho, steps=steps)
+            return apgd_as23(space.elementwise.scale, objective, rho=rho, steps=steps, on_step=on_step)
+        return apgd(space, objective, rho=rho, steps=steps, on_step=on_step)
 
     measure = f"adaptive_{variant}_{mode}" if mode == "worst" else "adaptive_average"
     return _run(
