@@ -1,0 +1,55 @@
+"""``python -m benchmarks``: run the suites, write ``benchmarks/results/<suite>-<device>.json``, print the tables."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from . import floor, memory, overhead, peer, scaling
+from .common import machine
+from .config import RunConfig
+
+SUITES = {"overhead": overhead, "floor": floor, "memory": memory, "scaling": scaling, "peer": peer}
+RESULTS = Path(__file__).parent / "results"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
+    parser.add_argument("--suite", default=",".join(SUITES), help=f"comma-separated, from {','.join(SUITES)}")
+    parser.add_argument("--quick", action="store_true", help="smaller batches, fewer steps (~10 min on 2 CPU cores)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed repeats per case (default 2, quick 1)")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON results")
+    args = parser.parse_args(argv)
+    suites = [s.strip() for s in args.suite.split(",") if s.strip()]
+    unknown = [s for s in suites if s not in SUITES]
+    if unknown:
+        parser.error(f"unknown suite(s) {unknown}; choose from {list(SUITES)}")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error("--device cuda was asked for but torch sees no CUDA device")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    cfg = RunConfig(device=args.device, quick=args.quick, repeats=args.repeats or (1 if args.quick else 2))
+    args.out.mkdir(parents=True, exist_ok=True)
+    for name in suites:
+        start = time.time()
+        print(f"\n## {name} ({'quick' if cfg.quick else 'full'}, {cfg.device})\n", flush=True)
+        result = SUITES[name].run(cfg)
+        result.update(machine=machine(cfg.device), quick=cfg.quick, repeats=cfg.repeats,
+                      seconds=round(time.time() - start, 1), date=time.strftime("%Y-%m-%d %H:%M:%S"))
+        device = cfg.device.split(":")[0]
+        path = args.out / f"{name}-{device}.json"
+        path.write_text(json.dumps(result, indent=1, default=str) + "\n")
+        print(SUITES[name].table(result))
+        print(f"\n[{name}: {result['seconds']} s -> {path}]", flush=True)
+
+
+if __name__ == "__main__":
+    main()

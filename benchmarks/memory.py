@@ -1,0 +1,122 @@
+"""Memory suite: peak memory of a solver run / peak of a plain forward+backward on the same model and batch.
+
+Target (DESIGN.md): <= 1.5. Every case runs in a fresh subprocess so that no allocator cache or earlier peak leaks
+from one case into the next. On CUDA the peak is ``torch.cuda.max_memory_allocated``; on the CPU it is the process's
+peak resident set size (``VmHWM``, reset right before the measured call): what the operating system has to provide.
+Two numbers per case:
+
+* ``footprint``: peak minus the process's memory before the model was built, i.e. model, batch, symmetry map and the
+  workload together (what a user needs to run it);
+* ``workload``: peak minus the memory right before the measured call (model, batch and map already there).
+
+The ratio against the target is taken on footprints, like for like: a plain forward+backward needs the model too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from typing import Any
+
+import torch
+
+from .config import RunConfig, Workload
+
+TARGET = 1.5
+CASES = ("forward_backward", "adaptive_clean", "adaptive_as23", "geodesic_inv", "geodesic_mix")
+
+
+def workloads(cfg: RunConfig) -> list[Workload]:
+    return cfg.pick(
+        [Workload("minilm", 16, 128, 6), Workload("minilm", 64, 128, 6), Workload("base", 16, 128, 6)],
+        [Workload("minilm", 8, 64, 6), Workload("base", 8, 64, 6)],
+    )
+
+
+def _measure(case: str, w: Workload, device: str, rho: float) -> dict[str, int]:
+    """One case in this (fresh) process; returns bytes."""
+    import hf_geosharp as gs
+
+    from .common import forward_backward, peak_rss_bytes, reset_peak_rss, rss_bytes
+    from .models import SIZES, bert_batches, bert_classifier, symmetry_map
+
+    cuda = device.startswith("cuda")
+    now = (lambda: torch.cuda.memory_allocated()) if cuda else rss_bytes
+    baseline = now()
+    model = bert_classifier(SIZES[w.size], device=device)
+    batches = bert_batches(model, n_batches=w.n_batches, batch_size=w.batch_size, seq_len=w.seq_len)
+    smap = symmetry_map(model)[0] if case.startswith("geodesic") else None
+    before = now()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        reset_peak_rss()
+    kw = dict(rho=rho, steps=w.steps, progress=False)
+    if case == "forward_backward":
+        forward_backward(model, batches[0])
+    elif case.startswith("adaptive"):
+        gs.adaptive_sharpness(model, batches, variant=case.split("_")[1], **kw)
+    else:
+        gs.geodesic_sharpness(model, batches, metric=case.split("_")[1], symmetry_map=smap, **kw)
+    peak = torch.cuda.max_memory_allocated() if cuda else peak_rss_bytes()
+    return {"baseline": baseline, "before_call": before, "peak": peak,
+            "footprint": peak - baseline, "workload": peak - before}
+
+
+def run(cfg: RunConfig) -> dict[str, Any]:
+    rows = []
+    for w in workloads(cfg):
+        cases = {}
+        for case in CASES:
+            args = [sys.executable, "-m", "benchmarks.memory", "--case", case, "--device", cfg.device,
+                    "--rho", str(cfg.rho), "--threads", str(torch.get_num_threads()), "--workload", json.dumps(vars(w))]
+            out = subprocess.run(args, capture_output=True, text=True, check=True)
+            cases[case] = json.loads(out.stdout.strip().splitlines()[-1])
+        plain = cases["forward_backward"]
+        rows.append({
+            "model": w.size,
+            "workload": vars(w),
+            "bytes": cases,
+            "ratio_footprint": {c: cases[c]["footprint"] / plain["footprint"] for c in CASES[1:]},
+            "ratio_workload": {c: cases[c]["workload"] / plain["workload"] for c in CASES[1:]},
+        })
+    return {"suite": "memory", "target": {"footprint_ratio": TARGET}, "rows": rows}
+
+
+def table(result: dict[str, Any]) -> str:
+    mib = 2.0**20
+    lines = [
+        "| model | batch x seq | case | footprint MiB | workload MiB | footprint / plain | workload / plain |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        w = r["workload"]
+        for case, b in r["bytes"].items():
+            ratio = r["ratio_footprint"].get(case)
+            mark = "" if ratio is None else f"{ratio:.2f} {'ok' if ratio <= TARGET else 'MISS'}"
+            wr = r["ratio_workload"].get(case)
+            lines.append(
+                f"| {r['model']} | {w['batch_size']}x{w['seq_len']} | {case} | {b['footprint'] / mib:.0f} | "
+                f"{b['workload'] / mib:.0f} | {mark or '1 (reference)'} | {'' if wr is None else f'{wr:.2f}'} |"
+            )
+    lines.append(f"\nEach case in a fresh process; target footprint / plain forward+backward <= {TARGET}.")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Measure one memory case (internal to `python -m benchmarks`).")
+    parser.add_argument("--case", choices=CASES, required=True)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--rho", type=float, default=0.1)
+    parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--workload", required=True)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(json.dumps(_measure(args.case, Workload(**json.loads(args.workload)), args.device, args.rho)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""Benchmark workloads: randomly initialised BERT classifiers, their batches and their symmetry maps.
+
+Random init is enough for timing and memory: the cost of a solver step does not depend on the weights' values. The
+symmetry map comes from ``gs.map_symmetries`` when the symmetry room provides it; until then (and as a cross-check of
+what is being timed) :func:`bert_symmetry_map` builds the same QK and VO pairs by hand, as index maps into the flat
+parameter vector (spec §4.3), exactly like ``tests/_toy.py`` does for the toy model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import BertConfig, BertForSequenceClassification
+
+from hf_geosharp.symmetry.base import PairBlock, SymmetryMap
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """A BERT shape. ``name`` appears in the JSON results and tables."""
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+
+    @property
+    def intermediate(self) -> int:
+        return 4 * self.hidden
+
+
+MINILM = ModelSize("minilm-6x384x12", 6, 384, 12)
+BERT_BASE = ModelSize("bert-base-12x768x12", 12, 768, 12)
+SIZES = {"minilm": MINILM, "base": BERT_BASE}
+
+
+def bert_classifier(
+    size: ModelSize, *, seed: int = 0, device: str = "cpu", num_labels: int = 3
+) -> BertForSequenceClassification:
+    """A random-init ``BertForSequenceClassification`` of the given shape, in eval mode (dropout off).
+
+    Biases get small random values: ``transformers`` initialises them to 0, and adaptive sharpness freezes zero
+    weights, so the solvers would skip their gradients while a plain backward computes them. A trained model has no
+    zero biases; neither does this one, so solver and floor do the same work."""
+    torch.manual_seed(seed)
+    config = BertConfig(
+        hidden_size=size.hidden,
+        num_hidden_layers=size.layers,
+        num_attention_heads=size.heads,
+        intermediate_size=size.intermediate,
+        num_labels=num_labels,
+    )
+    model = BertForSequenceClassification(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.02)
+    return model.to(device).eval()
+
+
+def bert_batches(
+    model: BertForSequenceClassification, *, n_batches: int, batch_size: int, seq_len: int, seed: int = 0
+) -> list[dict[str, torch.Tensor]]:
+    """Random token ids and labels on the model's device; full attention masks (worst case for compute)."""
+    g = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
+    vocab, labels = model.config.vocab_size, model.config.num_labels
+    return [
+        {
+            "input_ids": torch.randint(0, vocab, (batch_size, seq_len), generator=g).to(device),
+            "attention_mask": torch.ones(batch_size, seq_len, dtype=torch.long, device=device),
+            "labels": torch.randint(0, labels, (batch_size,), generator=g).to(device),
+        }
+        for _ in range(n_batches)
+    ]
+
+
+def bert_symmetry_map(model: BertForSequenceClassification) -> SymmetryMap:
+    """QK and VO pairs of every layer, q/k/v biases appended as a row (spec §4.3); a block per pair kind and layer."""
+    smap = SymmetryMap.empty(model)
+    heads = model.config.num_attention_heads
+    h = model.config.hidden_size // heads
+
+    def factor(prefix: str) -> torch.Tensor:  # [heads, d + 1, h]: torch row-slices transposed, bias appended
+        W, b = smap.index_of(f"{prefix}.weight"), smap.index_of(f"{prefix}.bias")
+        return torch.cat([W.view(heads, h, -1).mT, b.view(heads, 1, h)], dim=1)
+
+    for layer in range(model.config.num_hidden_layers):
+        attn = f"bert.encoder.layer.{layer}.attention"
+        W_o = smap.index_of(f"{attn}.output.dense.weight")  # [d, heads * h]: head i owns columns i*h..(i+1)*h
+        O = W_o.view(W_o.shape[0], heads, h).permute(1, 0, 2)
+        smap.blocks.append(PairBlock("qk", f"{attn}.self", factor(f"{attn}.self.query"), factor(f"{attn}.self.key")))
+        smap.blocks.append(PairBlock("vo", f"{attn}.self", factor(f"{attn}.self.value"), O))
+    return smap
+
+
+def symmetry_map(model: BertForSequenceClassification) -> tuple[SymmetryMap, str]:
+    """The library's map when the symmetry room ships one, else :func:`bert_symmetry_map`; and which one was used."""
+    try:
+        from hf_geosharp.symmetry import map_symmetries  # type: ignore[attr-defined]
+    except ImportError:
+        return bert_symmetry_map(model), "benchmarks.models.bert_symmetry_map"
+    return map_symmetries(model), "hf_geosharp.symmetry.map_symmetries"
