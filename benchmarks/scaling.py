@@ -44,16 +44,16 @@ def _layer_space(heads: int, h: int, metric: str, device: str) -> PerturbationSp
 def geometry_step_seconds(space: PerturbationSpace, device: str, repeats: int) -> float:
     """Minimum seconds of one solver step's geometry on ``space`` (everything a step does besides the model)."""
     g = torch.Generator().manual_seed(1)
-    egrad = torch.randn(space.theta0.shape, generator=g).to(space.theta0)
-    pool = _Pool(space.theta0, 4)
+    like = space.zero()
+    egrad = torch.randn(space.numel, generator=g).to(like)
+    pool = _Pool(like, 5)
     xi, xi_prev, d = pool.free(), pool.rows[1], pool.rows[2]
-    xi.copy_(space.project(1e-3 * torch.randn(space.theta0.shape, generator=g).to(space.theta0), 0.1))
+    xi.copy_(space.project(1e-3 * torch.randn(space.numel, generator=g).to(like), 0.1))
     xi_prev.copy_(xi)
     theta, grad = torch.empty_like(xi), egrad.clone()
 
     def step() -> None:  # what apgd does per step besides calling the model (see hf_geosharp.solver.apgd)
-        space.riemannian_gradient(egrad, out=d)
-        space.gradient_inner_products(egrad, d, pool.matrix)
+        space.ascent_direction(egrad, pool.stacked([xi, xi_prev]), out=d)
         pool.combine_into(d, 0.5, [(0.3, xi), (0.2, xi_prev)])
         pullback = space.exp_point(xi, theta, True)
         if pullback is not None:
@@ -79,7 +79,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
             t0 = time.perf_counter()
             space = _layer_space(heads, h, metric, cfg.device)
             setup = time.perf_counter() - t0
-            n = space.theta0.numel()
+            n = space.numel
             step = geometry_step_seconds(space, cfg.device, reps)
             geometry.append({"heads": heads, "head_dim": h, "hidden": heads * h, "metric": metric, "n_params": n,
                              "setup_s": setup, "step_s": step, "ns_per_param": 1e9 * step / n})

@@ -258,15 +258,21 @@ class ExactGeodesicSpace:
         """g-orthogonal projection onto the horizontal space (the same map for the inv, mix and loose metrics)."""
         return self.horizontal_vector(self.b_of(xi))
 
-    def riemannian_gradient(self, egrad: Tensor, out: Tensor | None = None) -> Tensor:
-        """Raise the Euclidean gradient with the metric, then make it horizontal (written into ``out`` if given)."""
-        r = self.horizontal(egrad * self.inverse_weights)
-        return out.copy_(r) if out is not None else r
+    def empty(self) -> Tensor:
+        return torch.empty(2 * self.u.numel(), dtype=DTYPE)
 
-    def gradient_inner_products(self, egrad: Tensor, direction: Tensor, vectors: Tensor) -> list[float]:
-        """``<riemannian_gradient(egrad), v>_g`` for every horizontal row ``v`` of ``vectors``: the projection is
-        g-self-adjoint, so this is the Euclidean ``<egrad, v>`` (``direction`` is accepted for the solver's protocol)."""
-        return torch.mv(vectors, egrad).tolist()
+    def riemannian_gradient(self, egrad: Tensor) -> Tensor:
+        """Raise the Euclidean gradient with the metric, then make it horizontal."""
+        return self.horizontal(egrad * self.inverse_weights)
+
+    def ascent_direction(self, egrad: Tensor, vectors: Tensor, out: Tensor) -> tuple[Tensor, float, list[float]]:
+        """The solver's step: ``d = riemannian_gradient(egrad)`` into ``out`` (may be ``egrad``), ``<d, d>_g`` and
+        ``<d, v>_g`` for the horizontal rows ``v`` of ``vectors``. The projection is g-self-adjoint, so the products
+        are the Euclidean ``<egrad, v>`` and ``<d, d>_g = <egrad, d>``."""
+        d = self.riemannian_gradient(egrad)
+        products = torch.mv(vectors, egrad).tolist() if len(vectors) else []
+        square = float(torch.dot(egrad, d))
+        return out.copy_(d), max(square, 0.0), products
 
     def project(self, xi: Tensor, rho: float) -> Tensor:
         """Onto ``{horizontal, ||xi||_g <= rho}``: horizontal projection, then radial scaling (both g-orthogonal)."""

@@ -86,7 +86,10 @@ def preserved_model_state(model: nn.Module) -> Iterator[None]:
 
 
 def _flat_parameters(model: nn.Module) -> tuple[list[str], list[Tensor], Tensor]:
-    """Names, tensors and the flat working copy ``theta0`` (fp32 for half-precision weights, else their dtype)."""
+    """Names, tensors and their flat concatenation ``theta0`` (fp32 for half-precision weights, else their dtype).
+
+    ``theta0`` is needed only while the perturbation space is built (it reads the pairs and the metric from it);
+    afterwards the space reads the parameters themselves, so the caller drops it."""
     named = list(model.named_parameters())
     if not named:
         raise ValueError("The model has no parameters to perturb.")
@@ -164,11 +167,12 @@ class _Objective:
         self.batch: Any = None
         self.names, self.dtypes = names, [p.dtype for p in params]
         self.numels = [p.numel() for p in params]
-        self.theta = torch.empty_like(space.theta0)
+        self.theta = space.empty()
         self.views = [v.view(p.shape) for v, p in zip(self.theta.split(self.numels), params)]
         moves = space.segments_move(self.numels)
         self.differentiate = [grad_scope == "all" or m for m in moves]
         self.positions = [i for i, d in enumerate(self.differentiate) if d]
+        self.graph_checked = False
 
     def __call__(self, xi: Tensor, need_grad: bool, out: Tensor | None = None) -> tuple[float, Tensor | None]:
         pullback = self.space.exp_point(xi, self.theta, need_grad)
@@ -179,8 +183,20 @@ class _Objective:
                 t = t.detach().requires_grad_(True)
                 leaves.append(t)
             tensors[name] = t
+        # Backward runs inside the reparametrisation too: activation checkpointing recomputes the forward during
+        # backward, and must see the perturbed weights, not the user's.
         with torch.set_grad_enabled(need_grad), _reparametrize_module(self.model, tensors, tie_weights=True):
             loss = self.loss_fn(self.model, self.batch)
+            value = self._checked_value(loss, xi)
+            if not need_grad:
+                return value, None
+            out = torch.empty_like(self.theta) if out is None else out
+            self._backward(loss, leaves, out)
+        if pullback is not None:
+            pullback(out)
+        return value, out
+
+    def _checked_value(self, loss: Any, xi: Tensor) -> float:
         if not isinstance(loss, Tensor) or loss.numel() != 1:
             raise TypeError("The loss must be a scalar tensor (a mean over the batch).")
         value = float(loss.detach())
@@ -188,23 +204,32 @@ class _Objective:
             where = "the unperturbed weights" if not bool(xi.any()) else f"a perturbed point (rho={self.rho})"
             hint = "check the inputs and labels" if "unperturbed" in where else "lower rho"
             raise FloatingPointError(f"The loss is {value} at {where}; {hint}.")
-        if not need_grad:
-            return value, None
+        return value
+
+    def _backward(self, loss: Tensor, leaves: list[Tensor], out: Tensor) -> None:
+        """``dloss/dtheta`` into ``out``, streamed parameter by parameter (zero where nothing is differentiated)."""
         if leaves and not loss.requires_grad:
             raise TypeError(
                 "The loss does not depend on the model's parameters (it has no autograd graph); a loss_fn must "
                 "compute it from `model(...)` outputs without detaching or using torch.no_grad()."
             )
-        out = torch.empty_like(self.theta) if out is None else out
+        if not self.graph_checked:  # once per run: the graph's structure does not change between steps
+            _refuse_reentrant_checkpointing(loss)
+            self.graph_checked = True
         segments, filled = out.split(self.numels), set()
 
         def stream(position: int) -> Callable[[Tensor], None]:
             # Copy each gradient into the flat buffer as soon as backward has it, and drop it: the per-parameter
-            # gradients are then never all alive at once (a plain backward keeps them all in .grad).
+            # gradients are then never all alive at once (a plain backward keeps them all in .grad). A leaf can
+            # receive its gradient in parts: reentrant activation checkpointing runs one backward per checkpointed
+            # segment, and a weight shared across segments (ALBERT) is accumulated once in each.
             def hook(leaf: Tensor) -> None:
-                segments[position].copy_(leaf.grad.reshape(-1))
+                if position in filled:
+                    segments[position].add_(leaf.grad.reshape(-1))
+                else:
+                    segments[position].copy_(leaf.grad.reshape(-1))
+                    filled.add(position)
                 leaf.grad = None
-                filled.add(position)
 
             return hook
 
@@ -215,9 +240,24 @@ class _Objective:
         missing = [segment for i, segment in enumerate(segments) if i not in filled]
         if missing:
             torch._foreach_zero_(missing)
-        if pullback is not None:
-            pullback(out)
-        return value, out
+
+
+def _refuse_reentrant_checkpointing(loss: Tensor) -> None:
+    """Raise if the graph holds reentrant activation checkpoints: their weights are hidden from the outer graph, so
+    a backward restricted to the perturbation's leaves (``inputs=``) would silently miss their gradients."""
+    seen, stack = set(), [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == "CheckpointFunctionBackward":
+            raise ValueError(
+                "The model uses reentrant activation checkpointing (torch.utils.checkpoint with use_reentrant=True) "
+                "in evaluation mode, which hides the weights from the gradients sharpness needs. Switch it off "
+                "(model.gradient_checkpointing_disable()) or use use_reentrant=False."
+            )
+        stack.extend(next_node for next_node, _ in node.next_functions)
 
 
 # ---------------------------------------------------------------------- runner
@@ -344,9 +384,11 @@ def _run(
                 )
             blocks = symmetry_map.blocks
         space = PerturbationSpace(
-            theta0, blocks, options or SpaceOptions(metric=None), _movable_mask(params, config["params"], device), config["seed"]
+            theta0, blocks, options or SpaceOptions(metric=None), _movable_mask(params, config["params"], device),
+            config["seed"], base=params,
         )
-        logger.info("%s: %d GL pairs, %d parameters, %d batches", measure, space.n_pairs, theta0.numel(), len(batches))
+        del theta0  # the space reads the parameters themselves from now on
+        logger.info("%s: %d GL pairs, %d parameters, %d batches", measure, space.n_pairs, space.numel, len(batches))
 
         objective = _Objective(model, names, params, space, loss_fn, config["rho"], grad_scope)
         n_steps = config["n_samples"] if config["mode"] == "average" else config["steps"]

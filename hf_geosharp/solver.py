@@ -4,8 +4,8 @@ The worst case is Auto-PGD as used by Andriushchenko et al. 2023 (AS23) and by t
 step-size checkpoints, halving, momentum and best-point tracking. :func:`apgd` is the clean version of spec §4.2
 (one forward and one backward per step: the loss of an iterate comes from the forward that gives its gradient).
 :func:`apgd_as23` reproduces the reference code's quirks (spec §5.1) so that adaptive-sharpness numbers are comparable
-with the literature. Both talk to a space only through ``zero``, ``norm``, ``riemannian_gradient``,
-``gradient_inner_products``, ``project`` and ``random_tangent_vector``; the objective is a callable
+with the literature. Both talk to a space only through ``zero``, ``empty``, ``ascent_direction`` and
+``random_tangent_vector``; the objective is a callable
 ``(xi, need_grad, out=None) -> (loss, euclidean_grad | None)`` that writes the gradient into ``out`` when given.
 
 Parameter-sized vectors (1e8 entries for BERT-base) are the cost that is not forward or backward, so the solvers keep
@@ -28,10 +28,8 @@ StepNormalization = Literal["riemannian", "euclidean", "none"]
 
 class Space(Protocol):
     def zero(self) -> Tensor: ...
-    def norm(self, xi: Tensor) -> Tensor: ...
-    def riemannian_gradient(self, egrad: Tensor, out: Tensor | None = None) -> Tensor: ...
-    def gradient_inner_products(self, egrad: Tensor, direction: Tensor, vectors: Tensor) -> list[float]: ...
-    def project(self, xi: Tensor, rho: float) -> Tensor: ...
+    def empty(self) -> Tensor: ...
+    def ascent_direction(self, egrad: Tensor, vectors: Tensor, out: Tensor) -> tuple[Tensor, float, list[float]]: ...
     def random_tangent_vector(self, generator: torch.Generator) -> Tensor: ...
 
 
@@ -53,7 +51,7 @@ class _Pool:
     """``size`` parameter-sized buffers, the rows of one matrix, handed out by identity so that no live vector is
     overwritten.
 
-    One matrix rather than separate tensors, so that the inner products of a gradient with every buffer are one
+    One matrix rather than separate tensors, so that the inner products of a gradient with several buffers are one
     matrix-vector product and a combination of buffers is one ``addmv``: each reads every row once. Rows are never
     initialised (a row is written before it is read), so untouched ones cost no memory."""
 
@@ -70,6 +68,16 @@ class _Pool:
     def position(self, row: Tensor) -> int:
         return next(i for i, r in enumerate(self.rows) if r is row)
 
+    def stacked(self, rows: list[Tensor]) -> Tensor:
+        """Up to two distinct rows, in pool order, as one ``[r, N]`` matrix: a strided view of the pool, no copy."""
+        positions = sorted({self.position(row) for row in rows})
+        if not positions:
+            return self.matrix[:0]
+        if len(positions) > 2:
+            raise ValueError("stacked() takes at most two distinct rows")
+        step = positions[1] - positions[0] if len(positions) == 2 else 1
+        return self.matrix[positions[0]::step][: len(positions)]
+
     def combine_into(self, out: Tensor, scale: float, terms: list[tuple[float, Tensor]]) -> None:
         """``out <- scale * out + sum coef * row`` in place, in one pass (``addmv``); ``out`` must not be a term."""
         merged: dict[int, float] = {}
@@ -80,20 +88,10 @@ class _Pool:
         if not merged:
             out.mul_(scale)
             return
-        first, *rest = sorted(merged)
-        step = rest[0] - first if rest else 1
-        rows = self.matrix[first::step][: len(merged)]  # rows `first` and `first + step`: a strided view, no copy
-        coefs = torch.tensor([merged[first + step * j] for j in range(len(merged))], dtype=out.dtype, device=out.device)
+        order = sorted(merged)  # the order of stacked()'s rows
+        rows = self.stacked([self.rows[i] for i in order])
+        coefs = torch.tensor([merged[i] for i in order], dtype=out.dtype, device=out.device)
         out.addmv_(rows.t(), coefs, beta=scale)
-
-
-def _gradient_products(space: Space, egrad: Tensor, direction: Tensor, pool: _Pool) -> list[float]:
-    """``<direction, row>_g`` for every row of the pool: one matrix-vector product where the space offers
-    ``gradient_inner_products``; spaces written against the one-vector form ``gradient_inner_product``
-    (``experiments/diagonal_networks.py``) are asked row by row."""
-    if hasattr(space, "gradient_inner_products"):
-        return space.gradient_inner_products(egrad, direction, pool.matrix)
-    return [space.gradient_inner_product(egrad, direction, row) for row in pool.rows]
 
 
 def as23_checkpoints(n_iters: int) -> list[int]:
@@ -147,33 +145,36 @@ def apgd(
     How a step stays cheap: the direction ``d`` (the projected Riemannian gradient) and the iterates ``xi``,
     ``xi_prev`` are horizontal, so ``z = P_S(xi + c d)`` and the momentum point ``P_S(a xi + b d + c xi_prev)`` are
     radial rescalings of combinations of the three. Their norms follow from the Gram matrix of ``(xi, d, xi_prev)``:
-    the row of ``d`` is one matrix-vector product with the gradient (``space.gradient_inner_products``) and the rest
-    is carried over from the previous step. The new iterate is then written once, in place of ``d``, by one ``addmv``.
-    Iterates live in a pool of four buffers (``xi``, ``xi_prev``, best, next) and gradients in two (current, best), so
-    nothing parameter-sized is allocated per step. ``best_norm`` comes from the same bookkeeping. With ``epsilon > 0``
-    the horizontal projection is g-orthogonal only up to ``O(epsilon)`` (spec §9), and so are these identities.
+    the row of ``d`` comes with it from ``space.ascent_direction`` (one pass over the gradient) and the rest is carried
+    over from the previous step. The new iterate is then written once, in place of ``d``, by one ``addmv``.
+
+    Memory: five parameter-sized buffers in all (the iterates ``xi``, ``xi_prev``, the best point, its gradient, and
+    the next gradient). ``d`` is computed in place of the gradient it comes from, unless that gradient is the best
+    point's, which a restart needs again. Nothing parameter-sized is allocated per step. ``best_norm`` comes from the
+    same bookkeeping. With ``epsilon > 0`` the horizontal projection is g-orthogonal only up to ``O(epsilon)``
+    (spec §9), and so are these identities.
     """
-    like = space.zero()
-    tangents, gradients = _Pool(like, 4), _Pool(like, 2)
-    del like
-    xi = xi_prev = best_xi = tangents.free()
+    pool = _Pool(space.empty(), 5)
+    xi = xi_prev = best_xi = pool.free()
     xi.zero_()
     sq_xi = sq_prev = cross = best_sq = 0.0  # ||xi||^2, ||xi_prev||^2, <xi, xi_prev>, ||best_xi||^2 (metric g)
-    clean_loss, egrad = objective(xi, True, out=gradients.free())
+    clean_loss, egrad = objective(xi, True, out=pool.free(xi))
     best_loss, best_egrad = clean_loss, egrad
     schedule = _StepSchedule(2.0 * rho, steps, min_update_ratio, clean_loss)
     losses = [clean_loss]
     for k in range(steps):
-        d = space.riemannian_gradient(egrad, out=tangents.free(xi, xi_prev, best_xi))
-        products = _gradient_products(space, egrad, d, tangents)  # <d, row>_g for every row
-        sq_d = max(products[tangents.position(d)], 0.0)
-        d_xi = products[tangents.position(xi)] if sq_xi > 0 else 0.0
-        d_prev = products[tangents.position(xi_prev)] if sq_prev > 0 else 0.0
+        if step_normalization == "euclidean":  # read before ascent_direction may consume the gradient
+            c = schedule.eta / (math.sqrt(max(float(torch.dot(egrad, egrad)), 0.0)) + 1e-12)
+        known = [row for row, sq in ((xi, sq_xi), (xi_prev, sq_prev)) if sq > 0]  # zero rows have zero products
+        out = pool.free(xi, xi_prev, best_xi, egrad) if egrad is best_egrad else egrad
+        d, sq_d, products = space.ascent_direction(egrad, pool.stacked(known), out=out)
+        del egrad
+        product = dict(zip(sorted({pool.position(row) for row in known}), products))  # stacked() order
+        d_xi = product.get(pool.position(xi), 0.0) if sq_xi > 0 else 0.0
+        d_prev = product.get(pool.position(xi_prev), 0.0) if sq_prev > 0 else 0.0
         if step_normalization == "riemannian":
             c = schedule.eta / (math.sqrt(sq_d) + 1e-12)
-        elif step_normalization == "euclidean":
-            c = schedule.eta / (math.sqrt(max(float(torch.dot(egrad, egrad)), 0.0)) + 1e-12)
-        else:
+        elif step_normalization == "none":
             c = schedule.eta
         # z = P_S(xi + c d) = s1 (xi + c d)
         sq_z = max(sq_xi + 2 * c * d_xi + c * c * sq_d, 0.0)
@@ -190,11 +191,11 @@ def apgd(
             s2 = rho / math.sqrt(sq_y) if sq_y > rho * rho else 1.0
             a, b, g, sq_new = s2 * a, s2 * b, s2 * g, s2 * s2 * sq_y
         new_cross = a * sq_xi + b * d_xi + g * cross  # <xi_new, xi>
-        tangents.combine_into(d, b, [(a if sq_xi > 0 else 0.0, xi), (g if sq_prev > 0 else 0.0, xi_prev)])
+        pool.combine_into(d, b, [(a if sq_xi > 0 else 0.0, xi), (g if sq_prev > 0 else 0.0, xi_prev)])
         xi_prev, xi = xi, d
         sq_prev, sq_xi, cross = sq_xi, sq_new, new_cross
         need_grad = k < steps - 1
-        loss, egrad = objective(xi, need_grad, out=gradients.free(best_egrad) if need_grad else None)
+        loss, egrad = objective(xi, need_grad, out=pool.free(xi, xi_prev, best_xi, best_egrad) if need_grad else None)
         losses.append(loss)
         if loss > best_loss:
             best_loss, best_xi, best_egrad, best_sq = loss, xi, egrad, sq_xi

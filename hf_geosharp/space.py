@@ -14,13 +14,13 @@ parameter vector is large (1e8 entries), so
 * the perturbed point is written into a caller-owned buffer without autograd (:meth:`PerturbationSpace.exp_point`);
   the derivative of the second-order geodesic term is a closed-form, pair-sized vector-Jacobian product applied
   afterwards, so no parameter-sized zero fill or scatter ever enters a backward pass;
-* :meth:`PerturbationSpace.gradient_inner_products` uses the defining identity of the Riemannian gradient,
-  ``<grad f, x>_g = <df, x>`` for horizontal ``x``, so the solver's norms cost one matrix-vector product per step.
+* :meth:`PerturbationSpace.ascent_direction` uses the defining identity of the Riemannian gradient,
+  ``<grad f, x>_g = <df, x>`` for horizontal ``x``, so the solver's norms cost one matrix-vector product per step,
+  and it may write the direction over the gradient it comes from, which saves the solver a parameter-sized buffer.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -189,11 +189,15 @@ class PerturbationSpace:
     """Norms, gradients, projections and geodesic points for flat tangent vectors at ``theta0``.
 
     Args:
-        theta0: ``[N]`` the trained weights, flattened (working dtype).
+        theta0: ``[N]`` the trained weights, flattened (working dtype). Read while the space is built.
         blocks: GL(h) pair blocks (ignored when ``options.metric`` is None).
         options: see :class:`SpaceOptions`.
         movable: ``[N]`` bool, the coordinates that may be perturbed (default: all).
         probe_seed: seed of the fixed probe used by the equivariant Gaussian sampler.
+        base: the same weights as the tensors whose concatenation is ``theta0`` (e.g. the model's parameters).
+            When given, geodesic points are computed from them and the space keeps no reference to ``theta0`` (but
+            for the ablation ``elementwise_curvature``), so the caller can free it: one parameter-sized vector less
+            for the whole run.
     """
 
     def __init__(
@@ -203,11 +207,17 @@ class PerturbationSpace:
         options: SpaceOptions = SpaceOptions(),
         movable: Tensor | None = None,
         probe_seed: int = 0,
+        base: list[Tensor] | None = None,
     ) -> None:
-        self.theta0 = theta0.detach()
+        theta0 = theta0.detach()
         self.options = options
+        self.numel, self.dtype, self.device = theta0.numel(), theta0.dtype, theta0.device
+        self.base = [theta0] if base is None else [b.detach().reshape(-1) for b in base]
+        self._base_sizes = [b.numel() for b in self.base]
+        if sum(self._base_sizes) != self.numel:
+            raise ValueError("base must hold exactly the weights of theta0.")
         movable = None if movable is None else movable.to(torch.bool)
-        device = self.theta0.device
+        device = self.device
         self.blocks = [
             b for b in (blocks if options.metric is not None else [])
             if movable is None or bool(movable[b.G_index.to(device)].all() and movable[b.H_index.to(device)].all())
@@ -216,43 +226,50 @@ class PerturbationSpace:
         self.pairs: list[PairGroup] = []
         for gi, hi, basis in _stack_alike(self.blocks):
             g, h = Factor.of(gi, device), Factor.of(hi, device)
-            G, H = g.gather(self.theta0), h.gather(self.theta0)
+            G, H = g.gather(theta0), h.gather(theta0)
             geometry = GLQuotient(G, H, options.metric, options.epsilon, basis, probe)
             self.pairs.append(PairGroup(g, h, geometry))
-        # Parameter-sized masks only where needed: each costs a pass (and fresh pages) over 1e8 entries.
-        pair_mask = None
-        if self.pairs:
-            pair_mask = torch.zeros_like(self.theta0, dtype=torch.bool)
-            for group in self.pairs:
-                group.g.write(pair_mask, torch.ones(group.g.shape, dtype=torch.bool, device=device))
-                group.h.write(pair_mask, torch.ones(group.h.shape, dtype=torch.bool, device=device))
+        # Parameter-sized masks only while building: each costs a pass (and fresh pages) over 1e8 entries.
+        pair_mask = self._pair_mask()
         mask = movable
         if pair_mask is not None:
-            mask = pair_mask.logical_not()
+            mask = pair_mask.logical_not_()
             if movable is not None:
                 mask &= movable
-        self.elementwise = ElementwiseGeometry(self.theta0, mask, options.elementwise_curvature)
-        del mask
-        self.pair_mask = pair_mask
+        self.elementwise = ElementwiseGeometry(theta0, mask, options.elementwise_curvature)
+        del mask, pair_mask
         # Ablation "riemannian_norm=False": pair coordinates are measured like adaptive sharpness measures them.
         self.pair_elementwise = (
-            None if options.riemannian_norm or not self.pairs else ElementwiseGeometry(self.theta0, pair_mask)
+            None if options.riemannian_norm or not self.pairs else ElementwiseGeometry(theta0, self._pair_mask())
         )
 
     # ------------------------------------------------------------------ helpers
     def zero(self) -> Tensor:
-        return torch.zeros_like(self.theta0)
+        return torch.zeros(self.numel, dtype=self.dtype, device=self.device)
 
-    @functools.cached_property
+    def empty(self) -> Tensor:
+        """An uninitialised flat vector (its pages cost memory only once written)."""
+        return torch.empty(self.numel, dtype=self.dtype, device=self.device)
+
+    def _pair_mask(self) -> Tensor | None:
+        """``[N]`` bool, the coordinates of GL(h) pairs (``None`` without pairs); built on demand."""
+        if not self.pairs:
+            return None
+        mask = torch.zeros(self.numel, dtype=torch.bool, device=self.device)
+        for group in self.pairs:
+            group.g.write(mask, torch.ones(group.g.shape, dtype=torch.bool, device=self.device))
+            group.h.write(mask, torch.ones(group.h.shape, dtype=torch.bool, device=self.device))
+        return mask
+
+    @property
     def movable(self) -> Tensor:
-        """``[N]`` bool: the coordinates that can move (frozen and zero-weight ones never do)."""
-        return self.elementwise.movable if self.pair_mask is None else self.elementwise.movable | self.pair_mask
+        """``[N]`` bool: the coordinates that can move (frozen and zero-weight ones never do); a new tensor."""
+        pair_mask = self._pair_mask()
+        return self.elementwise.movable if pair_mask is None else pair_mask.logical_or_(self.elementwise.movable)
 
     def segments_move(self, sizes: list[int]) -> list[bool]:
         """For consecutive segments of the flat vector (e.g. the parameters), whether any coordinate can move."""
-        masks = [self.elementwise.movable] + ([] if self.pair_mask is None else [self.pair_mask])
-        parts = [m.split(sizes) for m in masks]
-        return [any(bool(p[i].any()) for p in parts) for i in range(len(sizes))]
+        return [bool(part.any()) for part in self.movable.split(sizes)]
 
     @property
     def n_pairs(self) -> int:
@@ -277,21 +294,10 @@ class PerturbationSpace:
         """Riemannian norm at ``theta0`` (float64 scalar)."""
         return self.inner_product(xi, xi).clamp_min(0).sqrt()
 
-    def gradient_inner_products(self, egrad: Tensor, direction: Tensor, vectors: Tensor) -> list[float]:
-        """``<direction, v>_g`` for every row ``v`` of ``vectors``, where ``direction = riemannian_gradient(egrad)``.
-
-        For horizontal ``v`` the Riemannian gradient's defining identity ``<R e, v>_g = <e, v>`` (with a g-self-adjoint
-        horizontal projection) makes this one matrix-vector product with the Euclidean gradient, one pass over the
-        rows; rows that are not horizontal get meaningless values. The identity needs the projection to be orthogonal
-        in the metric that measures: the ``riemannian_norm=False`` ablation therefore pays for full inner products."""
-        if self.pair_elementwise is not None:
-            return [float(self.inner_product(direction, v)) for v in vectors]
-        return torch.mv(vectors, egrad).tolist()
-
     def riemannian_gradient(self, egrad: Tensor, out: Tensor | None = None) -> Tensor:
         """Raise the Euclidean gradient with the metric, then make it horizontal (a valid ascent direction).
 
-        Zero on frozen coordinates (their metric factor is 0). Written into ``out`` when given."""
+        Zero on frozen coordinates (their metric factor is 0). Written into ``out`` when given (not ``egrad``)."""
         r = self.elementwise.euclidean_to_riemannian_gradient(egrad, out=out)
         if not self.pairs:
             return r
@@ -301,9 +307,39 @@ class PerturbationSpace:
                 self._map_pairs(r, lambda g, x: g.projection(x))
             return r
         for group in self.pairs:
-            rp = group.geometry.euclidean_to_riemannian_gradient(group.gather(egrad))
-            group.write(r, group.geometry.projection(rp) if self.options.horizontal_projection else rp)
+            group.write(r, self._pair_gradient(group, group.gather(egrad)))
         return r
+
+    def _pair_gradient(self, group: PairGroup, egrad: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+        rp = group.geometry.euclidean_to_riemannian_gradient(egrad)
+        return group.geometry.projection(rp) if self.options.horizontal_projection else rp
+
+    def ascent_direction(self, egrad: Tensor, vectors: Tensor, out: Tensor) -> tuple[Tensor, float, list[float]]:
+        """The solver's step direction ``d = riemannian_gradient(egrad)``, written into ``out``, with ``<d, d>_g``
+        and ``<d, v>_g`` for every horizontal row ``v`` of ``vectors`` (``[r, N]``, ``r`` may be 0).
+
+        ``out`` may be ``egrad`` itself: the gradient is then consumed, which spares the solver a parameter-sized
+        buffer. Everything that needs ``egrad`` is read first: the products ``<e, v>`` (for horizontal ``v`` and a
+        g-self-adjoint projection the defining identity of the Riemannian gradient gives ``<R e, v>_g = <e, v>``), each
+        pair group's direction, and ``<d, d>_g = <e, d>``, summed block by block with the elementwise part of ``d``. The pair directions are written last, over the zeros that the elementwise
+        factor leaves at pair coordinates."""
+        if self.pair_elementwise is not None:  # ablation: the projection is not orthogonal in the measuring metric
+            d = self.riemannian_gradient(egrad)
+            products = [float(self.inner_product(d, v)) for v in vectors]
+            square = float(self.inner_product(d, d))
+            return out.copy_(d), max(square, 0.0), products
+        products = torch.mv(vectors, egrad).tolist() if len(vectors) else []
+        directions, square = [], 0.0
+        for group in self.pairs:
+            e = group.gather(egrad)
+            r = self._pair_gradient(group, e)
+            square += sum(float(torch.dot(a.reshape(-1), b.reshape(-1))) for a, b in zip(e, r))
+            directions.append((group, r))
+            del e
+        square += self.elementwise.riemannian_gradient_and_square(egrad, out)
+        for group, r in directions:
+            group.write(out, r)
+        return out, max(square, 0.0), products
 
     def horizontal(self, xi: Tensor) -> Tensor:
         """g-orthogonal projection onto the horizontal space (identity on elementwise coordinates)."""
@@ -328,7 +364,11 @@ class PerturbationSpace:
         ``dL/dtheta`` (a flat tensor, modified in place) into ``dL/dxi``; it is ``None`` for a first-order space, where
         the two coincide. Pairs use the closed-form pullback of :meth:`GLQuotient.exp2_correction_with_pullback`;
         the (ablation-only) elementwise curvature is differentiated by autograd."""
-        torch.add(self.theta0, xi, out=out)
+        if len(self.base) == 1:
+            torch.add(self.base[0], xi, out=out)
+        else:  # one add per parameter (the parameters are not one tensor)
+            for w, x, o in zip(self.base, xi.split(self._base_sizes), out.split(self._base_sizes)):
+                torch.add(w, x, out=o)
         # (vector-Jacobian product of dL/dtheta, how to add it to dL/dtheta) per curvature term
         stages: list[tuple[Callable[[Tensor], Any], Callable[[Tensor, Any], Any]]] = []
         if self.options.elementwise_curvature != "none":

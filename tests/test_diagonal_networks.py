@@ -55,7 +55,15 @@ def test_riemannian_gradient_is_horizontal_and_represents_the_differential(metri
     eta = space.horizontal(_rand(2 * D, 3))
     # <grad f, eta>_g = df(eta) for every horizontal eta: the defining property the solver relies on.
     assert float(space.inner_product(r, eta)) == pytest.approx(float(egrad @ eta), rel=1e-12)
-    assert space.gradient_inner_products(egrad, r, eta[None])[0] == pytest.approx(float(space.inner_product(r, eta)), rel=1e-12)
+    # The solver's step reads these through ascent_direction, also when it consumes the gradient in place.
+    d, square, (product,) = space.ascent_direction(egrad.clone(), eta[None], out=torch.empty_like(egrad))
+    assert torch.allclose(d, r, atol=1e-14)
+    assert square == pytest.approx(float(space.inner_product(r, r)), rel=1e-12)
+    assert product == pytest.approx(float(space.inner_product(r, eta)), rel=1e-12)
+    consumed = egrad.clone()
+    d, square, (product,) = space.ascent_direction(consumed, eta[None], out=consumed)
+    assert d is consumed and torch.allclose(d, r, atol=1e-14)
+    assert product == pytest.approx(float(space.inner_product(r, eta)), rel=1e-12)
 
 
 @pytest.mark.parametrize("metric, constraint", CASES)

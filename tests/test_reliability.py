@@ -12,6 +12,8 @@ Documented behaviours checked here (see also the docstrings of ``gs.geodesic_sha
 * batches of unequal size are averaged per batch, not per example;
 * any iterable of batches works (it is read once, into a list);
 * the solver runs in eval mode: dropout left on, or gradient checkpointing switched on, changes nothing;
+* activation checkpointing that stays on in eval mode gives the same number as none (the backward runs at the
+  perturbed weights); the reentrant kind, which hides weights from ``inputs=``-restricted gradients, is refused;
 * ``params="all"`` perturbs frozen parameters too (as AS23 does); ``params="trainable"`` never moves them;
 * labels of ``-100`` are ignored (the loss's ``ignore_index``), other out-of-range labels are refused;
 * a rank-deficient head (Assumption 5.1 violated) gives a finite result for ``epsilon > 0`` and the symmetry report
@@ -225,6 +227,42 @@ def frozen_stay_put(model: nn.Module) -> Callable[[nn.Module, Any], torch.Tensor
     return loss_fn
 
 
+class CheckpointedMLP(nn.Module):
+    """A weight shared by two activation-checkpointed blocks, in every mode (transformers models checkpoint only in
+    training, and the solver runs in eval mode, so this is the case that reaches the solver)."""
+
+    def __init__(self, checkpointing: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.shared, self.head = (nn.Linear(6, 6).double(), nn.Linear(6, 6).double(),
+                                              nn.Linear(6, 3).double())
+        self.checkpointing = checkpointing
+
+    def block(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.shared(h))
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for _ in range(2):
+            if self.checkpointing == "off":
+                h = self.block(h)
+            else:
+                h = torch.utils.checkpoint.checkpoint(self.block, h, use_reentrant=self.checkpointing == "reentrant")
+        return nn.functional.cross_entropy(self.head(h), labels)
+
+
+def checkpointed(checkpointing: str) -> tuple[nn.Module, list, dict[str, Any]]:
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (8,), generator=g))]
+    return CheckpointedMLP(checkpointing), batches, {**FAST, "loss_fn": lambda m, b: m(*b)}
+
+
+def _same_as_without_checkpointing(result, model, batches) -> None:
+    ref = gs.adaptive_sharpness(CheckpointedMLP("off"), batches, variant="clean", **FAST, loss_fn=lambda m, b: m(*b))
+    assert result.per_batch == pytest.approx(ref.per_batch, rel=1e-12)
+    assert result.value > 0
+
+
 def loss_case(make_loss: Callable[[nn.Module], Callable], **kwargs: Any) -> tuple[nn.Module, list, dict[str, Any]]:
     model = tiny_bert()
     return model, tiny_batches(), {**FAST, **kwargs, "loss_fn": make_loss(model)}
@@ -352,6 +390,11 @@ API_CASES = [
          check=_same_as_reference()),
     Case("gradient-checkpointing-in-train-mode", with_model(lambda m: (m.gradient_checkpointing_enable(), m.train())),
          check=_same_as_reference()),
+    Case("activation-checkpointing-in-eval-mode", lambda: checkpointed("non-reentrant"),
+         check=_same_as_without_checkpointing,
+         call=lambda model, batches, **kw: gs.adaptive_sharpness(model, batches, variant="clean", **kw)),
+    Case("reentrant-checkpointing-in-eval-mode", lambda: checkpointed("reentrant"), ValueError, "use_reentrant=False",
+         call=lambda model, batches, **kw: gs.adaptive_sharpness(model, batches, variant="clean", **kw)),
     Case("stale-grads-present", with_model(lambda m: [setattr(p, "grad", torch.ones_like(p)) for p in m.parameters()]),
          check=_same_as_reference()),
     Case("frozen-embeddings-all", with_model(freeze("bert.embeddings")), check=_frozen_flags_kept),
@@ -466,19 +509,31 @@ def test_strided_gathers_and_scatters_match_index_operations():
     assert strided > 0
 
 
+@pytest.mark.parametrize("riemannian_norm", [True, False])
 @pytest.mark.parametrize("metric", ["inv", "mix"])
-def test_space_gradient_identity_matches_metric_inner_products(metric):
-    """``<R e, v>_g = <e, v>`` for horizontal ``v`` (what the solver's bookkeeping relies on), with epsilon = 0."""
+def test_ascent_direction_matches_metric_inner_products(metric, riemannian_norm):
+    """The solver's step direction and its Gram row from ``ascent_direction`` (``<R e, v>_g = <e, v>`` for horizontal
+    ``v``, ``<d, d>_g`` summed block by block) equal the Riemannian gradient and full metric inner products, also when
+    the gradient is consumed in place (epsilon = 0)."""
     model = tiny_bert()
     theta0 = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    space = PerturbationSpace(theta0, map_symmetries(model).blocks, SpaceOptions(metric, epsilon=0.0))
+    options = SpaceOptions(metric, epsilon=0.0, riemannian_norm=riemannian_norm)
+    space = PerturbationSpace(theta0, map_symmetries(model).blocks, options)
+    space.elementwise.CHUNK = 1000  # several blocks even on a tiny model
     g = torch.Generator().manual_seed(0)
     egrad = torch.randn(theta0.shape, generator=g, dtype=torch.float64)
-    d = space.riemannian_gradient(egrad)
-    vectors = torch.stack([d, space.horizontal(torch.randn(theta0.shape, generator=g, dtype=torch.float64))])
-    fast = space.gradient_inner_products(egrad, d, vectors)
-    slow = [float(space.inner_product(d, v)) for v in vectors]
-    assert fast == pytest.approx(slow, rel=1e-9)
+    reference = space.riemannian_gradient(egrad)
+    vectors = torch.stack([space.horizontal(torch.randn(theta0.shape, generator=g, dtype=torch.float64)) for _ in "ab"])
+    slow = [float(space.inner_product(reference, v)) for v in vectors]
+    for in_place in (False, True):
+        e = egrad.clone()
+        out = e if in_place else torch.empty_like(e)
+        d, square, fast = space.ascent_direction(e, vectors, out=out)
+        assert d is out
+        assert torch.allclose(d, reference, rtol=1e-12, atol=1e-15)
+        assert square == pytest.approx(float(space.inner_product(reference, reference)), rel=1e-9)
+        assert fast == pytest.approx(slow, rel=1e-9)
+        assert not in_place or not torch.equal(e, egrad)  # the gradient was consumed, not copied
 
 
 def test_solver_bookkeeping_keeps_iterates_in_the_ball():

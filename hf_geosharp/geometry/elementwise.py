@@ -6,9 +6,10 @@ Points and tangent vectors are flat tensors. The metric is :math:`g(\xi, \eta) =
 (App. F, Eqs. 38-39). Coordinates with ``|w_i| < zero_tol`` (and coordinates excluded by ``mask``) get zero allowed
 perturbation instead of a division by zero (spec §2.4).
 
-Only ``w^2`` (masked) is stored besides the base point: it is the one factor the solver's hot path needs (the Riemannian
-gradient). ``scale = |w|`` and ``inv_scale = 1/|w|`` are derived on demand, because every stored parameter-sized vector
-counts against the memory budget of a run (spec §4.4).
+Only ``w^2`` (zero where frozen) is stored: it is the one factor the solver's hot path needs (the Riemannian gradient),
+and it also says which coordinates move (``w^2 > 0``), so no mask is kept. ``scale = |w|`` is derived from it on demand;
+the weights themselves are kept only for a curved geodesic (the ablation ``curvature != "none"``), because every
+stored parameter-sized vector counts against the memory budget of a run (spec §4.4).
 """
 
 from __future__ import annotations
@@ -25,12 +26,15 @@ class ElementwiseGeometry:
     """GL(1)+ metric on a flat parameter vector.
 
     Args:
-        w: ``[N]`` base point (kept by reference, not copied).
+        w: ``[N]`` base point (read once; kept by reference only for a curved geodesic).
         mask: ``[N]`` bool, coordinates that may move (default: all).
         curvature: ``"none"`` (first order, ``w + xi``: adaptive sharpness), ``"second_order"``
             (``w + xi + xi^2 / (2w)``) or ``"exact_exp"`` (``w exp(xi / w)``).
         zero_tol: weights smaller than this in magnitude are frozen.
     """
+
+    #: Coordinates per block of :meth:`riemannian_gradient_and_square`: a few MiB, so a block stays in cache.
+    CHUNK = 1 << 20
 
     def __init__(
         self, w: Tensor, mask: Tensor | None = None, curvature: Curvature = "none", zero_tol: float = 1e-12
@@ -38,31 +42,35 @@ class ElementwiseGeometry:
         if curvature not in ("none", "second_order", "exact_exp"):
             raise ValueError(f"elementwise_curvature must be 'none', 'second_order' or 'exact_exp', got {curvature!r}.")
         w = w.detach()
-        scale_sq = w.square()  # each pass over w costs ~1 % of a solver step on a CPU: three here, no more
-        movable = scale_sq >= zero_tol**2
+        scale_sq = w.square()  # each pass over w costs ~1 % of a solver step on a CPU: few here
+        frozen = scale_sq < zero_tol**2
         if mask is not None:
-            movable &= mask
+            frozen |= ~mask
         self.curvature = curvature
-        self.w = w
-        self.movable = movable
-        zero = torch.zeros((), dtype=w.dtype, device=w.device)
-        self.scale_sq = torch.where(movable, scale_sq, zero, out=scale_sq)  # in place: no float copy of the mask
+        self.w = w if curvature != "none" else None
+        self.scale_sq = scale_sq.masked_fill_(frozen, 0.0)  # in place: no float copy of the mask
+
+    @property
+    def movable(self) -> Tensor:
+        """``[N]`` bool, the coordinates that move (a new tensor: not for per-step use)."""
+        return self.scale_sq > 0
 
     @property
     def scale(self) -> Tensor:
-        """``|w|`` on movable coordinates, else 0 (a new tensor: not for per-step use)."""
-        return torch.where(self.movable, self.w.abs(), torch.zeros((), dtype=self.w.dtype, device=self.w.device))
+        """``|w|`` on movable coordinates, else 0 (a new tensor: not for per-step use).
+
+        ``sqrt(w^2)``: exactly ``|w|`` in float32, whose square root is correctly rounded; within an ulp in float64."""
+        return self.scale_sq.sqrt()
 
     @property
     def inv_scale(self) -> Tensor:
         """``1/|w|`` on movable coordinates, else 0 (a new tensor: not for per-step use)."""
-        safe = torch.where(self.movable, self.w.abs(), torch.ones((), dtype=self.w.dtype, device=self.w.device))
-        return torch.where(self.movable, safe.reciprocal(), torch.zeros((), dtype=self.w.dtype, device=self.w.device))
+        return torch.where(self.scale_sq > 0, self.scale_sq.rsqrt(), 0.0)
 
     def inner_product(self, a: Tensor, b: Tensor) -> Tensor:
         """``sum a b / w^2`` over movable coordinates (float64 scalar; cascade-summed, so accurate for 1e8 terms)."""
         ratio = (a * b).div_(self.scale_sq)  # inf or nan off the movable set, dropped by the mask
-        return torch.where(self.movable, ratio, 0.0).sum().double()
+        return torch.where(self.scale_sq > 0, ratio, 0.0).sum().double()
 
     def norm(self, xi: Tensor) -> Tensor:
         return self.inner_product(xi, xi).clamp_min(0).sqrt()
@@ -70,6 +78,19 @@ class ElementwiseGeometry:
     def euclidean_to_riemannian_gradient(self, egrad: Tensor, out: Tensor | None = None) -> Tensor:
         """``egrad * w^2`` (zero on frozen coordinates), optionally written into ``out``."""
         return torch.mul(egrad, self.scale_sq, out=out) if out is not None else egrad * self.scale_sq
+
+    def riemannian_gradient_and_square(self, egrad: Tensor, out: Tensor) -> float:
+        """``out <- egrad * w^2`` (``out`` may be ``egrad`` itself) and ``sum egrad^2 w^2``, in one pass over the data.
+
+        The sum is ``<r, r>_g`` for ``r = egrad * w^2``; computed block by block, before ``egrad`` is overwritten,
+        with float64 accumulation across blocks."""
+        scratch = egrad.new_empty(min(self.CHUNK, egrad.numel()))
+        total = 0.0
+        for e, s, o in zip(egrad.split(self.CHUNK), self.scale_sq.split(self.CHUNK), out.split(self.CHUNK)):
+            r = torch.mul(e, s, out=scratch[: e.numel()])
+            total += float(torch.dot(e, r))
+            o.copy_(r)
+        return total
 
     def projection(self, xi: Tensor) -> Tensor:
         """No symmetry is quotiented out; only frozen coordinates are zeroed."""
@@ -88,5 +109,5 @@ class ElementwiseGeometry:
         """``Z |w|`` with ``Z ~ N(0, I)``: AS23's adaptive Gaussian direction (metric-isotropic).
 
         ``Z`` is drawn on the CPU in float64 so that a seed gives the same direction on every device and dtype."""
-        Z = torch.randn(self.w.shape, generator=generator, dtype=torch.float64, device="cpu")
-        return Z.to(device=self.w.device, dtype=self.w.dtype).mul_(self.scale)
+        Z = torch.randn(self.scale_sq.shape, generator=generator, dtype=torch.float64, device="cpu")
+        return Z.to(device=self.scale_sq.device, dtype=self.scale_sq.dtype).mul_(self.scale)
