@@ -361,7 +361,8 @@ class PerturbationSpace:
         """Write ``Exp(theta0; xi)`` into ``out``: ``Exp2`` on pairs, the chosen curvature elsewhere.
 
         ``out`` is filled without autograd. With ``need_grad`` the return value is the pullback that turns
-        ``dL/dtheta`` (a flat tensor, modified in place) into ``dL/dxi``; it is ``None`` for a first-order space, where
+        ``dL/dtheta`` (a flat tensor, modified in place) into ``dL/dxi``; it reads ``xi`` again, which must not change
+        in between; it is ``None`` for a first-order space, where
         the two coincide. Pairs use the closed-form pullback of :meth:`GLQuotient.exp2_correction_with_pullback`;
         the (ablation-only) elementwise curvature is differentiated by autograd."""
         if len(self.base) == 1:
@@ -381,7 +382,8 @@ class PerturbationSpace:
             for group in self.pairs:
                 correction, pullback = group.geometry.exp2_correction_with_pullback(group.gather(xi))
                 group.add(out, correction)
-                stages.append((lambda g, group=group, pull=pullback: pull(group.gather(g)), group.add))
+                # xi is gathered again for the pullback rather than kept: no pair-sized tensor outlives this call
+                stages.append((lambda g, group=group, pull=pullback: pull(group.gather(g), group.gather(xi)), group.add))
         if not need_grad or not stages:
             return None
 

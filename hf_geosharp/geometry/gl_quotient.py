@@ -37,13 +37,13 @@ def _sym_inv_sqrt(S: Tensor) -> Tensor:
     return (U * d.clamp_min(torch.finfo(S.dtype).tiny).rsqrt().unsqueeze(-2)) @ U.mT
 
 
-def _inv_factor(x: Tensor, W: Tensor, P_inv: Tensor) -> tuple[Tensor, Callable[[Tensor], Tensor]]:
+def _inv_factor(x: Tensor, W: Tensor, P_inv: Tensor) -> tuple[Tensor, Callable[[Tensor, Tensor], Tensor]]:
     """One factor of the inv correction ``c = (x A - W B) / 2`` and its pullback (``exp2_correction_with_pullback``)."""
     S = x.mT @ W
     A_half = 0.5 * P_inv @ (S + S.mT)
     c = torch.bmm(x, A_half).baddbmm_(W, 0.5 * P_inv @ (x.mT @ x), alpha=-1)
 
-    def pullback(d: Tensor) -> Tensor:
+    def pullback(d: Tensor, x: Tensor) -> Tensor:
         M, N = (d.mT @ x) @ P_inv, (d.mT @ W) @ P_inv
         return torch.bmm(d, A_half.mT).baddbmm_(W, 0.5 * (M + M.mT)).baddbmm_(x, 0.5 * (N + N.mT), alpha=-1)
 
@@ -193,7 +193,7 @@ class GLQuotient:
         cH = xH @ ((sG + sG.mT) @ self.P_inv) - H @ ((xG.mT @ xG) @ self.P_inv)
         return -0.5 * cG, -0.5 * cH
 
-    def exp2_correction_with_pullback(self, xi: Pair) -> tuple[Pair, Callable[[Pair], Pair]]:
+    def exp2_correction_with_pullback(self, xi: Pair) -> tuple[Pair, Callable[[Pair, Pair], Pair]]:
         r""":meth:`exp2_correction` and its vector-Jacobian product, without autograd.
 
         The solver needs :math:`\partial L/\partial\xi` through the correction at every step. Autograd would record
@@ -203,11 +203,14 @@ class GLQuotient:
         :math:`B = P^{-1} x^T x`, the pullback of a cotangent :math:`\delta` is
         :math:`\tfrac12[\delta A^T + W(M + M^T) - x(N + N^T)]` with :math:`M = \delta^T x P^{-1}`,
         :math:`N = \delta^T W P^{-1}`. The mix metric couples the factors the same way (G's correction depends on
-        :math:`\xi_H` and vice versa). Checked against autograd of :meth:`exp2_correction` in the tests."""
+        :math:`\xi_H` and vice versa). Checked against autograd of :meth:`exp2_correction` in the tests.
+
+        The pullback is called as ``pullback(delta, xi)`` with the same ``xi``: it keeps only ``h x h`` factors, so
+        no ``n x h`` tensor stays alive through the model's forward and backward passes in between."""
         xG, xH = xi
         if self.metric == "inv":
             (cG, pull_G), (cH, pull_H) = _inv_factor(xG, self.G, self.P_inv), _inv_factor(xH, self.H, self.Q_inv)
-            return (cG, cH), lambda d: (pull_G(d[0]), pull_H(d[1]))
+            return (cG, cH), lambda d, x: (pull_G(d[0], x[0]), pull_H(d[1], x[1]))
         sG, sH = xG.mT @ self.G, xH.mT @ self.H
         tG, tH = xG.mT @ xG, xH.mT @ xH
         half_G = -0.5 * (sH + sH.mT) @ self.Q_inv  # cG = xG @ half_G + G @ (T_H Q^-1 / 2)
@@ -215,8 +218,8 @@ class GLQuotient:
         cG = torch.bmm(xG, half_G).baddbmm_(self.G, 0.5 * tH @ self.Q_inv)
         cH = torch.bmm(xH, half_H).baddbmm_(self.H, 0.5 * tG @ self.P_inv)
 
-        def pullback(d: Pair) -> Pair:
-            dG, dH = d
+        def pullback(d: Pair, x: Pair) -> Pair:
+            (dG, dH), (xG, xH) = d, x
             M, N = self.Q_inv @ (dG.mT @ xG), self.Q_inv @ (dG.mT @ self.G)  # from cG, act on xH
             M2, N2 = self.P_inv @ (dH.mT @ xH), self.P_inv @ (dH.mT @ self.H)  # from cH, act on xG
             gG = torch.bmm(dG, half_G.mT).baddbmm_(self.G, -0.5 * (M2 + M2.mT)).baddbmm_(xG, 0.5 * (N2 + N2.mT))
