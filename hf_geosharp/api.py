@@ -168,6 +168,7 @@ class _Objective:
         self.names, self.dtypes = names, [p.dtype for p in params]
         self.numels = [p.numel() for p in params]
         self.theta = space.empty()
+        space.lend(self.theta)  # idle between model calls, when the solver asks the space for a direction
         self.views = [v.view(p.shape) for v, p in zip(self.theta.split(self.numels), params)]
         moves = space.segments_move(self.numels)
         self.differentiate = [grad_scope == "all" or m for m in moves]
@@ -175,7 +176,7 @@ class _Objective:
         self.graph_checked = False
 
     def __call__(self, xi: Tensor, need_grad: bool, out: Tensor | None = None) -> tuple[float, Tensor | None]:
-        pullback = self.space.exp_point(xi, self.theta, need_grad)
+        pullback = self.space.exp_point(xi, self.theta, need_grad, idle=out)  # out: written only by backward
         tensors, leaves = {}, []
         for name, view, dtype, differentiate in zip(self.names, self.views, self.dtypes, self.differentiate):
             t = view if view.dtype == dtype else view.to(dtype)
@@ -193,7 +194,7 @@ class _Objective:
             out = torch.empty_like(self.theta) if out is None else out
             self._backward(loss, leaves, out)
         if pullback is not None:
-            pullback(out)
+            pullback(out, idle=self.theta)  # the weights are not needed after the backward
         return value, out
 
     def _checked_value(self, loss: Any, xi: Tensor) -> float:

@@ -21,6 +21,7 @@ parameter vector is large (1e8 entries), so
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +33,7 @@ from .geometry.elementwise import Curvature, ElementwiseGeometry
 from .geometry.gl_quotient import GLQuotient, Metric
 from .symmetry.base import PairBlock
 
-Pullback = Callable[[Tensor], None]
+Pullback = Callable[..., None]
 
 
 @dataclass(frozen=True)
@@ -125,10 +126,10 @@ class Factor:
     def _views(self, x: Tensor) -> list[tuple[_Piece, Tensor]]:
         return [(p, x.as_strided(p.size, p.stride, x.storage_offset() + p.offset)) for p in self.pieces]
 
-    def gather(self, x: Tensor) -> Tensor:
+    def gather(self, x: Tensor, out: Tensor | None = None) -> Tensor:
         if self.pieces is None:
-            return x.index_select(0, self.index).view(self.shape)
-        out = x.new_empty(self.shape)
+            return torch.index_select(x, 0, self.index, out=None if out is None else out.view(-1)).view(self.shape)
+        out = x.new_empty(self.shape) if out is None else out
         for p, view in self._views(x):
             out[p.k, p.r].copy_(view)
         return out
@@ -156,9 +157,15 @@ class PairGroup:
     h: Factor
     geometry: GLQuotient
 
-    def gather(self, x: Tensor) -> tuple[Tensor, Tensor]:
+    def gather(self, x: Tensor, out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
         """``(x_G, x_H)``: this group's coordinates of the flat vector ``x``, as ``[k, n, h]`` and ``[k, m, h]``."""
-        return self.g.gather(x), self.h.gather(x)
+        if out is None:
+            return self.g.gather(x), self.h.gather(x)
+        return self.g.gather(x, out[0]), self.h.gather(x, out[1])
+
+    def buffers(self, scratch: "_Scratch") -> tuple[Tensor, Tensor]:
+        """Uninitialised ``(G-shaped, H-shaped)`` tensors from ``scratch``."""
+        return scratch.take(self.g.shape), scratch.take(self.h.shape)
 
     def write(self, out: Tensor, pair: tuple[Tensor, Tensor]) -> None:
         """Put ``(x_G, x_H)`` back at this group's coordinates of ``out``."""
@@ -168,6 +175,26 @@ class PairGroup:
     def add(self, out: Tensor, pair: tuple[Tensor, Tensor]) -> None:
         self.g.add(out, pair[0])
         self.h.add(out, pair[1])
+
+
+class _Scratch:
+    """Hands out contiguous tensors carved from a borrowed flat buffer, front to back; fresh ones once it is used up.
+
+    The geometry of a step needs a few pair-sized temporaries (1e7 entries each for BERT-base). Fresh ones would
+    cost page faults at every step (the C allocator returns large freed blocks to the system), while a dedicated
+    workspace would raise the run's peak memory. So they are carved from parameter-sized buffers that are idle at
+    that moment: the perturbed-weights buffer between model calls, or the gradient buffer before the backward."""
+
+    def __init__(self, buffer: Tensor | None, dtype: torch.dtype, device: torch.device) -> None:
+        self.buffer, self.used, self.dtype, self.device = buffer, 0, dtype, device
+
+    def take(self, shape: torch.Size) -> Tensor:
+        n = math.prod(shape)
+        if self.buffer is None or self.used + n > self.buffer.numel():
+            return torch.empty(shape, dtype=self.dtype, device=self.device)
+        view = self.buffer[self.used : self.used + n].view(shape)
+        self.used += n
+        return view
 
 
 def _stack_alike(blocks: list[PairBlock]) -> list[tuple[Tensor, Tensor, Tensor | None]]:
@@ -214,6 +241,7 @@ class PerturbationSpace:
         self.numel, self.dtype, self.device = theta0.numel(), theta0.dtype, theta0.device
         self.base = [theta0] if base is None else [b.detach().reshape(-1) for b in base]
         self._base_sizes = [b.numel() for b in self.base]
+        self._idle: Tensor | None = None  # see lend()
         if sum(self._base_sizes) != self.numel:
             raise ValueError("base must hold exactly the weights of theta0.")
         movable = None if movable is None else movable.to(torch.bool)
@@ -319,27 +347,37 @@ class PerturbationSpace:
         and ``<d, v>_g`` for every horizontal row ``v`` of ``vectors`` (``[r, N]``, ``r`` may be 0).
 
         ``out`` may be ``egrad`` itself: the gradient is then consumed, which spares the solver a parameter-sized
-        buffer. Everything that needs ``egrad`` is read first: the products ``<e, v>`` (for horizontal ``v`` and a
-        g-self-adjoint projection the defining identity of the Riemannian gradient gives ``<R e, v>_g = <e, v>``), each
-        pair group's direction, and ``<d, d>_g = <e, d>``, summed block by block with the elementwise part of ``d``. The pair directions are written last, over the zeros that the elementwise
-        factor leaves at pair coordinates."""
+        buffer. Everything that needs ``egrad`` is read first: each pair group's direction and its share of
+        ``<d, d>_g = <e, d>``, then, block by block with the elementwise part of ``d``, the rest of that sum and the
+        products ``<e, v>`` (for horizontal ``v`` and a g-self-adjoint projection, the defining identity of the
+        Riemannian gradient gives ``<R e, v>_g = <e, v>``). The pair directions are written last, over the zeros
+        that the elementwise factor leaves at pair coordinates. Pair temporaries come from the buffer given to
+        :meth:`lend`."""
         if self.pair_elementwise is not None:  # ablation: the projection is not orthogonal in the measuring metric
             d = self.riemannian_gradient(egrad)
             products = [float(self.inner_product(d, v)) for v in vectors]
             square = float(self.inner_product(d, d))
             return out.copy_(d), max(square, 0.0), products
-        products = torch.mv(vectors, egrad).tolist() if len(vectors) else []
-        directions, square = [], 0.0
+        scratch, directions, square = self._scratch(self._idle), [], 0.0
         for group in self.pairs:
-            e = group.gather(egrad)
-            r = self._pair_gradient(group, e)
+            e = group.gather(egrad, group.buffers(scratch))
+            r = group.geometry.euclidean_to_riemannian_gradient(e, out=group.buffers(scratch))
+            if self.options.horizontal_projection:
+                group.geometry.projection(r, in_place=True)
             square += sum(float(torch.dot(a.reshape(-1), b.reshape(-1))) for a, b in zip(e, r))
             directions.append((group, r))
-            del e
-        square += self.elementwise.riemannian_gradient_and_square(egrad, out)
+        elementwise_square, products = self.elementwise.riemannian_gradient_pass(egrad, out, vectors)
         for group, r in directions:
             group.write(out, r)
-        return out, max(square, 0.0), products
+        return out, max(square + elementwise_square, 0.0), products
+
+    def lend(self, buffer: Tensor | None) -> None:
+        """A parameter-sized buffer that is idle whenever :meth:`ascent_direction` runs (the objective's perturbed
+        weights, which are rewritten at every model call): the direction's pair temporaries are carved from it."""
+        self._idle = buffer
+
+    def _scratch(self, buffer: Tensor | None) -> _Scratch:
+        return _Scratch(buffer, self.dtype, self.device)
 
     def horizontal(self, xi: Tensor) -> Tensor:
         """g-orthogonal projection onto the horizontal space (identity on elementwise coordinates)."""
@@ -357,39 +395,49 @@ class PerturbationSpace:
         return xi.mul_(rho / norm) if norm > rho else xi
 
     # ------------------------------------------------------------------ geodesics
-    def exp_point(self, xi: Tensor, out: Tensor, need_grad: bool) -> Pullback | None:
+    def exp_point(self, xi: Tensor, out: Tensor, need_grad: bool, idle: Tensor | None = None) -> Pullback | None:
         """Write ``Exp(theta0; xi)`` into ``out``: ``Exp2`` on pairs, the chosen curvature elsewhere.
 
-        ``out`` is filled without autograd. With ``need_grad`` the return value is the pullback that turns
-        ``dL/dtheta`` (a flat tensor, modified in place) into ``dL/dxi``; it reads ``xi`` again, which must not change
-        in between; it is ``None`` for a first-order space, where
-        the two coincide. Pairs use the closed-form pullback of :meth:`GLQuotient.exp2_correction_with_pullback`;
-        the (ablation-only) elementwise curvature is differentiated by autograd."""
+        ``out`` is filled without autograd. With ``need_grad`` the return value is the pullback
+        ``pullback(grad, idle=None)`` that turns ``dL/dtheta`` (a flat tensor, modified in place) into ``dL/dxi``; it
+        reads ``xi`` again, which must not change in between; it is ``None`` for a first-order space, where the two
+        coincide. Pairs use the closed-form pullback of :meth:`GLQuotient.exp2_correction_with_pullback`; the
+        (ablation-only) elementwise curvature is differentiated by autograd. ``idle``, here and in the pullback: a
+        flat buffer whose contents do not matter, from which pair temporaries are carved (see :class:`_Scratch`)."""
         if len(self.base) == 1:
             torch.add(self.base[0], xi, out=out)
         else:  # one add per parameter (the parameters are not one tensor)
             for w, x, o in zip(self.base, xi.split(self._base_sizes), out.split(self._base_sizes)):
                 torch.add(w, x, out=o)
         # (vector-Jacobian product of dL/dtheta, how to add it to dL/dtheta) per curvature term
-        stages: list[tuple[Callable[[Tensor], Any], Callable[[Tensor, Any], Any]]] = []
+        stages: list[tuple[Callable[[Tensor, _Scratch], Any], Callable[[Tensor, Any], Any]]] = []
         if self.options.elementwise_curvature != "none":
             leaf = xi.detach().requires_grad_(need_grad)
             with torch.set_grad_enabled(need_grad):
                 correction = self.elementwise.exp_correction(leaf)
             out.add_(correction.detach())
-            stages.append((lambda g, c=correction, x=leaf: torch.autograd.grad(c, x, g)[0], Tensor.add_))
+            stages.append((lambda g, _, c=correction, x=leaf: torch.autograd.grad(c, x, g)[0], Tensor.add_))
         if self.options.second_order:
+            scratch = self._scratch(idle)
             for group in self.pairs:
-                correction, pullback = group.geometry.exp2_correction_with_pullback(group.gather(xi))
+                x = group.gather(xi, group.buffers(scratch))
+                correction, pullback = group.geometry.exp2_correction_with_pullback(x, out=group.buffers(scratch))
                 group.add(out, correction)
                 # xi is gathered again for the pullback rather than kept: no pair-sized tensor outlives this call
-                stages.append((lambda g, group=group, pull=pullback: pull(group.gather(g), group.gather(xi)), group.add))
+                stages.append((
+                    lambda g, scratch, group=group, pull=pullback: pull(
+                        group.gather(g, group.buffers(scratch)), group.gather(xi, group.buffers(scratch)),
+                        group.buffers(scratch),
+                    ),
+                    group.add,
+                ))
         if not need_grad or not stages:
             return None
 
-        def pullback_all(grad: Tensor) -> None:
+        def pullback_all(grad: Tensor, idle: Tensor | None = None) -> None:
             # Every product reads dL/dtheta before any of them is added to it.
-            products = [vjp(grad) for vjp, _ in stages]
+            scratch = self._scratch(idle)
+            products = [vjp(grad, scratch) for vjp, _ in stages]
             for (_, add), product in zip(stages, products):
                 add(grad, product)
 

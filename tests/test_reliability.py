@@ -536,6 +536,30 @@ def test_ascent_direction_matches_metric_inner_products(metric, riemannian_norm)
         assert not in_place or not torch.equal(e, egrad)  # the gradient was consumed, not copied
 
 
+@pytest.mark.parametrize("metric", ["inv", "mix"])
+def test_pair_temporaries_carved_from_idle_buffers_change_no_bit(metric):
+    """Directions, geodesic points and pullbacks are bit-identical whether their pair temporaries are fresh, carved
+    from a large idle buffer, or partly carved from one too small to hold them all."""
+    model = tiny_bert()
+    theta0 = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    space = PerturbationSpace(theta0, map_symmetries(model).blocks, SpaceOptions(metric, epsilon=0.0))
+    g = torch.Generator().manual_seed(0)
+    egrad, cotangent = (torch.randn(theta0.shape, generator=g, dtype=torch.float64) for _ in "ab")
+    xi = space.horizontal(1e-2 * torch.randn(theta0.shape, generator=g, dtype=torch.float64))
+    vectors = xi[None]
+    pair_size = sum(group.g.shape.numel() + group.h.shape.numel() for group in space.pairs)
+    results = []
+    nan = float("nan")
+    for idle in (None, torch.full_like(theta0, nan), torch.full((pair_size + 7,), nan, dtype=torch.float64)):
+        space.lend(idle)
+        d, square, products = space.ascent_direction(egrad.clone(), vectors, out=torch.empty_like(theta0))
+        point, grad = torch.empty_like(theta0), cotangent.clone()
+        space.exp_point(xi, point, True, idle=None if idle is None else idle.clone())(grad, idle=idle)
+        results.append((d, square, products, point, grad))
+    for other in results[1:]:
+        assert all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in zip(results[0], other))
+
+
 def test_solver_bookkeeping_keeps_iterates_in_the_ball():
     """Iterates never leave the ball, and the best iterate's norm from the Gram bookkeeping is its real norm."""
     from hf_geosharp import api

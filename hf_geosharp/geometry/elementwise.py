@@ -33,7 +33,7 @@ class ElementwiseGeometry:
         zero_tol: weights smaller than this in magnitude are frozen.
     """
 
-    #: Coordinates per block of :meth:`riemannian_gradient_and_square`: a few MiB, so a block stays in cache.
+    #: Coordinates per block of :meth:`riemannian_gradient_pass`: a few MiB, so a block stays in cache.
     CHUNK = 1 << 20
 
     def __init__(
@@ -79,18 +79,24 @@ class ElementwiseGeometry:
         """``egrad * w^2`` (zero on frozen coordinates), optionally written into ``out``."""
         return torch.mul(egrad, self.scale_sq, out=out) if out is not None else egrad * self.scale_sq
 
-    def riemannian_gradient_and_square(self, egrad: Tensor, out: Tensor) -> float:
-        """``out <- egrad * w^2`` (``out`` may be ``egrad`` itself) and ``sum egrad^2 w^2``, in one pass over the data.
+    def riemannian_gradient_pass(self, egrad: Tensor, out: Tensor, vectors: Tensor) -> tuple[float, list[float]]:
+        """``out <- egrad * w^2`` (``out`` may be ``egrad`` itself), with ``sum egrad^2 w^2`` and ``vectors @ egrad``
+        (``vectors``: ``[r, N]``), in one pass over the data.
 
-        The sum is ``<r, r>_g`` for ``r = egrad * w^2``; computed block by block, before ``egrad`` is overwritten,
-        with float64 accumulation across blocks."""
+        The sum is ``<r, r>_g`` for ``r = egrad * w^2``. Block by block, everything that reads a block of ``egrad``
+        runs before it is overwritten and while it is in cache; sums accumulate across blocks in float64."""
         scratch = egrad.new_empty(min(self.CHUNK, egrad.numel()))
-        total = 0.0
-        for e, s, o in zip(egrad.split(self.CHUNK), self.scale_sq.split(self.CHUNK), out.split(self.CHUNK)):
-            r = torch.mul(e, s, out=scratch[: e.numel()])
-            total += float(torch.dot(e, r))
-            o.copy_(r)
-        return total
+        sums = torch.zeros(len(vectors) + 1, dtype=torch.float64, device=egrad.device)  # on the device: no syncs
+        for start in range(0, egrad.numel(), self.CHUNK):
+            block = slice(start, start + self.CHUNK)
+            e = egrad[block]
+            if len(vectors):
+                sums[1:] += torch.mv(vectors[:, block], e)
+            r = torch.mul(e, self.scale_sq[block], out=scratch[: e.numel()])
+            sums[0] += torch.dot(e, r)
+            out[block].copy_(r)
+        square, *products = sums.tolist()
+        return square, products
 
     def projection(self, xi: Tensor) -> Tensor:
         """No symmetry is quotiented out; only frozen coordinates are zeroed."""

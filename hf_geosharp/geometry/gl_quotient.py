@@ -37,15 +37,18 @@ def _sym_inv_sqrt(S: Tensor) -> Tensor:
     return (U * d.clamp_min(torch.finfo(S.dtype).tiny).rsqrt().unsqueeze(-2)) @ U.mT
 
 
-def _inv_factor(x: Tensor, W: Tensor, P_inv: Tensor) -> tuple[Tensor, Callable[[Tensor, Tensor], Tensor]]:
+def _inv_factor(
+    x: Tensor, W: Tensor, P_inv: Tensor, out: Tensor | None
+) -> tuple[Tensor, Callable[[Tensor, Tensor, Tensor | None], Tensor]]:
     """One factor of the inv correction ``c = (x A - W B) / 2`` and its pullback (``exp2_correction_with_pullback``)."""
     S = x.mT @ W
     A_half = 0.5 * P_inv @ (S + S.mT)
-    c = torch.bmm(x, A_half).baddbmm_(W, 0.5 * P_inv @ (x.mT @ x), alpha=-1)
+    c = torch.bmm(x, A_half, out=out).baddbmm_(W, 0.5 * P_inv @ (x.mT @ x), alpha=-1)
 
-    def pullback(d: Tensor, x: Tensor) -> Tensor:
+    def pullback(d: Tensor, x: Tensor, out: Tensor | None) -> Tensor:
         M, N = (d.mT @ x) @ P_inv, (d.mT @ W) @ P_inv
-        return torch.bmm(d, A_half.mT).baddbmm_(W, 0.5 * (M + M.mT)).baddbmm_(x, 0.5 * (N + N.mT), alpha=-1)
+        g = torch.bmm(d, A_half.mT, out=out)
+        return g.baddbmm_(W, 0.5 * (M + M.mT)).baddbmm_(x, 0.5 * (N + N.mT), alpha=-1)
 
     return c, pullback
 
@@ -128,12 +131,13 @@ class GLQuotient:
         """Per-pair Riemannian norm, ``[k]`` float64."""
         return self.inner_product(xi, xi).clamp_min(0).sqrt()
 
-    def euclidean_to_riemannian_gradient(self, egrad: Pair) -> Pair:
-        """The vector ``r`` with ``<r, eta>_g = <egrad, eta>_F`` for all ``eta`` (spec §1.6)."""
+    def euclidean_to_riemannian_gradient(self, egrad: Pair, out: Pair | None = None) -> Pair:
+        """The vector ``r`` with ``<r, eta>_g = <egrad, eta>_F`` for all ``eta`` (spec §1.6); into ``out`` if given."""
         eG, eH = egrad
-        if self.metric == "inv":
-            return eG @ self.P, eH @ self.Q
-        return eG @ self.Q_inv, eH @ self.P_inv
+        fG, fH = (self.P, self.Q) if self.metric == "inv" else (self.Q_inv, self.P_inv)
+        if out is None:
+            return eG @ fG, eH @ fH
+        return torch.bmm(eG, fG, out=out[0]), torch.bmm(eH, fH, out=out[1])
 
     # ------------------------------------------------------------------ horizontal space
     def vertical_vector(self, Lam: Tensor) -> Pair:
@@ -141,13 +145,12 @@ class GLQuotient:
         Lam = Lam.to(self.dtype)
         return self.G @ Lam, -self.H @ Lam.mT
 
-    def projection(self, xi: Pair) -> Pair:
-        """g-orthogonal projection onto the horizontal space: ``xi + vertical_vector(Lam)``."""
-        return self._add_vertical(xi, self._projection_lambda(xi))
-
-    def _add_vertical(self, xi: Pair, Lam: Tensor) -> Pair:
-        """``xi + vertical_vector(Lam)`` with fused ``baddbmm`` (no ``n x h`` temporaries)."""
-        Lam = Lam.to(self.dtype)
+    def projection(self, xi: Pair, in_place: bool = False) -> Pair:
+        """g-orthogonal projection onto the horizontal space: ``xi + vertical_vector(Lam)`` (fused ``baddbmm``, no
+        ``n x h`` temporaries; written over ``xi`` with ``in_place``)."""
+        Lam = self._projection_lambda(xi).to(self.dtype)
+        if in_place:
+            return xi[0].baddbmm_(self.G, Lam), xi[1].baddbmm_(self.H, Lam.mT, alpha=-1)
         return torch.baddbmm(xi[0], self.G, Lam), torch.baddbmm(xi[1], self.H, Lam.mT, alpha=-1)
 
     def _projection_lambda(self, xi: Pair) -> Tensor:
@@ -193,7 +196,9 @@ class GLQuotient:
         cH = xH @ ((sG + sG.mT) @ self.P_inv) - H @ ((xG.mT @ xG) @ self.P_inv)
         return -0.5 * cG, -0.5 * cH
 
-    def exp2_correction_with_pullback(self, xi: Pair) -> tuple[Pair, Callable[[Pair, Pair], Pair]]:
+    def exp2_correction_with_pullback(
+        self, xi: Pair, out: Pair | None = None
+    ) -> tuple[Pair, Callable[[Pair, Pair, Pair | None], Pair]]:
         r""":meth:`exp2_correction` and its vector-Jacobian product, without autograd.
 
         The solver needs :math:`\partial L/\partial\xi` through the correction at every step. Autograd would record
@@ -205,25 +210,27 @@ class GLQuotient:
         :math:`N = \delta^T W P^{-1}`. The mix metric couples the factors the same way (G's correction depends on
         :math:`\xi_H` and vice versa). Checked against autograd of :meth:`exp2_correction` in the tests.
 
-        The pullback is called as ``pullback(delta, xi)`` with the same ``xi``: it keeps only ``h x h`` factors, so
-        no ``n x h`` tensor stays alive through the model's forward and backward passes in between."""
-        xG, xH = xi
+        The pullback is called as ``pullback(delta, xi, out)`` with the same ``xi``: it keeps only ``h x h`` factors,
+        so no ``n x h`` tensor stays alive through the model's forward and backward passes in between. Both write into
+        ``out`` buffers when given (``None``: fresh tensors), so that a caller can lend them memory it already has."""
+        (xG, xH), (oG, oH) = xi, out or (None, None)
         if self.metric == "inv":
-            (cG, pull_G), (cH, pull_H) = _inv_factor(xG, self.G, self.P_inv), _inv_factor(xH, self.H, self.Q_inv)
-            return (cG, cH), lambda d, x: (pull_G(d[0], x[0]), pull_H(d[1], x[1]))
+            cG, pull_G = _inv_factor(xG, self.G, self.P_inv, oG)
+            cH, pull_H = _inv_factor(xH, self.H, self.Q_inv, oH)
+            return (cG, cH), lambda d, x, o=None: (pull_G(d[0], x[0], o and o[0]), pull_H(d[1], x[1], o and o[1]))
         sG, sH = xG.mT @ self.G, xH.mT @ self.H
         tG, tH = xG.mT @ xG, xH.mT @ xH
         half_G = -0.5 * (sH + sH.mT) @ self.Q_inv  # cG = xG @ half_G + G @ (T_H Q^-1 / 2)
         half_H = -0.5 * (sG + sG.mT) @ self.P_inv
-        cG = torch.bmm(xG, half_G).baddbmm_(self.G, 0.5 * tH @ self.Q_inv)
-        cH = torch.bmm(xH, half_H).baddbmm_(self.H, 0.5 * tG @ self.P_inv)
+        cG = torch.bmm(xG, half_G, out=oG).baddbmm_(self.G, 0.5 * tH @ self.Q_inv)
+        cH = torch.bmm(xH, half_H, out=oH).baddbmm_(self.H, 0.5 * tG @ self.P_inv)
 
-        def pullback(d: Pair, x: Pair) -> Pair:
-            (dG, dH), (xG, xH) = d, x
+        def pullback(d: Pair, x: Pair, out: Pair | None = None) -> Pair:
+            (dG, dH), (xG, xH), (oG, oH) = d, x, out or (None, None)
             M, N = self.Q_inv @ (dG.mT @ xG), self.Q_inv @ (dG.mT @ self.G)  # from cG, act on xH
             M2, N2 = self.P_inv @ (dH.mT @ xH), self.P_inv @ (dH.mT @ self.H)  # from cH, act on xG
-            gG = torch.bmm(dG, half_G.mT).baddbmm_(self.G, -0.5 * (M2 + M2.mT)).baddbmm_(xG, 0.5 * (N2 + N2.mT))
-            gH = torch.bmm(dH, half_H.mT).baddbmm_(self.H, -0.5 * (M + M.mT)).baddbmm_(xH, 0.5 * (N + N.mT))
+            gG = torch.bmm(dG, half_G.mT, out=oG).baddbmm_(self.G, -0.5 * (M2 + M2.mT)).baddbmm_(xG, 0.5 * (N2 + N2.mT))
+            gH = torch.bmm(dH, half_H.mT, out=oH).baddbmm_(self.H, -0.5 * (M + M.mT)).baddbmm_(xH, 0.5 * (N + N.mT))
             return gG, gH
 
         return (cG, cH), pullback
