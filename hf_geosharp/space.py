@@ -380,11 +380,13 @@ class PerturbationSpace:
         return _Scratch(buffer, self.dtype, self.device)
 
     def horizontal(self, xi: Tensor) -> Tensor:
-        """g-orthogonal projection onto the horizontal space (identity on elementwise coordinates)."""
-        xi = xi * self.movable
-        if self.options.horizontal_projection and self.pairs:
-            self._map_pairs(xi, lambda g, x: g.projection(x))
-        return xi
+        """g-orthogonal projection onto the horizontal space (identity on movable elementwise coordinates, zero on
+        frozen ones). A new tensor; one pass over ``xi`` besides the pairs (no parameter-sized mask is built)."""
+        pairs = [(group, group.gather(xi)) for group in self.pairs]
+        out = torch.where(self.elementwise.scale_sq > 0, xi, 0.0)  # zero on frozen and (for now) pair coordinates
+        for group, x in pairs:
+            group.write(out, group.geometry.projection(x) if self.options.horizontal_projection else x)
+        return out
 
     def project(self, xi: Tensor, rho: float) -> Tensor:
         """Onto the feasible set ``{horizontal, ||xi||_g <= rho}``: horizontal projection, then radial scaling.
