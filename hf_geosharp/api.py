@@ -464,6 +464,7 @@ def geodesic_sharpness(
 
     Args:
         model: any ``nn.Module``; restored exactly afterwards (weights, ``requires_grad``, ``.grad``, train/eval mode).
+            It runs in eval mode; activation checkpointing that stays on there must be the non-reentrant kind.
         batches: iterable of dicts accepted by ``model(**batch)`` with labels (loss = ``outputs.loss``), or anything
             ``loss_fn`` accepts. Each batch is solved separately and the values are averaged.
         rho: radius of the geodesic ball.
