@@ -209,17 +209,34 @@ def apgd(
     return SolveResult(best_loss, clean_loss, losses, math.sqrt(best_sq))
 
 
-def _ellipsoid_projection(delta: Tensor, inv_scale: Tensor, rho: float, scratch: tuple[Tensor, Tensor]) -> Tensor:
+_BLOCK = 1 << 20  # coordinates per block of the bisection's sums: a few MiB, so a block stays in cache
+
+
+def _ellipsoid_norm(delta: Tensor, inv_scale: Tensor, lmbd: float, scratch: tuple[Tensor, Tensor]) -> float:
+    """``||(delta / |w|) / (1 + 2 lambda / w^2)||``, block by block (float64 across blocks): no parameter-sized
+    temporary, two reads of the data per evaluation."""
+    u, work = scratch
+    total = torch.zeros((), dtype=torch.float64, device=delta.device)
+    for start in range(0, delta.numel(), _BLOCK):
+        d, inv = delta[start : start + _BLOCK], inv_scale[start : start + _BLOCK]
+        ub, wb = torch.mul(d, inv, out=u[: d.numel()]), work[: d.numel()]
+        if lmbd:
+            torch.mul(inv, inv, out=wb).mul_(2 * lmbd).add_(1.0)  # 1 + 2 lambda / w^2
+            ub.div_(wb)
+        total += ub.square_().sum()
+    return float(total.sqrt())
+
+
+def _ellipsoid_projection(delta: Tensor, inv_scale: Tensor, rho: float) -> Tensor:
     """AS23's Euclidean projection onto ``||delta / |w| || <= rho`` by bisection on lambda (spec §5.1), in place.
 
-    The reference evaluates ``||delta / (1 + 2 lambda / w^2) / |w| ||`` from scratch at each bisection step; here
-    ``u = delta / |w|`` is formed once and each step costs a few in-place passes over two scratch buffers. The
-    bisection, its bracket doubling and its stopping rule are the reference's; the sums are cascade-summed, accurate
-    enough for the ``1e-5`` stopping tolerance at any model size. ``max_iter`` only guards against a tolerance that
-    rounding makes unreachable; bisection reaches machine resolution long before."""
-    u, work = scratch
-    torch.mul(delta, inv_scale, out=u)
-    new_norm = float(u.square().sum().sqrt())
+    The reference evaluates ``||delta / (1 + 2 lambda / w^2) / |w| ||`` from scratch at each bisection step; here each
+    evaluation is one blocked pass over ``delta`` and ``1/|w|`` with block-sized scratch. The bisection, its bracket
+    doubling and its stopping rule are the reference's; the sums accumulate in float64, accurate enough for the
+    ``1e-5`` stopping tolerance at any model size. ``max_iter`` only guards against a tolerance that rounding makes
+    unreachable; bisection reaches machine resolution long before."""
+    scratch = (delta.new_empty(min(_BLOCK, delta.numel())), delta.new_empty(min(_BLOCK, delta.numel())))
+    new_norm = _ellipsoid_norm(delta, inv_scale, 0.0, scratch)
     if new_norm <= rho:
         return delta
     lmbd, min_lmbd, max_lmbd, max_limit, used = 0.1, 0.0, 10.0, 10.0, None
@@ -227,8 +244,7 @@ def _ellipsoid_projection(delta: Tensor, inv_scale: Tensor, rho: float, scratch:
         if abs(new_norm - rho) <= 1e-5:
             break
         used = lmbd
-        torch.mul(inv_scale, inv_scale, out=work).mul_(2 * lmbd).add_(1.0)  # 1 + 2 lambda / w^2
-        new_norm = float(torch.div(u, work, out=work).square_().sum().sqrt())
+        new_norm = _ellipsoid_norm(delta, inv_scale, lmbd, scratch)
         if new_norm > rho:
             lmbd, min_lmbd = (lmbd + max_lmbd) / 2, lmbd
         else:
@@ -237,8 +253,11 @@ def _ellipsoid_projection(delta: Tensor, inv_scale: Tensor, rho: float, scratch:
             max_limit, max_lmbd = max_limit * 2, max_lmbd * 2
     if used is None:
         return delta
-    torch.mul(inv_scale, inv_scale, out=work).mul_(2 * used).add_(1.0)
-    return delta.div_(work)
+    work = scratch[1]
+    for start in range(0, delta.numel(), _BLOCK):
+        d, inv = delta[start : start + _BLOCK], inv_scale[start : start + _BLOCK]
+        d.div_(torch.mul(inv, inv, out=work[: d.numel()]).mul_(2 * used).add_(1.0))
+    return delta
 
 
 def apgd_as23(
@@ -258,7 +277,6 @@ def apgd_as23(
     ``0.75 P(z) + 0.25 delta_prev`` without re-projection, an extra no-grad forward per step for the loss, and on
     halving only the evaluation point (the "model") is reset to the best point, not ``delta``."""
     inv_scale = torch.where(scale > 0, 1.0 / torch.where(scale > 0, scale, torch.ones_like(scale)), 0.0)
-    scratch = (torch.empty_like(scale), torch.empty_like(scale))
     tangents = _Pool(scale, 4)
     gradient = torch.empty_like(scale)
     delta = prev_delta = tangents.free()
@@ -274,7 +292,7 @@ def apgd_as23(
         grad_norm = math.sqrt(max(float(torch.dot(egrad, egrad)), 0.0))
         new = tangents.free(delta, prev_delta, best_point, point)
         torch.mul(egrad, scale, out=new).mul_(schedule.eta / (grad_norm + 1e-12)).add_(delta)
-        new = _ellipsoid_projection(new, inv_scale, rho, scratch)
+        new = _ellipsoid_projection(new, inv_scale, rho)
         new.mul_(momentum).add_(prev_delta, alpha=1 - momentum)
         prev_delta, delta = backup, new
         point = delta

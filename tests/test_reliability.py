@@ -560,6 +560,32 @@ def test_pair_temporaries_carved_from_idle_buffers_change_no_bit(metric):
         assert all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in zip(results[0], other))
 
 
+def test_blocked_ellipsoid_projection_matches_the_reference_formula(monkeypatch):
+    """AS23's projection, evaluated block by block, against the reference's whole-vector formula (spec §5.1)."""
+    from hf_geosharp import solver
+
+    monkeypatch.setattr(solver, "_BLOCK", 1000)  # many blocks, and a ragged last one
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(10_500, generator=g, dtype=torch.float64)
+    w[::7] = 0.0  # frozen coordinates: 1/|w| = 0
+    inv = torch.where(w != 0, 1.0 / w.abs().clamp_min(1e-300), 0.0)
+    for scale, rho in ((0.01, 0.5), (1.0, 0.5), (5.0, 0.05)):
+        delta = scale * torch.randn(w.shape, generator=g, dtype=torch.float64) * w.abs()
+        expected = delta.clone()
+        norm = lambda lmbd: float((expected / (1 + 2 * lmbd * inv**2) * inv).norm())  # noqa: E731
+        new_norm, lmbd, lo, hi, limit, used = norm(0.0), 0.1, 0.0, 10.0, 10.0, None
+        while norm(0.0) > rho and abs(new_norm - rho) > 1e-5:
+            used, new_norm = lmbd, norm(lmbd)
+            lmbd, lo, hi = ((lmbd + hi) / 2, lmbd, hi) if new_norm > rho else ((lo + lmbd) / 2, lo, lmbd)
+            if limit - hi < 1e-2:
+                limit, hi = 2 * limit, 2 * hi
+        if used is not None:
+            expected = expected / (1 + 2 * used * inv**2)
+        got = solver._ellipsoid_projection(delta.clone(), inv, rho)
+        assert torch.allclose(got, expected, rtol=1e-12, atol=0)
+        assert float((got * inv).norm()) <= rho + 1e-5
+
+
 def test_solver_bookkeeping_keeps_iterates_in_the_ball():
     """Iterates never leave the ball, and the best iterate's norm from the Gram bookkeeping is its real norm."""
     from hf_geosharp import api
