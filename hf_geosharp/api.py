@@ -221,16 +221,11 @@ class _Objective:
 
         def stream(position: int) -> Callable[[Tensor], None]:
             # Copy each gradient into the flat buffer as soon as backward has it, and drop it: the per-parameter
-            # gradients are then never all alive at once (a plain backward keeps them all in .grad). A leaf can
-            # receive its gradient in parts: reentrant activation checkpointing runs one backward per checkpointed
-            # segment, and a weight shared across segments (ALBERT) is accumulated once in each.
+            # gradients are then never all alive at once (a plain backward keeps them all in .grad).
             def hook(leaf: Tensor) -> None:
-                if position in filled:
-                    segments[position].add_(leaf.grad.reshape(-1))
-                else:
-                    segments[position].copy_(leaf.grad.reshape(-1))
-                    filled.add(position)
+                segments[position].copy_(leaf.grad.reshape(-1))
                 leaf.grad = None
+                filled.add(position)
 
             return hook
 
