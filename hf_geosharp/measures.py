@@ -1,0 +1,158 @@
+"""The measurement bundle: which measures exist, their public names, their defaults, and how to run them.
+
+Every face (``geosharp run``, the evaluate module, the leaderboard, model cards, the Space, the Trainer callback)
+asks this module what "geodesic sharpness plus its baselines" means, so that the names, the defaults and the order
+of the measures are written once.
+
+Names: each measure has a public ``key`` (the evaluate output key, the model-card metric type, the leaderboard and
+results-JSON column; ``<key>_stderr`` is its error bar) and the engine's ``SharpnessResult.measure`` string, which
+also says the mode and the variant (e.g. ``geodesic_inv_worst``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from .api import SharpnessResult, adaptive_sharpness, geodesic_sharpness
+
+
+@dataclass(frozen=True)
+class MeasureSpec:
+    """One measure of the bundle.
+
+    Attributes:
+        key: public name (evaluate key, card metric type, table column).
+        title: what a reader sees (``"Geodesic sharpness (inv)"``).
+        family: ``"geodesic"`` (invariant under the attention symmetries) or a baseline's family.
+        metric: the geodesic metric (``"inv"``/``"mix"``), else ``None``.
+    """
+
+    key: str
+    title: str
+    family: str
+    metric: str | None = None
+
+    @property
+    def invariant(self) -> bool:
+        """Whether the number is invariant under the model's symmetry group (the point of geodesic sharpness)."""
+        return self.family == "geodesic"
+
+
+MEASURES: dict[str, MeasureSpec] = {
+    spec.key: spec
+    for spec in (
+        MeasureSpec("geodesic_sharpness_inv", "Geodesic sharpness (inv)", "geodesic", "inv"),
+        MeasureSpec("geodesic_sharpness_mix", "Geodesic sharpness (mix)", "geodesic", "mix"),
+        MeasureSpec("adaptive_sharpness", "Adaptive sharpness", "adaptive"),
+    )
+}
+#: What a face computes when the user names no measure: both geodesic metrics and the adaptive baseline.
+DEFAULT_MEASURES: tuple[str, ...] = ("geodesic_sharpness_inv", "geodesic_sharpness_mix", "adaptive_sharpness")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The settings every measure of one run shares; the defaults of every face.
+
+    Attributes:
+        rho: radius of the perturbation ball.
+        mode: ``"worst"`` or ``"average"``.
+        steps: solver iterations per batch (worst case).
+        n_samples: random directions per batch (average case).
+        seed: seeds every random draw (per batch, independent of the process that solves it).
+        epsilon: relaxation of the geodesic metric's Gram matrices (``None``: the engine's default).
+        adaptive_variant: the adaptive baseline's solver (``None``: the engine's default).
+    """
+
+    rho: float = 0.1
+    mode: str = "worst"
+    steps: Any = 20
+    n_samples: int = 20
+    seed: int = 0
+    epsilon: float | None = None
+    adaptive_variant: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def spec(key: str) -> MeasureSpec:
+    """The :class:`MeasureSpec` of ``key``, or a ``ValueError`` that lists the known keys."""
+    try:
+        return MEASURES[key]
+    except KeyError:
+        raise ValueError(f"unknown measure {key!r}; use one of {', '.join(MEASURES)}.") from None
+
+
+def parse_measures(text: str | Iterable[str] | None) -> list[str]:
+    """Measure keys from a comma-separated string or a list; short forms ``inv``, ``mix``, ``adaptive`` accepted."""
+    if text is None:
+        return list(DEFAULT_MEASURES)
+    items = [t.strip() for t in (text.split(",") if isinstance(text, str) else text) if t and t.strip()]
+    short = {"inv": "geodesic_sharpness_inv", "mix": "geodesic_sharpness_mix", "adaptive": "adaptive_sharpness"}
+    keys = [short.get(i, i) for i in items]
+    for key in keys:
+        spec(key)
+    if not keys:
+        raise ValueError(f"no measure given; use some of {', '.join(MEASURES)}.")
+    return list(dict.fromkeys(keys))
+
+
+def _engine_kwargs(settings: Settings) -> dict[str, Any]:
+    return dict(rho=settings.rho, mode=settings.mode, steps=settings.steps, n_samples=settings.n_samples,
+                seed=settings.seed)
+
+
+def run_measure(
+    key: str, model: Any, batches: list, settings: Settings = Settings(), **options: Any
+) -> SharpnessResult:
+    """Run one measure of the bundle with ``settings``; ``options`` go to the engine (``symmetry_map``,
+    ``accelerator``, ``progress``, ``loss_fn``; a ``symmetry_map`` is dropped for measures that do not use one)."""
+    measure = spec(key)
+    kwargs = _engine_kwargs(settings)
+    if measure.family == "geodesic":
+        if settings.epsilon is not None:
+            kwargs["epsilon"] = settings.epsilon
+        return geodesic_sharpness(model, batches, metric=measure.metric, **kwargs, **options)
+    options.pop("symmetry_map", None)
+    if settings.adaptive_variant is not None:
+        kwargs["variant"] = settings.adaptive_variant
+    return adaptive_sharpness(model, batches, **kwargs, **options)
+
+
+def run_measures(
+    keys: Iterable[str],
+    model: Any,
+    batches: list,
+    settings: Settings = Settings(),
+    *,
+    on_result: Callable[[str, SharpnessResult, float], None] | None = None,
+    **options: Any,
+) -> dict[str, SharpnessResult]:
+    """Run several measures on the same batches (one symmetry map for all), in the order given.
+
+    ``on_result(key, result, seconds)`` is called as each one finishes (progress, stores)."""
+    import time
+
+    keys = list(keys)
+    if "symmetry_map" not in options and any(spec(k).family == "geodesic" for k in keys):
+        from .symmetry import map_symmetries
+
+        options["symmetry_map"] = map_symmetries(model)
+    out: dict[str, SharpnessResult] = {}
+    for key in keys:
+        start = time.perf_counter()
+        out[key] = run_measure(key, model, batches, settings, **dict(options))
+        if on_result is not None:
+            on_result(key, out[key], time.perf_counter() - start)
+    return out
+
+
+def result_fields(key: str, result: SharpnessResult) -> dict[str, Any]:
+    """The flat public fields of one result: ``key``, ``key_stderr`` and ``key_per_batch``."""
+    stderr = getattr(result, "stderr", math.nan)
+    return {key: result.value, f"{key}_stderr": stderr, f"{key}_per_batch": list(result.per_batch)}
