@@ -113,7 +113,8 @@ def check_writable(path: str | os.PathLike[str], *, what: str = "output file") -
     created, or the folder or the existing file is not writable. Creates no file (the folder may be created)."""
     target = Path(path)
     if target.is_dir():
-        raise OutputPathError(f"{what} {str(target)!r} is a folder; pass a file path (e.g. {str(target / 'out.json')!r}).")
+        example = str(target / "out.json")
+        raise OutputPathError(f"{what} {str(target)!r} is a folder; pass a file path (e.g. {example!r}).")
     folder = target.parent if str(target.parent) else Path(".")
     try:
         folder.mkdir(parents=True, exist_ok=True)
