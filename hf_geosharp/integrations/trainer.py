@@ -1,0 +1,224 @@
+"""Sharpness next to the loss: a ``transformers.TrainerCallback``, and a one-call measurement after training.
+
+Both measure on a fixed subset: ``n_examples`` rows drawn once with a generator seeded by ``seed`` (never the global
+RNG), batched by the Trainer's data collator after dropping the columns the model's ``forward`` does not take (what the
+Trainer itself does). The measurement runs on copies of every global random stream (torch CPU and CUDA, numpy,
+``random``) and the engine restores weights, modes, ``requires_grad`` and ``.grad``, so a run with the callback ends
+with the same weights, optimizer state and random state as a run without it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import random
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import TrainerCallback
+from transformers.trainer_callback import CallbackHandler, TrainerControl, TrainerState
+from transformers.training_args import TrainingArguments
+
+from ..api import SharpnessResult
+from ..measures import Settings, parse_measures, result_fields, run_measures
+
+logger = logging.getLogger(__name__)
+
+LABEL_COLUMNS = ("label", "label_ids", "labels")  # names the Trainer's collators turn into the model's labels
+
+
+@contextlib.contextmanager
+def untouched_rng() -> Iterator[None]:
+    """Run the block on copies of the global random streams: training draws exactly what it would have drawn."""
+    state = random.getstate(), np.random.get_state()
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        random.setstate(state[0])
+        np.random.set_state(state[1])
+
+
+def input_columns(model: torch.nn.Module, args: TrainingArguments | None = None) -> set[str]:
+    """The row keys the Trainer keeps: the arguments of ``model.forward`` (of the base model under PEFT) and labels."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = set(inspect.signature(base.forward).parameters) | set(LABEL_COLUMNS)
+    return names | set(getattr(args, "label_names", None) or [])
+
+
+def subset_batches(
+    dataset: Any, n_examples: int, batch_size: int, seed: int, collate: Callable[[list], Any], keep: set[str] | None
+) -> list[Any]:
+    """``n_examples`` rows of ``dataset`` (all when it has fewer, with a warning), drawn with ``seed``, in batches."""
+    try:
+        n = len(dataset)
+    except TypeError:
+        raise ValueError("the dataset has no length (an iterable dataset); pass batches= instead.") from None
+    if n == 0:
+        raise ValueError("the dataset is empty.")
+    if n_examples > n:
+        logger.warning("n_examples=%d but the dataset has %d rows; measuring on all %d.", n_examples, n, n)
+    picked = torch.randperm(n, generator=torch.Generator().manual_seed(seed))[: min(n_examples, n)]
+    rows = [dataset[i] for i in sorted(picked.tolist())]
+    if keep is not None:
+        rows = [{k: v for k, v in r.items() if k in keep} if isinstance(r, Mapping) else r for r in rows]
+    batches = [collate(rows[s : s + batch_size]) for s in range(0, len(rows), batch_size)]
+    return [dict(b) if isinstance(b, Mapping) else b for b in batches]
+
+
+def _default_collator(processing_class: Any) -> Callable[[list], Any]:
+    """The Trainer's own default: pad with the tokenizer when there is one."""
+    from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase, default_data_collator
+
+    if isinstance(processing_class, PreTrainedTokenizerBase):
+        return DataCollatorWithPadding(processing_class)
+    return default_data_collator
+
+
+def _calling_handler(callback: TrainerCallback) -> CallbackHandler | None:
+    """The Trainer's callback handler that is calling ``callback``; callbacks are handed no reference to it."""
+    frame = inspect.currentframe()
+    for _ in range(8):
+        frame = frame.f_back if frame is not None else None
+        owner = frame.f_locals.get("self") if frame is not None else None
+        if isinstance(owner, CallbackHandler) and callback in owner.callbacks:
+            return owner
+    return None
+
+
+class GeodesicSharpnessCallback(TrainerCallback):
+    """Measure sharpness every ``every_n_steps`` optimizer steps and at the end of training, and log it.
+
+    The values (``geodesic_sharpness_inv``, ``..._stderr``, ..., and ``clean_loss``, the unperturbed loss on the
+    subset) go into ``state.log_history`` as their own entries and to every reporting integration (TensorBoard, W&B,
+    ...) through the Trainer's ``on_log``, exactly once per measurement. ``history`` keeps the full results.
+
+    Args:
+        batches: fixed batches (dicts the model accepts, labels included); or
+        eval_dataset: rows to draw ``n_examples`` from with ``seed``, collated as the Trainer collates its own.
+        every_n_steps: measure when ``global_step`` is a multiple of it (``None``: only at the end).
+        measures: measure keys or short forms (``"inv,mix,adaptive"``); default the bundle's defaults.
+        n_examples: size of the subset (a cap: a smaller dataset is used whole, with a warning).
+        batch_size: examples per batch (default: ``per_device_eval_batch_size``).
+        seed: draws the subset; also the solver's seed unless ``settings`` is given.
+        settings: the measures' shared settings (radius, steps, ...); default the bundle's defaults.
+        data_collator: collates ``eval_dataset`` rows (default: the training dataloader's collator).
+        trainer: optional; without it the callback finds the Trainer's callback handler when training begins.
+
+    Every process measures all batches (no collective call, so ranks never wait for each other). The model's
+    parameters must be whole on each process (not sharded by FSDP or DeepSpeed ZeRO-3).
+    """
+
+    def __init__(
+        self,
+        batches: Iterable[Any] | None = None,
+        *,
+        eval_dataset: Any = None,
+        every_n_steps: int | None = None,
+        measures: str | Iterable[str] | None = None,
+        n_examples: int = 64,
+        batch_size: int | None = None,
+        seed: int = 0,
+        settings: Settings | None = None,
+        data_collator: Callable[[list], Any] | None = None,
+        trainer: Any = None,
+    ) -> None:
+        if (batches is None) == (eval_dataset is None):
+            raise ValueError("pass exactly one of batches= (fixed batches) or eval_dataset= (rows to draw from).")
+        for name, value in (("every_n_steps", every_n_steps), ("n_examples", n_examples), ("batch_size", batch_size)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+        self.keys = parse_measures(measures)
+        self.settings = settings if settings is not None else Settings(seed=seed)
+        self.every_n_steps, self.n_examples, self.batch_size, self.seed = every_n_steps, n_examples, batch_size, seed
+        self.batches = list(batches) if batches is not None else None
+        if self.batches is not None and not self.batches:
+            raise ValueError("batches= is empty.")
+        self.history: list[dict[str, Any]] = []
+        self._dataset, self._collate = eval_dataset, data_collator
+        self._handler = trainer.callback_handler if trainer is not None else None
+        self._last_step: int | None = None
+
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if self._handler is None:
+            self._handler = _calling_handler(self)
+            if self._handler is None:
+                logger.warning("found no Trainer callback handler; sharpness goes to state.log_history only.")
+        if self.batches is None:
+            loader = kwargs.get("train_dataloader")
+            collate = self._collate or getattr(loader, "collate_fn", None)
+            collate = collate or _default_collator(kwargs.get("processing_class"))
+            keep = input_columns(kwargs["model"], args) if args.remove_unused_columns else None
+            size = self.batch_size or args.per_device_eval_batch_size
+            with untouched_rng():  # a masking collator draws random numbers
+                self.batches = subset_batches(self._dataset, self.n_examples, size, self.seed, collate, keep)
+        self._last_step = None
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        due = self.every_n_steps is not None and state.global_step % self.every_n_steps == 0
+        if due or control.should_training_stop:  # DefaultFlowCallback has already flagged the last step
+            self._measure(args, state, control, kwargs["model"])
+
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        if self._last_step != state.global_step:  # training stopped early (e.g. EarlyStoppingCallback)
+            self._measure(args, state, control, kwargs["model"])
+
+    def _measure(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, model: Any) -> None:
+        self._last_step = state.global_step
+        with untouched_rng():
+            results = run_measures(self.keys, model, self.batches, self.settings, progress=False)
+        logs: dict[str, float] = {}
+        for key, res in results.items():  # scalars only: reporters log numbers, not lists
+            logs.update({k: v for k, v in result_fields(key, res).items() if not k.endswith("_per_batch")})
+        logs["clean_loss"] = next(iter(results.values())).clean_loss
+        self.history.append({"step": state.global_step, "results": {k: r.to_dict() for k, r in results.items()}})
+        self._log(args, state, control, logs)
+
+    def _log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, logs: dict) -> None:
+        """What ``Trainer.log`` does. The handler's ``on_log`` also clears ``control.should_log``, which would drop
+        the training loss due at this step, so the flag is put back."""
+        if state.epoch is not None:
+            logs["epoch"] = state.epoch
+        state.log_history.append({**logs, "step": state.global_step})
+        if self._handler is not None:
+            should_log = control.should_log
+            self._handler.on_log(args, state, control, logs)
+            control.should_log = should_log
+
+
+def measure_trainer(
+    trainer: Any,
+    n_examples: int = 64,
+    *,
+    dataset: Any = None,
+    measures: str | Iterable[str] | None = None,
+    settings: Settings | None = None,
+    batch_size: int | None = None,
+    seed: int = 0,
+    progress: bool = False,
+) -> dict[str, SharpnessResult]:
+    """Measure ``trainer.model`` (e.g. after ``trainer.train()``) on ``n_examples`` rows drawn with ``seed`` from
+    ``dataset`` (default: the trainer's eval dataset, else its train dataset), collated by its data collator.
+
+    Returns ``{measure key: SharpnessResult}``. The model, the trainer and the global random streams are untouched.
+    """
+    if dataset is None:
+        dataset = trainer.eval_dataset if trainer.eval_dataset is not None else trainer.train_dataset
+    if dataset is None:
+        raise ValueError("the trainer has neither an eval_dataset nor a train_dataset; pass dataset=.")
+    if isinstance(dataset, dict):
+        raise ValueError(f"the trainer's eval_dataset is a dict of datasets ({sorted(dataset)}); pass dataset=one.")
+    args = trainer.args
+    keep = input_columns(trainer.model, args) if args.remove_unused_columns else None
+    settings = settings if settings is not None else Settings(seed=seed)
+    with untouched_rng():
+        batches = subset_batches(
+            dataset, n_examples, batch_size or args.per_device_eval_batch_size, seed, trainer.data_collator, keep
+        )
+        return run_measures(parse_measures(measures), trainer.model, batches, settings, progress=progress)

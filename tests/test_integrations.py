@@ -1,0 +1,143 @@
+"""The Trainer integration: the callback leaves the training run exactly as it would have been, logs what the Python
+API computes on the same batches, once per measurement and through the callback handler; ``measure_trainer`` equals
+the API on the subset it documents."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import datasets
+import numpy as np
+import pytest
+import torch
+
+import hf_geosharp as gs
+from hf_geosharp.integrations import GeodesicSharpnessCallback, measure_trainer
+from hf_geosharp.measures import Settings
+
+from .tiny_fixtures import one_thread, sentences, tiny_tokenizer  # noqa: F401
+
+SETTINGS = Settings(rho=0.05, steps=2, seed=0)
+KEYS = ("geodesic_sharpness_inv", "adaptive_sharpness")
+
+
+def _model():
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=64, num_labels=2, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1,
+    )  # fmt: skip  (dropout on: the run draws random numbers every step, so a stolen draw would show)
+    return BertForSequenceClassification(config)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    tokenizer = tiny_tokenizer(tmp_path_factory.mktemp("tok"))
+    texts, labels = sentences(24, seed=2)
+    ds = datasets.Dataset.from_dict({"text": texts, "label": labels})
+    ds = ds.map(lambda row: tokenizer(row["text"], truncation=True), batched=True)  # "text" stays: must be dropped
+    return tokenizer, ds
+
+
+class Recorder:
+    """A reporting integration stand-in: what the callback handler hands to on_log, and the weights when measured."""
+
+    def __init__(self):
+        from transformers import TrainerCallback
+
+        outer = self
+        self.logs, self.weights = [], {}
+
+        class _Callback(TrainerCallback):
+            def on_log(self, args, state, control, logs=None, **kwargs):
+                outer.logs.append(dict(logs))
+
+            def on_step_end(self, args, state, control, model=None, **kwargs):
+                outer.weights[state.global_step] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+        self.callback = _Callback()
+
+
+def _train(tmp_path, data, callbacks):
+    from transformers import Trainer, TrainingArguments
+
+    tokenizer, ds = data
+    args = TrainingArguments(
+        output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=4, per_device_eval_batch_size=4,
+        learning_rate=1e-3, logging_steps=2, report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True,
+        seed=0, dataloader_num_workers=0,
+    )  # fmt: skip
+    trainer = Trainer(model=_model(), args=args, train_dataset=ds, processing_class=tokenizer, callbacks=callbacks)
+    trainer.train()
+    trainer.rng_after = (torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate())
+    return trainer
+
+
+def test_callback_keeps_the_trajectory_and_logs_the_api_values(tmp_path, data):
+    plain = _train(tmp_path / "plain", data, [])
+    recorder = Recorder()
+    callback = GeodesicSharpnessCallback(eval_dataset=data[1], every_n_steps=2, measures=KEYS, n_examples=6,
+                                         settings=SETTINGS)  # fmt: skip
+    measured = _train(tmp_path / "measured", data, [callback, recorder.callback])
+
+    # the training run is exactly the one without the callback: weights, optimizer state, random stream, losses
+    for (name, a), (_, b) in zip(plain.model.state_dict().items(), measured.model.state_dict().items()):
+        assert torch.equal(a, b), name
+    opt_a, opt_b = plain.optimizer.state_dict()["state"], measured.optimizer.state_dict()["state"]
+    assert opt_a.keys() == opt_b.keys()
+    assert all(torch.equal(opt_a[i][k], opt_b[i][k]) for i in opt_a for k in opt_a[i])
+    assert torch.equal(plain.rng_after[0], measured.rng_after[0])  # the random streams continue alike
+    assert (plain.rng_after[1] == measured.rng_after[1]).all() and plain.rng_after[2] == measured.rng_after[2]
+    losses = [e for e in plain.state.log_history if "loss" in e]
+    assert [e for e in measured.state.log_history if "loss" in e] == losses and len(losses) == 2  # steps 2 and 4
+
+    # one entry per measurement (steps 2 and 4; the end is step 4, not measured twice), handed to every reporter
+    entries = [e for e in measured.state.log_history if "geodesic_sharpness_inv" in e]
+    assert [e["step"] for e in entries] == [2, 4]
+    assert [r for r in recorder.logs if "geodesic_sharpness_inv" in r] == [
+        {k: v for k, v in e.items() if k != "step"} for e in entries
+    ]
+    assert set(entries[0]) == {*KEYS, *(f"{k}_stderr" for k in KEYS), "clean_loss", "epoch", "step"}
+
+    # the values are the API's on the same batches at the same weights
+    for entry in entries:
+        model = _model().eval()
+        model.load_state_dict(recorder.weights[entry["step"]])
+        ref = gs.geodesic_sharpness(model, callback.batches, rho=0.05, steps=2, seed=0, metric="inv", progress=False)
+        assert entry["geodesic_sharpness_inv"] == pytest.approx(ref.value, rel=1e-6, abs=1e-9)
+        assert entry["clean_loss"] == pytest.approx(ref.clean_loss, rel=1e-6)
+        base = gs.adaptive_sharpness(model, callback.batches, rho=0.05, steps=2, seed=0, progress=False)
+        assert entry["adaptive_sharpness"] == pytest.approx(base.value, rel=1e-6, abs=1e-9)
+    assert entries[0]["geodesic_sharpness_inv"] != entries[1]["geodesic_sharpness_inv"]  # weights moved
+    # the subset: 6 rows in batches of 4, columns the model takes ("text" dropped), padded by the tokenizer
+    assert [len(b["labels"]) for b in callback.batches] == [4, 2]
+    assert "text" not in callback.batches[0] and "input_ids" in callback.batches[0]
+    assert [h["step"] for h in callback.history] == [2, 4]
+
+
+def test_measure_trainer_equals_the_api_on_its_documented_subset(tmp_path, data):
+    trainer = _train(tmp_path, data, [])
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    state = torch.get_rng_state()
+    results = measure_trainer(trainer, n_examples=100, measures="inv", settings=SETTINGS, batch_size=8)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert all(torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
+    res = results["geodesic_sharpness_inv"]
+    assert len(res.per_batch) == 3  # the cap: all 24 rows, in batches of 8
+    # the same subset built by hand: the Trainer's collator on the model's columns of every row
+    rows = [{k: data[1][i][k] for k in ("input_ids", "token_type_ids", "attention_mask", "label")} for i in range(24)]
+    batches = [dict(trainer.data_collator(rows[s : s + 8])) for s in range(0, 24, 8)]
+    ref = gs.geodesic_sharpness(trainer.model, batches, rho=0.05, steps=2, seed=0, progress=False)
+    assert res.value == pytest.approx(ref.value, rel=1e-6) and math.isfinite(res.value)
+
+
+def test_callback_arguments_are_checked():
+    with pytest.raises(ValueError, match="exactly one of batches="):
+        GeodesicSharpnessCallback()
+    with pytest.raises(ValueError, match="every_n_steps must be a positive integer"):
+        GeodesicSharpnessCallback(batches=[{}], every_n_steps=0)
+    with pytest.raises(ValueError, match="unknown measure"):
+        GeodesicSharpnessCallback(batches=[{}], measures="euclid")
