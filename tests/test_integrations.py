@@ -27,8 +27,15 @@ def _model():
 
     torch.manual_seed(0)
     config = BertConfig(
-        vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-        max_position_embeddings=64, num_labels=2, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1,
+        vocab_size=100,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        num_labels=2,
+        hidden_dropout_prob=0.1,
+        attention_probs_dropout_prob=0.1,
     )  # fmt: skip  (dropout on: the run draws random numbers every step, so a stolen draw would show)
     return BertForSequenceClassification(config)
 

@@ -165,7 +165,9 @@ class GeodesicSharpnessCallback(TrainerCallback):
         if due or control.should_training_stop:  # DefaultFlowCallback has already flagged the last step
             self._measure(args, state, control, kwargs["model"])
 
-    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         if self._last_step != state.global_step:  # training stopped early (e.g. EarlyStoppingCallback)
             self._measure(args, state, control, kwargs["model"])
 
