@@ -10,6 +10,20 @@ import os as _os  # noqa: E402
 EVALUATE_MODULE_DIR = _os.path.join(_os.path.dirname(__file__), "geodesic_sharpness")
 """Folder of the evaluate loading script: ``evaluate.load(hf_geosharp.EVALUATE_MODULE_DIR)`` works from any cwd."""
 
+from .register import quiet_cache_notice as _quiet_cache_notice  # noqa: E402
+
+_quiet_cache_notice()  # evaluate's "using the latest cached version" notice, for this module only (writes nothing)
+
+
+def __getattr__(name: str) -> object:
+    """``gs.measure_trainer`` and ``gs.GeodesicSharpnessCallback``, imported with transformers only when used."""
+    if name in ("measure_trainer", "GeodesicSharpnessCallback"):
+        from . import integrations
+
+        return getattr(integrations, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 if _os.environ.get("HF_GEOSHARP_NO_AUTOREGISTER", "0") != "1":
     from .register import autoregister as _autoregister  # noqa: E402
 

@@ -1,7 +1,12 @@
 """The evaluate face: ``evaluate.load("geodesic_sharpness")`` returns :class:`GeodesicSharpness`.
 
-Data arrive as evaluate features (token ids and masks, or pixel values, and labels); the model arrives as a keyword,
-like in evaluate's perplexity module. All the work is delegated to :mod:`hf_geosharp.api`.
+Data arrive as evaluate features (raw texts as ``predictions``, like evaluate's perplexity module, or token ids and
+masks, or pixel values, and labels); the model arrives as a keyword (``model=`` or ``model_id=``). The measures, their
+output keys and their defaults come from :mod:`hf_geosharp.measures`, the batching from :mod:`hf_geosharp.data`.
+
+Labels are stored with the dtype the model's task needs: class ids as integers, regression and multi-label targets as
+floats (evaluate picks a feature schema from the first example; here it is picked from all labels' types, so a float
+target is never truncated to an integer).
 
 evaluate stores every declared feature for every example, but a text model has no pixels and many tokenizers make no
 ``token_type_ids``. Inputs that are not given are therefore stored as empty rows, and a column whose rows are all empty
@@ -15,18 +20,29 @@ the one-process result. Do not use evaluate's ``num_process``/``process_id`` opt
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 import datasets
 import evaluate
+import numpy as np
 import torch
 
-from .api import adaptive_sharpness, geodesic_sharpness
-from .data import DataError, launch_accelerator, load_model, make_batches, task_of
+from .data import (
+    DataError,
+    DataSpec,
+    launch_accelerator,
+    load_model,
+    load_processor,
+    make_batches,
+    require_task,
+    task_of,
+)
+from .measures import DEFAULT_MEASURES, MEASURES, Settings, parse_measures, result_fields, run_measures, spec
 from .symmetry import map_symmetries
 
-INPUTS = ("input_ids", "attention_mask", "token_type_ids", "pixel_values", "labels")
-METRICS = ("inv", "mix")
+INPUTS = ("predictions", "input_ids", "attention_mask", "token_type_ids", "pixel_values", "labels")
 
 _DESCRIPTION = """\
 Geodesic sharpness (da Silva, Dangel & Oore, ICML 2025) measures how much a model's loss rises when its weights move a
@@ -51,63 +67,110 @@ _CITATION = """\
 }
 """
 
-_KWARGS_DESCRIPTION = """
+DEFAULTS = Settings()
+DEFAULT_BATCH_SIZE = DataSpec.batch_size  # the CLI's defaults (dataclass field defaults)
+DEFAULT_MAX_LENGTH = DataSpec.max_length
+
+_KWARGS_DESCRIPTION = f"""
 Args:
+    predictions (`list[str]`): raw texts, tokenized with the model's tokenizer (like evaluate's perplexity module);
+        or instead:
     input_ids (`list[list[int]]`): token ids of a text model, one list per example (any lengths; padded per batch).
     attention_mask (`list[list[int]]`, *optional*): built from the lengths when not given.
     token_type_ids (`list[list[int]]`, *optional*): for models that take them (BERT).
     pixel_values (`list` or tensor `[n, channels, height, width]`): inputs of a vision model (instead of input_ids).
-    labels (`list[int]` or `list[list[int]]`): class ids, or per-token ids (-100: ignored). Optional for causal LMs,
-        whose labels default to the input ids.
-    model (`torch.nn.Module`): a loaded model; `model(**batch).loss` is what is measured. Not modified.
-    model_id (`str`): instead of `model`, a local path or Hub id, loaded with the head its config names.
-    rho (`float`, default 0.1): radius of the perturbation ball.
-    metric (`str`, default "inv"): "inv", "mix" or "inv,mix" (several give one key per metric).
-    mode (`str`, default "worst"): "worst" (maximise the loss over the ball) or "average" (random directions).
-    steps (`int`, default 20): solver iterations per batch (worst case).
-    n_samples (`int`, default 20): random directions per batch (average case).
-    batch_size (`int`, default 32): examples per batch; values are averaged over batches.
-    seed (`int`, default 0): every batch's randomness is seeded from (seed, batch index).
-    baseline (`bool`, default True): also compute adaptive sharpness on the same batches.
-    epsilon (`float`, default 1e-6): regulariser of the metric's Gram matrices.
+    labels: what the model's loss needs: class ids (`list[int]`), regression or multi-label targets (`list[float]`,
+        `list[list[float]]`), or per-token ids (`list[list[int]]`, -100: ignored). Class names must be mapped to
+        ids first (`model.config.label2id`). Optional for causal language models (labels = the input ids).
+    model (`torch.nn.Module`): a loaded model with a task head; `model(**batch).loss` is measured. Never modified,
+        never moved.
+    model_id (`str`): instead of `model`, a local path or Hub id, loaded with the head its config names (custom
+        model code is never run).
+    tokenizer (*optional*): tokenizes `predictions`; default the one saved with `model_id`.
+    device (`str`, *optional*): where a `model_id` model runs (default: cuda when available, else cpu); a `model` stays
+        where it is.
+    measures (`str` or `list`, *optional*): measure keys or short forms ("inv", "mix", "adaptive"); default
+        "{",".join(DEFAULT_MEASURES)}". The older `metric=` ("inv,mix") and `baseline=` select the same.
+    rho (`float`, default {DEFAULTS.rho}): radius of the perturbation ball.
+    mode (`str`, default "{DEFAULTS.mode}"): "worst" (maximise the loss over the ball) or "average".
+    steps (`int`, default {DEFAULTS.steps}): solver iterations per batch (worst case).
+    n_samples (`int`, default {DEFAULTS.n_samples}): random directions per batch (average case).
+    batch_size (`int`, default {DEFAULT_BATCH_SIZE}): examples per batch; values are averaged over batches.
+    max_length (`int`, default {DEFAULT_MAX_LENGTH}): truncation length when tokenizing `predictions`.
+    seed (`int`, default {DEFAULTS.seed}): every batch's randomness is seeded from (seed, batch index).
+    epsilon (`float`, *optional*): regulariser of the metric's Gram matrices (the engine's default).
     loss_fn (`callable`, *optional*): `loss_fn(model, batch) -> scalar tensor` instead of the model's own loss.
     accelerator (`accelerate.Accelerator`, *optional*): created automatically when torch.distributed is running.
     progress (`bool`, default False): show progress bars.
 Returns:
-    geodesic_sharpness (`float`): the mean over batches (`geodesic_sharpness_inv`, `_mix` for several metrics),
-    geodesic_sharpness_per_batch (`list[float]`),
-    adaptive_sharpness (`float`) and adaptive_sharpness_per_batch (`list[float]`) when baseline=True,
-    clean_loss (`float`) and clean_loss_per_batch (`list[float]`): the unperturbed loss,
-    config (`dict`): the settings, example and batch counts, world size, each measure's own configuration, and the
-        attention modules that could not be mapped (treated elementwise), with the reason.
+    for every measure key (`geodesic_sharpness_inv`, `geodesic_sharpness_mix`, `adaptive_sharpness`, ...), whichever
+    were asked for (the others are None, so the keys never change): `<key>` (`float`, the mean over batches),
+    `<key>_stderr` (its standard error; NaN for a single worst-case batch) and `<key>_per_batch` (`list[float]`);
+    clean_loss (`float`) and clean_loss_per_batch (`list[float]`): the unperturbed loss;
+    config (`dict`): the settings, example and batch counts, world size, each measure's engine name, convergence and
+        configuration, and the attention modules that could not be mapped (treated elementwise), with the reason.
 Examples:
     >>> import evaluate
     >>> gs = evaluate.load("geodesic_sharpness")
-    >>> enc = tokenizer(texts, truncation=True)
-    >>> gs.compute(model=model, input_ids=enc["input_ids"], attention_mask=enc["attention_mask"], labels=labels,
-    ...            rho=0.1, metric="inv,mix", steps=20, batch_size=32)
+    >>> gs.compute(model_id="path/to/model", predictions=["a fine film", "dull"], labels=[1, 0], batch_size=32)
 """
 
 
-def _features(labels: datasets.Value | datasets.Sequence) -> datasets.Features:
+def _features(text: Any, labels: Any) -> datasets.Features:
     ids = datasets.Sequence(datasets.Value("int64"))
     pixels = datasets.Sequence(datasets.Sequence(datasets.Sequence(datasets.Value("float32"))))
-    return datasets.Features(
-        {"input_ids": ids, "attention_mask": ids, "token_type_ids": ids, "pixel_values": pixels, "labels": labels}
+    return datasets.Features({"predictions": text, "input_ids": ids, "attention_mask": ids, "token_type_ids": ids,
+                              "pixel_values": pixels, "labels": labels})  # fmt: skip
+
+
+#: One schema per label kind, indexed by :func:`_label_kind`: (scalar or per-example list) x (integer or float).
+SCHEMAS = [
+    _features(datasets.Value("string"), labels)
+    for labels in (
+        datasets.Value("int64"), datasets.Value("float64"),
+        datasets.Sequence(datasets.Value("int64")), datasets.Sequence(datasets.Value("float64")),
     )
+]  # fmt: skip
+
+
+def _label_kind(rows: Any) -> int:
+    """Which schema the labels need: +2 for per-example lists, +1 for floats; strings are refused here, before
+    evaluate's own type inference turns them into an unrelated error."""
+    values, nested = [], False
+    for row in rows:
+        if np.ndim(row) > 0:
+            nested = True
+            values.extend(np.asarray(row).ravel().tolist())
+        else:
+            values.append(row.item() if hasattr(row, "item") else row)
+    text = next((v for v in values if isinstance(v, str)), None)
+    if text is not None:
+        raise ValueError(
+            f"labels are class names (e.g. {text!r}); pass class ids: map them with the model's label2id, e.g. "
+            "labels=[model.config.label2id[name] for name in names]."
+        )
+    return 2 * nested + any(isinstance(v, float) for v in values)
 
 
 def _with_absent_inputs(kwargs: dict[str, Any], *, single: bool = False) -> dict[str, Any]:
-    """Store every input evaluate expects: one that is not given becomes empty rows (one ``[]`` for ``add``)."""
-    given = [kwargs[k] for k in INPUTS if kwargs.get(k) is not None]
+    """Store every input evaluate expects: one that is not given becomes empty rows (texts: empty strings)."""
+    if "references" in kwargs or "reference" in kwargs:
+        raise ValueError(
+            "geodesic_sharpness takes no references: pass the targets as labels= and the texts as predictions=. "
+            "(evaluate.combine does not apply to this module: it hands every module the same predictions and "
+            "references, while this one needs a model and the model's inputs.)"
+        )
+    names = [("prediction" if single else "predictions"), *INPUTS[1:]]
+    given = [kwargs[k] for k in names if kwargs.get(k) is not None]
     if not given:
         return kwargs
-    empty: list = [] if single else [[] for _ in range(len(given[0]))]
-    return {**kwargs, **{k: empty for k in INPUTS if kwargs.get(k) is None}}
+    n = 1 if single else len(given[0])
+    empty = {name: ("" if name.startswith("prediction") else []) for name in names}
+    return {**kwargs, **{k: (empty[k] if single else [empty[k]] * n) for k in names if kwargs.get(k) is None}}
 
 
 def _present(rows: list[Any]) -> bool:
-    return any(not (isinstance(r, list) and len(r) == 0) for r in rows)
+    return any(not (isinstance(r, (list, str)) and len(r) == 0) for r in rows)
 
 
 def _gather_shards(columns: dict[str, list]) -> dict[str, list]:
@@ -120,8 +183,36 @@ def _gather_shards(columns: dict[str, list]) -> dict[str, list]:
     return {k: [row for shard in shards for row in shard[k]] for k in columns}
 
 
+def _keys(measures: Any, metric: Any, baseline: bool | None) -> list[str]:
+    """The measure keys asked for; ``metric``/``baseline`` are the older way to say the same."""
+    if measures is not None:
+        return parse_measures(measures)
+    if metric is None and baseline is None:
+        return list(DEFAULT_MEASURES)
+    metrics = [m.strip() for m in metric.split(",")] if isinstance(metric, str) else list(metric or ["inv", "mix"])
+    if not metrics or any(m not in ("inv", "mix") for m in metrics):
+        raise ValueError(f"metric={metric!r}: use 'inv', 'mix' or 'inv,mix' (or measures=).")
+    return parse_measures(metrics + (["adaptive"] if baseline is not False else []))
+
+
+def _model(model: torch.nn.Module | None, model_id: str | None, device: Any) -> torch.nn.Module:
+    """The model to measure: the one given (never moved), or ``model_id`` loaded onto ``device``."""
+    if (model is None) == (model_id is None):
+        raise ValueError("pass exactly one of model= (a loaded model) or model_id= (a local path or Hub id).")
+    want = torch.device(device) if device is not None else None
+    if model is None:
+        return load_model(model_id).to(want or torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    here = next(model.parameters()).device
+    if want is not None and (want.type != here.type or want.index not in (None, here.index)):
+        raise ValueError(
+            f"the model is on {here}, not {want}: compute never moves a model it is given; call "
+            f"model.to({str(want)!r}) first, or pass model_id= with device=."
+        )
+    return model
+
+
 class GeodesicSharpness(evaluate.Measurement):
-    """Geodesic (symmetry-invariant) sharpness of a model on labelled batches, with adaptive sharpness as baseline."""
+    """Geodesic (symmetry-invariant) sharpness of a model on labelled examples, with adaptive sharpness as baseline."""
 
     def _info(self) -> evaluate.MeasurementInfo:
         return evaluate.MeasurementInfo(
@@ -129,24 +220,47 @@ class GeodesicSharpness(evaluate.Measurement):
             description=_DESCRIPTION,
             citation=_CITATION,
             inputs_description=_KWARGS_DESCRIPTION,
-            features=[_features(datasets.Value("int64")), _features(datasets.Sequence(datasets.Value("int64")))],
+            features=SCHEMAS,
             reference_urls=["https://arxiv.org/abs/2505.05409", "https://openreview.net/forum?id=5QAKPBVdFH"],
         )
 
+    def _infer_feature_from_batch(self, batch: dict[str, list]) -> datasets.Features:
+        return self.features[_label_kind(batch["labels"])]
+
+    def _infer_feature_from_example(self, example: dict[str, Any]) -> datasets.Features:
+        return self.features[_label_kind([example["labels"]])]
+
+    def _check_labels(self, labels: Any) -> None:
+        """Later batches must have the label kind of the first (evaluate would cast them to its dtype)."""
+        if labels is not None and self.writer is not None:
+            kind = _label_kind(labels)
+            if self.features[kind] != self.selected_feature_format:
+                raise ValueError(
+                    "these labels are of another kind (integer/float, scalar/list) than the ones "
+                    "added before; pass all labels with one dtype."
+                )
+
     def compute(self, **kwargs: Any) -> dict[str, Any] | None:
         """Measure sharpness; see the arguments below."""
-        return super().compute(**_with_absent_inputs(kwargs))
+        kwargs = _with_absent_inputs(kwargs)
+        self._check_labels(kwargs.get("labels"))
+        return super().compute(**kwargs)
 
     def add_batch(self, **kwargs: Any) -> None:
         """Add a batch of examples; ``compute(model=...)`` then measures all added examples."""
-        super().add_batch(**_with_absent_inputs(kwargs))
+        kwargs = _with_absent_inputs(kwargs)
+        self._check_labels(kwargs.get("labels"))
+        super().add_batch(**kwargs)
 
     def add(self, **kwargs: Any) -> None:
         """Add one example."""
-        super().add(**_with_absent_inputs(kwargs, single=True))
+        kwargs = _with_absent_inputs(kwargs, single=True)
+        self._check_labels([kwargs["labels"]] if "labels" in kwargs else None)
+        super().add(**kwargs)
 
     def _compute(
         self,
+        predictions: list,
         input_ids: list,
         attention_mask: list,
         token_type_ids: list,
@@ -154,31 +268,43 @@ class GeodesicSharpness(evaluate.Measurement):
         labels: list,
         model: torch.nn.Module | None = None,
         model_id: str | None = None,
-        rho: float = 0.1,
-        metric: str = "inv",
-        mode: str = "worst",
-        steps: int = 20,
-        n_samples: int = 20,
-        batch_size: int = 32,
-        seed: int = 0,
-        baseline: bool = True,
-        epsilon: float = 1e-6,
+        tokenizer: Any = None,
+        device: Any = None,
+        measures: Any = None,
+        metric: Any = None,
+        baseline: bool | None = None,
+        rho: float | None = None,
+        mode: str | None = None,
+        steps: int | None = None,
+        n_samples: int | None = None,
+        batch_size: int = DEFAULT_BATCH_SIZE,
+        max_length: int = DEFAULT_MAX_LENGTH,
+        seed: int | None = None,
+        epsilon: float | None = None,
         loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None,
         accelerator: Any = None,
         progress: bool = False,
     ) -> dict[str, Any]:
-        if (model is None) == (model_id is None):
-            raise ValueError("pass exactly one of model= (a loaded model) or model_id= (a local path or Hub id).")
-        if model is None:
-            model = load_model(model_id)
-        metrics = [m.strip() for m in metric.split(",")] if isinstance(metric, str) else list(metric)
-        if not metrics or any(m not in METRICS for m in metrics):
-            raise ValueError(f"metric={metric!r}: use 'inv', 'mix' or 'inv,mix'.")
-        inputs = dict(zip(INPUTS, (input_ids, attention_mask, token_type_ids, pixel_values, labels)))
-        columns = {k: rows for k, rows in inputs.items() if _present(rows)}
-        if ("input_ids" in columns) == ("pixel_values" in columns):
-            raise ValueError("pass either input_ids= (text) or pixel_values= (vision), not both and not neither.")
+        keys = _keys(measures, metric, baseline)
+        given = dict(rho=rho, mode=mode, steps=steps, n_samples=n_samples, seed=seed, epsilon=epsilon)
+        settings = dataclasses.replace(DEFAULTS, **{k: v for k, v in given.items() if v is not None})
+        model = _model(model, model_id, device)
         task = task_of(model)
+        if task is None and loss_fn is None:
+            require_task(model)  # says which heads have a loss (the real cause, before any word about labels)
+        inputs = dict(zip(INPUTS, (predictions, input_ids, attention_mask, token_type_ids, pixel_values, labels)))
+        columns = {k: rows for k, rows in inputs.items() if _present(rows)}
+        if sum(k in columns for k in ("predictions", "input_ids", "pixel_values")) != 1:
+            raise ValueError("pass one of predictions= (texts), input_ids= (token ids) or pixel_values= (images).")
+        pad_token_id = getattr(getattr(model, "config", None), "pad_token_id", None)
+        if "predictions" in columns:
+            if tokenizer is None and model_id is None:
+                raise ValueError("predictions= are texts: pass the model's tokenizer= with model=, or use model_id=.")
+            tokenizer = tokenizer if tokenizer is not None else load_processor(model_id, model)
+            enc = tokenizer(columns.pop("predictions"), truncation=True, max_length=max_length)
+            columns.update({k: enc[k] for k in ("input_ids", "attention_mask", "token_type_ids") if k in enc})
+            if pad_token_id is None:
+                pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         if "labels" not in columns and loss_fn is None and task != "causal-lm":
             raise ValueError(
                 "labels= is missing: pass class ids (or per-token ids with -100 for ignored positions); only causal "
@@ -189,37 +315,23 @@ class GeodesicSharpness(evaluate.Measurement):
             columns = _gather_shards(columns)
             accelerator = accelerator or launch_accelerator()
         try:
-            batches = make_batches(
-                columns,
-                batch_size,
-                pad_token_id=getattr(getattr(model, "config", None), "pad_token_id", None),
-                task=task,
-            )
+            batches = make_batches(columns, batch_size, pad_token_id=pad_token_id, task=task)
         except DataError as err:
             raise ValueError(str(err)) from None
-        common = dict(
-            rho=rho, mode=mode, steps=steps, seed=seed, n_samples=n_samples, loss_fn=loss_fn,
-            accelerator=accelerator, progress=progress,
-        )  # fmt: skip
-        smap = map_symmetries(model)  # once for all metrics
-        results = [
-            geodesic_sharpness(model, batches, metric=m, epsilon=epsilon, symmetry_map=smap, **common) for m in metrics
-        ]
-        if baseline:
-            results.append(adaptive_sharpness(model, batches, **common))
+        options: dict[str, Any] = dict(loss_fn=loss_fn, accelerator=accelerator, progress=progress)
+        smap = map_symmetries(model) if any(spec(k).family == "geodesic" for k in keys) else None
+        results = run_measures(keys, model, batches, settings, symmetry_map=smap, **options)
         out: dict[str, Any] = {}
-        for m, res in zip(metrics, results):
-            key = "geodesic_sharpness" if len(metrics) == 1 else f"geodesic_sharpness_{m}"
-            out[key], out[f"{key}_per_batch"] = res.value, list(res.per_batch)
-        if baseline:
-            out["adaptive_sharpness"] = results[-1].value
-            out["adaptive_sharpness_per_batch"] = list(results[-1].per_batch)
-        out["clean_loss"], out["clean_loss_per_batch"] = results[0].clean_loss, list(results[0].per_batch_clean_loss)
+        for key in MEASURES:  # every key, always: a result table keeps its columns whatever was asked for
+            empty = {key: None, f"{key}_stderr": None, f"{key}_per_batch": None}
+            out.update(result_fields(key, results[key]) if key in results else empty)
+        first = next(iter(results.values()))
+        out["clean_loss"], out["clean_loss_per_batch"] = first.clean_loss, list(first.per_batch_clean_loss)
         out["config"] = {
-            "rho": rho, "metric": ",".join(metrics), "mode": mode, "steps": steps, "n_samples": n_samples,
-            "batch_size": batch_size, "seed": seed, "epsilon": epsilon, "baseline": baseline,
+            **settings.as_dict(), "measures": keys, "batch_size": batch_size,
             "n_examples": len(next(iter(columns.values()))), "n_batches": len(batches), "world_size": world_size,
-            "measures": {res.measure: res.config for res in results},
-            "unmapped_attention": [{"module": f.module, "reason": f.reason} for f in smap.fallbacks],
+            "results": {key: {"measure": res.measure, "converged": getattr(res, "converged", None),
+                              "config": res.config} for key, res in results.items()},
+            "unmapped_attention": [{"module": f.module, "reason": f.reason} for f in (smap.fallbacks if smap else [])],
         }  # fmt: skip
         return out

@@ -65,3 +65,18 @@ def autoregister() -> None:
         register_evaluate_module()
     except OSError as err:
         logger.debug("could not register %s in evaluate's module cache: %s", NAME, err)
+
+
+class _CacheNoticeFilter(logging.Filter):
+    """Drops evaluate's "Using the latest cached version of the module ..." warning for this module only: after
+    registration the cache is where the module is meant to come from, so the notice is noise, not a warning."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return CACHE_FOLDER not in record.getMessage()
+
+
+def quiet_cache_notice() -> None:
+    """Install the filter on evaluate's loader logger (once; evaluate itself need not be imported yet)."""
+    loader = logging.getLogger("evaluate.loading")
+    if not any(isinstance(f, _CacheNoticeFilter) for f in loader.filters):
+        loader.addFilter(_CacheNoticeFilter())

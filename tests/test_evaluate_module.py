@@ -97,7 +97,7 @@ def test_bare_name_loads_in_a_fresh_process_from_any_directory(tmp_path):
         out = module.compute(model=tiny_bert(), **data, batch_size=4, metric="inv", baseline=False,
                              rho=0.05, steps=3, seed=0)
         print(json.dumps({{"class": type(module).__name__, "type": module.info.module_type, "cached": cached,
-                          "value": out["geodesic_sharpness"]}}))
+                          "value": out["geodesic_sharpness_inv"]}}))
     """)
     proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=cwd, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -149,7 +149,7 @@ def test_text_compute_equals_the_python_api(tmp_path, module_from_checkout_root)
     assert out["clean_loss"] == pytest.approx(ref.clean_loss, rel=1e-6)
     assert len(out["clean_loss_per_batch"]) == 3 and out["config"]["n_examples"] == 10
     assert all(v >= 0 for v in out["geodesic_sharpness_inv_per_batch"]) and out["geodesic_sharpness_inv"] > 0
-    assert "geodesic_sharpness" not in out  # several metrics: one key per metric
+    assert "geodesic_sharpness" not in out  # one key per metric, whatever was asked for
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
@@ -163,9 +163,9 @@ def test_vision_compute_equals_the_python_api(module_from_checkout_root):
     batches = [{"pixel_values": pixels[:3], "labels": torch.tensor(labels[:3])},
                {"pixel_values": pixels[3:], "labels": torch.tensor(labels[3:])}]  # fmt: skip
     ref = gs.geodesic_sharpness(model, batches, metric="mix", progress=False, **SETTINGS)
-    assert out["geodesic_sharpness"] == pytest.approx(ref.value, rel=1e-6)
+    assert out["geodesic_sharpness_mix"] == pytest.approx(ref.value, rel=1e-6)
     assert out["clean_loss_per_batch"] == pytest.approx(ref.per_batch_clean_loss, rel=1e-6)
-    assert "adaptive_sharpness" not in out
+    assert out["adaptive_sharpness"] is None and out["geodesic_sharpness_inv_per_batch"] is None  # not asked for
 
 
 def test_causal_lm_labels_default_to_the_input_ids(module_from_checkout_root):
@@ -179,7 +179,7 @@ def test_causal_lm_labels_default_to_the_input_ids(module_from_checkout_root):
     mask = _pad([[1] * len(r) for r in ids], 0)
     batch = {"input_ids": padded, "attention_mask": mask, "labels": padded.masked_fill(mask == 0, -100)}
     ref = gs.geodesic_sharpness(model, [batch], progress=False, **SETTINGS)
-    assert out["geodesic_sharpness"] == pytest.approx(ref.value, rel=1e-6)
+    assert out["geodesic_sharpness_inv"] == pytest.approx(ref.value, rel=1e-6)
 
 
 def test_add_and_add_batch_then_compute_and_clear_input_errors(tmp_path, module_from_checkout_root):
@@ -188,7 +188,7 @@ def test_add_and_add_batch_then_compute_and_clear_input_errors(tmp_path, module_
     module.add(input_ids=enc["input_ids"][0], labels=labels[0])
     module.add_batch(input_ids=enc["input_ids"][1:], labels=labels[1:])
     out = module.compute(model=tiny_bert(), batch_size=4, metric="inv", baseline=False, **SETTINGS)
-    assert out["config"]["n_examples"] == 4 and len(out["geodesic_sharpness_per_batch"]) == 1
+    assert out["config"]["n_examples"] == 4 and len(out["geodesic_sharpness_inv_per_batch"]) == 1
 
     with pytest.raises(ValueError, match="labels= is missing"):
         module.compute(model=tiny_bert(), input_ids=enc["input_ids"])
@@ -196,3 +196,109 @@ def test_add_and_add_batch_then_compute_and_clear_input_errors(tmp_path, module_
         module.compute(input_ids=enc["input_ids"], labels=labels)
     with pytest.raises(ValueError, match="metric='foo'"):
         module.compute(model=tiny_bert(), input_ids=enc["input_ids"], labels=labels, metric="foo")
+
+
+def _saved_bert(folder: Path) -> Path:
+    tiny_bert().save_pretrained(folder)
+    tiny_tokenizer(folder).save_pretrained(folder)
+    return folder
+
+
+def test_raw_texts_with_model_id_equal_the_token_id_path(tmp_path, module_from_checkout_root):
+    texts, labels = sentences(7, seed=4)
+    folder = _saved_bert(tmp_path / "bert")
+    kwargs = dict(labels=labels, measures="inv,adaptive", batch_size=3, **SETTINGS)
+    from_text = module_from_checkout_root.compute(model_id=str(folder), predictions=texts, device="cpu", **kwargs)
+    enc = tiny_tokenizer(tmp_path / "tok")(texts, truncation=True, max_length=128)
+    from_ids = module_from_checkout_root.compute(model=tiny_bert(), **{k: enc[k] for k in enc}, **kwargs)
+    with_tokenizer = module_from_checkout_root.compute(
+        model=tiny_bert(), predictions=texts, tokenizer=tiny_tokenizer(tmp_path / "tok2"), **kwargs
+    )
+    for key in ("geodesic_sharpness_inv", "adaptive_sharpness", "clean_loss"):
+        assert from_text[key] == pytest.approx(from_ids[key], rel=1e-6, abs=1e-12), key
+        assert with_tokenizer[key] == pytest.approx(from_ids[key], rel=1e-6, abs=1e-12), key
+    assert from_text["geodesic_sharpness_inv_per_batch"] == pytest.approx(from_ids["geodesic_sharpness_inv_per_batch"])
+    assert from_text["config"]["n_batches"] == 3 and from_text["geodesic_sharpness_inv"] > 0
+
+
+def _float_head_model(num_labels: int, problem_type: str):
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    config = BertConfig(**{**tiny_bert().config.to_dict(), "num_labels": num_labels, "problem_type": problem_type})
+    return BertForSequenceClassification(config).eval()
+
+
+@pytest.mark.parametrize(
+    ("num_labels", "problem_type", "labels"),
+    [
+        (1, "regression", [0.25, 1.75, -0.5, 2.5, 0.75, 1.25]),  # ints would truncate these: the loss would differ
+        (3, "multi_label_classification", [[1.0, 0.0, 1.0], [0.0, 1.0, 0.0], [0.5, 0.5, 0.0]] * 2),
+    ],
+)
+def test_float_labels_keep_their_values(tmp_path, module_from_checkout_root, num_labels, problem_type, labels):
+    enc, _ = _text_data(tmp_path, n=6)
+    model = _float_head_model(num_labels, problem_type)
+    out = module_from_checkout_root.compute(
+        model=model, input_ids=enc["input_ids"], labels=labels, measures="inv", batch_size=3, **SETTINGS
+    )
+    batches = [
+        {"input_ids": _pad(enc["input_ids"][s : s + 3], 0), "attention_mask": _pad(enc["attention_mask"][s : s + 3], 0),
+         "labels": torch.tensor(labels[s : s + 3], dtype=torch.float32)}
+        for s in (0, 3)
+    ]  # fmt: skip
+    ref = gs.geodesic_sharpness(model, batches, progress=False, **SETTINGS)
+    assert out["clean_loss"] == pytest.approx(ref.clean_loss, rel=1e-6)
+    assert out["geodesic_sharpness_inv"] == pytest.approx(ref.value, rel=1e-6, abs=1e-12)
+
+
+def test_output_keys_are_stable_and_defaults_are_the_bundles(tmp_path, module_from_checkout_root):
+    from hf_geosharp.measures import DEFAULT_MEASURES, MEASURES, Settings
+
+    enc, labels = _text_data(tmp_path, n=4)
+    data = dict(model=tiny_bert(), input_ids=enc["input_ids"], labels=labels, batch_size=4, steps=2)
+    only_mix = module_from_checkout_root.compute(**data, measures="mix")
+    default = module_from_checkout_root.compute(**data)
+    expected = {f"{k}{s}" for k in MEASURES for s in ("", "_stderr", "_per_batch")}
+    assert set(only_mix) == set(default) == expected | {"clean_loss", "clean_loss_per_batch", "config"}
+    assert only_mix["geodesic_sharpness_inv"] is None and only_mix["geodesic_sharpness_mix"] > 0
+    assert only_mix["geodesic_sharpness_mix"] == default["geodesic_sharpness_mix"]
+    assert all(default[k] is not None for k in DEFAULT_MEASURES)
+    config = default["config"]
+    assert config["measures"] == list(DEFAULT_MEASURES)
+    defaults = Settings()
+    assert (config["rho"], config["mode"], config["seed"]) == (defaults.rho, defaults.mode, defaults.seed)
+
+
+def test_int_labels_of_a_classifier_and_the_clear_errors(tmp_path, module_from_checkout_root):
+    from transformers import BertModel
+
+    module = module_from_checkout_root
+    enc, labels = _text_data(tmp_path, n=4)
+    headless = tmp_path / "headless"
+    BertModel(tiny_bert().config).save_pretrained(headless)
+    tiny_tokenizer(headless).save_pretrained(headless)
+    with pytest.raises(ValueError, match="BertModel has no supported task head") as err:
+        module.compute(model_id=str(headless), predictions=["a good film"] * 4, labels=labels)
+    assert "returned no loss" not in str(err.value)  # the cause, not "include labels"
+    with pytest.raises(ValueError, match="label2id"):
+        module.compute(model=tiny_bert(), input_ids=enc["input_ids"], labels=["pos", "neg", "pos", "neg"])
+    with pytest.raises(ValueError, match="combine does not apply"):
+        module.compute(model=tiny_bert(), predictions=["a"], references=[1])
+    with pytest.raises(ValueError, match="pass the model's tokenizer="):
+        module.compute(model=tiny_bert(), predictions=["a good film"], labels=[1])
+    with pytest.raises(ValueError, match="never moves a model"):
+        module.compute(model=tiny_bert(), input_ids=enc["input_ids"], labels=labels, device="meta")
+
+
+def test_the_cached_version_notice_is_silenced_for_this_module_only():
+    import logging
+
+    import hf_geosharp.register  # noqa: F401  (what `import hf_geosharp` installs)
+
+    loader = logging.getLogger("evaluate.loading")
+    ours = logging.LogRecord("evaluate.loading", logging.WARNING, __file__, 1, "Using the latest cached version of "
+                             f"the module from /x/{register.CACHE_FOLDER}/abc", None, None)  # fmt: skip
+    other = logging.LogRecord("evaluate.loading", logging.WARNING, __file__, 1, "Using the latest cached version of "
+                              "the module from /x/evaluate-metric--accuracy/abc", None, None)  # fmt: skip
+    assert not loader.filter(ours) and loader.filter(other)

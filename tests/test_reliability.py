@@ -711,7 +711,7 @@ def test_evaluate_door_pads_ragged_token_lists_and_leaves_the_model_alone(measur
     snap = snapshot(model)
     rows = [r[: 3 + i] for i, r in enumerate(_ids())]  # lengths 3..8: padded per batch (documented)
     out = measurement.compute(model=model, input_ids=rows, labels=[0, 1, 2, 0, 1, 2], steps=2, batch_size=3, rho=0.05)
-    assert math.isfinite(out["geodesic_sharpness"]) and len(out["geodesic_sharpness_per_batch"]) == 2
+    assert math.isfinite(out["geodesic_sharpness_inv"]) and len(out["geodesic_sharpness_inv_per_batch"]) == 2
     assert_intact(model, snap)
 
 
