@@ -13,10 +13,18 @@ from pathlib import Path
 
 from huggingface_hub import ModelCard
 
-from ..cards import CardError, card_yaml, dataset_info, eval_result, push_card, read_results, require_online, task_type
-from ..cards import write_card
-
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+from ..cards import (
+    CardError,
+    card_yaml,
+    dataset_info,
+    eval_result,
+    push_card,
+    read_results,
+    require_online,
+    task_type,
+    write_card,
+)
+from .common import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

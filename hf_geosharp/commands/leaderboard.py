@@ -13,13 +13,22 @@ import sys
 from pathlib import Path
 
 from ..data import DataError, DataSpec
-from ..leaderboard import KINDS, STORE_FILE, GapSpec, Leaderboard, Measure, ResultStore, Settings, resolve_models
-from ..leaderboard import markdown, run_leaderboard, write_outputs
-from .run import _quiet_libraries
+from ..leaderboard import (
+    KINDS,
+    STORE_FILE,
+    GapSpec,
+    Leaderboard,
+    Measure,
+    ResultStore,
+    Settings,
+    markdown,
+    resolve_models,
+    run_leaderboard,
+    write_outputs,
+)
+from .common import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, quiet_libraries
 
 logger = logging.getLogger(__name__)
-
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
 EPILOG = """\
 models: model folders, folders of checkpoint folders, text files listing models (one per line) or Hub ids.
@@ -117,7 +126,7 @@ def execute(
     args: argparse.Namespace, model_specs: list[str], data: DataSpec, gap: GapSpec | None
 ) -> tuple[int, Leaderboard | None]:
     """Run (or resume) the leaderboard into ``args.out`` and write its files; the exit code and the board."""
-    _quiet_libraries()
+    quiet_libraries()
     if not getattr(args, "verbose", False):  # one line per model and measure would bury the progress bar
         for name in ("hf_geosharp.api", "hf_geosharp.symmetry"):
             logging.getLogger(name).setLevel(logging.WARNING)

@@ -22,27 +22,25 @@ from .. import __version__
 from ..api import adaptive_sharpness, geodesic_sharpness
 from ..data import DataError, DataSpec, launch_accelerator, load_batches, load_model, load_processor, require_task
 from ..symmetry import SymmetryMap, map_symmetries
+from .common import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    EXIT_OK,
+    add_trust_remote_code,
+    non_negative,
+    positive,
+    quiet_libraries,
+    seed,
+)
 
 logger = logging.getLogger(__name__)
 
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 METRICS = ("inv", "mix")
 
 EPILOG = """\
 examples are the first --n-examples rows of the split after a shuffle seeded by --seed (--no-shuffle: file order).
 exit codes: 0 success; 1 the run failed or a value is not finite; 2 bad usage or input (model, dataset, columns).
 """
-
-
-def _positive(kind: type) -> Any:
-    def parse(text: str) -> Any:
-        value = kind(text)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-        return value
-
-    parse.__name__ = kind.__name__  # argparse names the type in its error message
-    return parse
 
 
 def _metrics(text: str) -> list[str]:
@@ -71,8 +69,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--config", help="Hub dataset configuration")
     p.add_argument("--split", default="train", help="dataset split (default: train)")
-    p.add_argument("--n-examples", type=_positive(int), default=1024, help="examples to use (default: 1024)")
-    p.add_argument("--batch-size", type=_positive(int), default=128, help="examples per batch (default: 128)")
+    p.add_argument("--n-examples", type=positive(int), default=1024, help="examples to use (default: 1024)")
+    p.add_argument("--batch-size", type=positive(int), default=128, help="examples per batch (default: 128)")
     p.add_argument("--metric", type=_metrics, default=["inv", "mix"], help="geodesic metrics (default: inv,mix)")
     p.add_argument(
         "--baseline",
@@ -81,19 +79,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="also measure adaptive sharpness, the AS23 baseline (default: on)",
     )
     p.add_argument("--mode", choices=("worst", "average"), default="worst", help="worst or average case")
-    p.add_argument("--rho", type=_positive(float), default=0.1, help="perturbation radius (default: 0.1)")
-    p.add_argument("--steps", type=_positive(int), default=20, help="solver steps per batch, worst case")
-    p.add_argument("--n-samples", type=_positive(int), default=20, help="random directions per batch, average case")
-    p.add_argument("--epsilon", type=_positive(float), default=1e-6, help="regulariser of the metric (default: 1e-6)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the example shuffle and of the solver")
+    p.add_argument("--rho", type=positive(float), default=0.1, help="perturbation radius (default: 0.1)")
+    p.add_argument("--steps", type=positive(int), default=20, help="solver steps per batch, worst case")
+    p.add_argument("--n-samples", type=positive(int), default=20, help="random directions per batch, average case")
+    p.add_argument("--epsilon", type=non_negative(float), default=1e-6, help="metric regulariser (default: 1e-6)")
+    p.add_argument("--seed", type=seed, default=0, help="seed of the example shuffle and of the solver")
     p.add_argument("--no-shuffle", action="store_true", help="take the first --n-examples rows in file order")
-    p.add_argument("--max-length", type=_positive(int), default=128, help="tokenizer truncation length")
+    p.add_argument("--max-length", type=positive(int), default=128, help="tokenizer truncation length")
     p.add_argument("--text-column", help="text column (default: found by name)")
     p.add_argument("--text-pair-column", help="second text column for sentence pairs")
     p.add_argument("--label-column", help="label column (default: a ClassLabel column or 'label', 'labels', ...)")
     p.add_argument("--image-column", help="image column of a vision dataset")
     p.add_argument("--json", type=Path, help="write the results to this JSON file")
     p.add_argument("--quiet", action="store_true", help="no progress bars and no table")
+    add_trust_remote_code(p)
     p.set_defaults(func=run)
 
 
@@ -129,17 +128,8 @@ def _measure(
     return timed
 
 
-def _quiet_libraries() -> None:
-    """The loading bars of transformers and datasets would bury ours (batches and solver steps)."""
-    import datasets
-    import transformers
-
-    datasets.disable_progress_bars()
-    transformers.utils.logging.disable_progress_bar()
-
-
 def run(args: argparse.Namespace) -> int:
-    _quiet_libraries()
+    quiet_libraries()
     accelerator = launch_accelerator()
     main = accelerator is None or accelerator.is_main_process
     if args.quiet or not main:

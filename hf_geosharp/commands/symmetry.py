@@ -12,10 +12,9 @@ from ..data import DataError, load_model
 from ..symmetry import map_symmetries
 from ..symmetry.audit import MAX_AUDIT_PARAMS, jacobian_rank_audit
 from ..symmetry.report import format_report
+from .common import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
 
 logger = logging.getLogger(__name__)
-
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
