@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import logging
 import math
 import sys
@@ -21,12 +20,14 @@ from typing import Any
 from .. import __version__
 from ..api import adaptive_sharpness, geodesic_sharpness
 from ..data import DataError, DataSpec, launch_accelerator, load_batches, load_model, load_processor, require_task
+from ..durable import OutputPathError, check_writable, write_json
 from ..symmetry import SymmetryMap, map_symmetries
 from .common import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,
     EXIT_OK,
     add_trust_remote_code,
+    keep_on_interrupt,
     non_negative,
     positive,
     quiet_libraries,
@@ -111,7 +112,8 @@ def _table(rows: list[list[str]]) -> str:
 
 
 def _measure(
-    args: argparse.Namespace, model: Any, smap: SymmetryMap, batches: list, accelerator: Any, progress: bool
+    args: argparse.Namespace, model: Any, smap: SymmetryMap, batches: list, accelerator: Any, progress: bool,
+    timed: list[tuple],
 ) -> list[tuple]:
     common = dict(
         rho=args.rho, mode=args.mode, steps=args.steps, seed=args.seed, n_samples=args.n_samples,
@@ -120,8 +122,7 @@ def _measure(
     calls = [(geodesic_sharpness, dict(metric=m, epsilon=args.epsilon, symmetry_map=smap)) for m in args.metric]
     if args.baseline:
         calls.append((adaptive_sharpness, {}))
-    timed = []
-    for fn, extra in calls:
+    for fn, extra in calls:  # into ``timed`` as each finishes: Ctrl-C keeps the finished ones
         start = time.perf_counter()
         res = fn(model, batches, **common, **extra)
         timed.append((res, time.perf_counter() - start))
@@ -147,26 +148,34 @@ def run(args: argparse.Namespace) -> int:
         image_column=args.image_column,
     )  # fmt: skip
     try:
-        model = load_model(args.model)
+        if args.json and main:
+            check_writable(args.json, what="--json")  # before the work, which a bad path would otherwise lose
+        model = load_model(args.model, trust_remote_code=args.trust_remote_code)
         require_task(model)  # before any data work: a model without a loss cannot be measured
         model.to(accelerator.device if accelerator is not None else _default_device())
-        processor = load_processor(args.model, model)
+        processor = load_processor(args.model, model, trust_remote_code=args.trust_remote_code)
         first = accelerator.main_process_first() if accelerator is not None else contextlib.nullcontext()
         with first:  # rank 0 fills the datasets cache, the others then read it
             batches = load_batches(model, processor, spec)
-    except DataError as err:
+    except (DataError, OutputPathError) as err:
         return fail(EXIT_BAD_INPUT, str(err))
 
+    world_size = accelerator.num_processes if accelerator is not None else 1
+    timed: list[tuple] = []
     try:
         smap = map_symmetries(model)
-        timed = _measure(args, model, smap, batches, accelerator, progress=main and not args.quiet)
+        _measure(args, model, smap, batches, accelerator, main and not args.quiet, timed)
+    except KeyboardInterrupt:
+        if timed and main and args.json:
+            _write_json(args.json, args, model, spec, batches, world_size, smap.summary(), timed, interrupted=True)
+            keep_on_interrupt(f"the {len(timed)} finished measure(s) are in {args.json} (marked interrupted)")
+        raise
     except ValueError as err:  # the engine refuses inputs it cannot measure (dtype, parameters, ...)
         return fail(EXIT_BAD_INPUT, str(err))
     except Exception as err:  # noqa: BLE001 - any other failure is a failed run: exit 1, traceback with -v
         logger.debug("run failed", exc_info=True)
         return fail(EXIT_FAILED, f"the measurement failed: {type(err).__name__}: {err}")
 
-    world_size = accelerator.num_processes if accelerator is not None else 1
     symmetry = smap.summary()
     if main:
         for fallback in symmetry["fallbacks"]:  # warnings go to stderr even with --quiet
@@ -178,7 +187,11 @@ def run(args: argparse.Namespace) -> int:
         if not args.quiet:
             _report(args, model, spec, batches, world_size, symmetry, timed)
         if args.json:
-            _write_json(args.json, args, model, spec, batches, world_size, symmetry, timed)
+            try:
+                _write_json(args.json, args, model, spec, batches, world_size, symmetry, timed)
+            except OSError as err:  # disk full, quota, a file-size limit: the old file is intact
+                return fail(EXIT_FAILED, f"could not write {args.json} ({err.strerror or err}); its previous "
+                            "contents are unchanged. Free space or choose another --json path.")
     bad = [res.measure for res, _ in timed if not math.isfinite(res.value)]
     if bad:
         return fail(EXIT_FAILED, f"non-finite sharpness for {', '.join(bad)}; try a smaller --rho or check the model.")
@@ -206,7 +219,8 @@ def _report(
 
 
 def _write_json(
-    path: Path, args: Any, model: Any, spec: DataSpec, batches: list, world_size: int, symmetry: dict, timed: list
+    path: Path, args: Any, model: Any, spec: DataSpec, batches: list, world_size: int, symmetry: dict, timed: list,
+    interrupted: bool = False,
 ) -> None:
     payload = {
         "hf_geosharp_version": __version__,
@@ -217,8 +231,8 @@ def _write_json(
         "world_size": world_size,
         "symmetry": symmetry,
         "results": {res.measure: {**res.to_dict(), "seconds": seconds} for res, seconds in timed},
+        **({"interrupted": True} if interrupted else {}),
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2) + "\n")
+    write_json(path, payload)  # durable: a failed write leaves the previous file intact
     logger.info("wrote %s", path)
 
