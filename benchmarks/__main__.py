@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from pathlib import Path
 
 import torch
+
+from hf_geosharp.durable import write_json
 
 from . import floor, memory, overhead, peer, scaling
 from .common import machine
@@ -46,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
                       seconds=round(time.time() - start, 1), date=time.strftime("%Y-%m-%d %H:%M:%S"))
         device = cfg.device.split(":")[0]
         path = args.out / f"{name}-{device}.json"
-        path.write_text(json.dumps(result, indent=1, default=str) + "\n")
+        write_json(path, result, indent=1)  # durable: an interrupted write keeps the previous results
         print(SUITES[name].table(result))
         print(f"\n[{name}: {result['seconds']} s -> {path}]", flush=True)
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import math
 import platform
@@ -43,6 +42,7 @@ import torch
 from torch import Tensor, nn
 
 import hf_geosharp as gs
+from hf_geosharp.durable import atomic_path, write_json
 from hf_geosharp.solver import apgd
 
 logger = logging.getLogger(__name__)
@@ -581,7 +581,8 @@ def plot_figure(
         ax.grid(alpha=0.3)
     fig.colorbar(points, ax=axes, label=r"$\log_{10}$ init scale $\alpha$")
     fig.suptitle(f"Diagonal linear nets (init {setting.init}, truth {setting.truth}, data seed {setting.data_seed})")
-    fig.savefig(path, dpi=130)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=130)
     plt.close(fig)
 
 
@@ -663,7 +664,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "environment": {"torch": torch.__version__, "hf_geosharp": gs.__version__, "threads": torch.get_num_threads(),
                         "python": platform.python_version(), "machine": platform.machine()},
     }
-    (args.out / "diagonal_networks.json").write_text(json.dumps(report, indent=1))
+    write_json(args.out / "diagonal_networks.json", report, indent=1)
     logger.info("wrote %s/diagonal_networks.{json,png}: %.0f s wall, %.0f s CPU", args.out, runtime, cpu)
     return report
 

@@ -13,11 +13,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import numbers
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 from torch.nn.utils.stateless import _reparametrize_module
@@ -68,21 +70,53 @@ class SharpnessResult:
 # ---------------------------------------------------------------------- model safety
 @contextlib.contextmanager
 def preserved_model_state(model: nn.Module) -> Iterator[None]:
-    """Put the model in eval mode and restore modes, ``requires_grad`` and ``.grad`` afterwards, whatever happens."""
+    """Put the model in eval mode and restore, whatever happens (exceptions and Ctrl-C included): modes,
+    ``requires_grad``, ``.grad``, buffers (bit-exact, also when a forward replaces or adds one), the attributes a
+    forward writes on the config (transformers sets ``config.problem_type`` from the labels' dtype) and the global
+    torch RNG (CPU and the model's CUDA devices), which is forked: the caller's random stream is left where it was,
+    and the runner seeds it per batch, so a model that draws random numbers in eval mode gives the same bits for the
+    same seed."""
+    if torch.is_inference_mode_enabled():
+        raise RuntimeError(
+            "called inside torch.inference_mode(); gradients are needed to search the perturbation ball. Call it "
+            "outside the `with torch.inference_mode():` block (torch.no_grad() around it is fine)."
+        )
     modes = [(m, m.training) for m in model.modules()]
     params = list(model.parameters())
     flags = [p.requires_grad for p in params]
     grads = [p.grad for p in params]
-    try:
-        model.eval()
-        yield
-    finally:
-        for module, training in modes:
-            module.training = training
-        for p, flag, grad in zip(params, flags, grads):
-            if p.requires_grad != flag:
-                p.requires_grad_(flag)
-            p.grad = grad
+    buffers = [(m, dict(m._buffers), {k: b.detach().clone() for k, b in m._buffers.items() if b is not None})
+               for m in model.modules()]
+    configs = {id(c): (c, dict(vars(c))) for m in model.modules() if _is_config(c := getattr(m, "config", None))}
+    devices = sorted({p.device.index or 0 for p in params if p.device.type == "cuda"})
+    with torch.random.fork_rng(devices=devices):
+        try:
+            model.eval()
+            yield
+        finally:
+            for module, training in modes:
+                module.training = training
+            for p, flag, grad in zip(params, flags, grads):
+                if p.requires_grad != flag:
+                    p.requires_grad_(flag)
+                p.grad = grad
+            with torch.no_grad():
+                for module, originals, values in buffers:
+                    module._buffers.clear()
+                    module._buffers.update(originals)
+                    for name, value in values.items():
+                        if originals[name].shape == value.shape:
+                            originals[name].copy_(value)
+                        else:  # resized in place
+                            originals[name].set_(value)
+            for config, attributes in configs.values():
+                vars(config).clear()
+                vars(config).update(attributes)
+
+
+def _is_config(obj: Any) -> bool:
+    """A transformers-style config (its attributes are what a forward may write, e.g. ``problem_type``)."""
+    return obj is not None and hasattr(obj, "to_dict") and hasattr(obj, "__dict__") and not isinstance(obj, nn.Module)
 
 
 def _flat_parameters(model: nn.Module) -> tuple[list[str], list[Tensor], Tensor]:
@@ -118,13 +152,25 @@ def _flat_parameters(model: nn.Module) -> tuple[list[str], list[Tensor], Tensor]
 def _default_loss(model: nn.Module, batch: Any) -> Tensor:
     if not isinstance(batch, Mapping):
         raise TypeError(
-            f"A batch must be a dict of model inputs (labels included) when no loss_fn is given; got {type(batch).__name__}."
+            "A batch must be a dict of model inputs (labels included) when no loss_fn is given; "
+            f"got {type(batch).__name__}."
         )
     outputs = model(**batch)
+    if isinstance(outputs, (tuple, list)):  # return_dict=False: transformers puts the loss first when labels are given
+        first = outputs[0] if outputs else None
+        if isinstance(first, Tensor) and first.dim() == 0:
+            return first
+        raise ValueError(
+            "The model returned a tuple (return_dict=False) whose first element is not a scalar loss"
+            + (" although the batch has labels" if "labels" in batch else "; include `labels` in each batch")
+            + ". Load it with return_dict=True (the default), or pass `loss_fn(model, batch) -> scalar tensor`."
+        )
     loss = outputs.get("loss") if isinstance(outputs, Mapping) else getattr(outputs, "loss", None)
     if loss is None:
         raise ValueError(
-            "The model returned no loss. Include `labels` in each batch, or pass `loss_fn(model, batch) -> scalar tensor`."
+            "The model returned no loss"
+            + (" although the batch has labels" if "labels" in batch else "; include `labels` in each batch")
+            + ". Pass `loss_fn(model, batch) -> scalar tensor` to say how to compute it."
         )
     return loss
 
@@ -257,18 +303,23 @@ def _refuse_reentrant_checkpointing(loss: Tensor) -> None:
 
 
 # ---------------------------------------------------------------------- runner
-def _check_common(rho: float, mode: str, steps: int, n_samples: int, seed: int) -> None:
-    # bool is an int subclass: steps=True would silently mean 1 step
-    if isinstance(rho, bool) or not isinstance(rho, (int, float)) or not math.isfinite(rho) or rho <= 0:
+def _check_common(rho: float, mode: str, steps: int, n_samples: int, seed: int) -> tuple[float, int, int, int]:
+    """Refuse bad settings; return them as plain Python numbers (numpy scalars are accepted, e.g. ``np.int64(20)``)."""
+
+    def integral(value: Any) -> bool:  # bool is an int subclass: steps=True would silently mean 1 step
+        return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+    if not isinstance(rho, numbers.Real) or isinstance(rho, (bool, np.bool_)) or not math.isfinite(rho) or rho <= 0:
         raise ValueError(f"rho must be a positive finite number, got {rho!r}.")
     if mode not in ("worst", "average"):
         raise ValueError(f"mode must be 'worst' or 'average', got {mode!r}.")
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+    if not integral(steps) or steps < 1:
         raise ValueError(f"steps must be a positive integer, got {steps!r}.")
-    if isinstance(n_samples, bool) or not isinstance(n_samples, int) or n_samples < 1:
+    if not integral(n_samples) or n_samples < 1:
         raise ValueError(f"n_samples must be a positive integer, got {n_samples!r}.")
-    if isinstance(seed, bool) or not isinstance(seed, int):
+    if not integral(seed):
         raise ValueError(f"seed must be an integer, got {seed!r}.")
+    return float(rho), int(steps), int(n_samples), int(seed)
 
 
 _CLASSIFIER_HEADS = ("ForSequenceClassification", "ForTokenClassification", "ForImageClassification")
@@ -292,8 +343,33 @@ def _check_batch(model: nn.Module, batch: Any, i: int) -> None:
     lengths = {k: tensors[k].shape[1] for k in _TOKEN_INPUTS if k in tensors and tensors[k].dim() > 1}
     if len(set(lengths.values())) > 1:  # some models broadcast a short mask silently
         raise ValueError(f"Batch {i} is ragged: its token inputs disagree on the sequence length: {lengths}.")
+    inference = [k for k, v in tensors.items() if v.is_inference()]
+    if inference:
+        raise ValueError(
+            f"Batch {i} holds tensors made inside torch.inference_mode() ({', '.join(inference)}), which autograd "
+            "cannot use; build the batches outside it, or pass clones made outside it (t.clone())."
+        )
+    _check_tokens(model, tensors, i)
     labels, config = tensors.get("labels"), getattr(model, "config", None)
     n_labels = getattr(config, "num_labels", None)
+    if (
+        labels is not None and labels.is_floating_point() and labels.dim() == 1 and isinstance(n_labels, int)
+        and n_labels >= 2 and getattr(config, "problem_type", None) is None
+        and type(model).__name__.endswith(_CLASSIFIER_HEADS)
+    ):
+        raise ValueError(
+            f"Batch {i} has float labels ({labels.dtype}) for a classifier with {n_labels} classes; pass class ids "
+            "as integers (labels.long()), or for multi-label targets a float tensor of shape [batch, num_labels] "
+            "with config.problem_type='multi_label_classification'."
+        )
+    if (
+        labels is not None and not labels.is_floating_point() and n_labels == 1
+        and type(model).__name__.endswith(_CLASSIFIER_HEADS) and getattr(config, "problem_type", None) is None
+    ):
+        raise ValueError(
+            f"Batch {i} has integer labels for a model with one output (num_labels=1, a regression head); pass the "
+            "targets as floats (labels.float()), or load the model with num_labels set to the number of classes."
+        )
     if (
         labels is None or labels.is_floating_point() or not isinstance(n_labels, int) or n_labels < 2
         or getattr(config, "problem_type", None) in ("regression", "multi_label_classification")
@@ -306,6 +382,49 @@ def _check_batch(model: nn.Module, batch: Any, i: int) -> None:
         raise ValueError(
             f"Batch {i} has label {bad}, but the model has {n_labels} classes (config.num_labels); labels must be in "
             f"0..{n_labels - 1} (or -100 to ignore a position)."
+        )
+
+
+def _embedding_rows(model: nn.Module, suffix: str) -> tuple[str, int] | None:
+    """The first ``nn.Embedding`` whose name ends in ``suffix``, and how many rows (ids or positions) it can look up
+    (RoBERTa-style position tables reserve ``padding_idx + 1`` rows)."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Embedding) and name.endswith(suffix):
+            reserved = module.padding_idx + 1 if suffix == "position_embeddings" and module.padding_idx else 0
+            return name, module.num_embeddings - reserved
+    return None
+
+
+def _check_tokens(model: nn.Module, tensors: Mapping[str, Tensor], i: int) -> None:
+    """Token ids and sequence lengths the model's tables can look up: out of range they fail as a bare "index out of
+    range in self" on the CPU and as a device-side assert (which poisons the CUDA context) on a GPU."""
+    ids = tensors.get("input_ids")
+    if ids is None or ids.is_floating_point() or ids.numel() == 0:
+        return
+    getter = getattr(model, "get_input_embeddings", None)
+    try:
+        embedding = getter() if callable(getter) else None
+    except (NotImplementedError, AttributeError):
+        embedding = None
+    if isinstance(embedding, nn.Embedding):
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= embedding.num_embeddings:
+            bad = high if high >= embedding.num_embeddings else low
+            raise ValueError(
+                f"Batch {i} has token id {bad}, but the model's embedding has {embedding.num_embeddings} rows "
+                f"(ids 0..{embedding.num_embeddings - 1}); encode the texts with the model's own tokenizer."
+            )
+    types = tensors.get("token_type_ids")
+    table = _embedding_rows(model, "token_type_embeddings")
+    if types is not None and table is not None and types.numel() and int(types.max()) >= table[1]:
+        raise ValueError(f"Batch {i} has token_type_id {int(types.max())}, but the model knows {table[1]} types "
+                         f"(config.type_vocab_size); use the model's own tokenizer.")
+    positions = _embedding_rows(model, "position_embeddings")
+    if positions is not None and ids.dim() > 1 and ids.shape[-1] > positions[1]:
+        raise ValueError(
+            f"Batch {i} has sequences of {ids.shape[-1]} tokens, but the model has {positions[1]} positions "
+            f"(config.max_position_embeddings); truncate to at most {positions[1]} tokens (tokenizer(..., "
+            f"truncation=True, max_length={positions[1]}), or --max-length {positions[1]} on the command line)."
         )
 
 
@@ -394,6 +513,7 @@ def _run(
         for index in bar:
             objective.batch = _to_device(batches[index], device)
             generator = torch.Generator().manual_seed(_batch_seed(config["seed"], index))
+            torch.manual_seed(_batch_seed(config["seed"], index))  # the forked global RNG: random models repeat
 
             def on_step(k: int, sharpness: float) -> None:  # solver progress inside the batch bar
                 bar.set_postfix(step=f"{k + 1}/{n_steps}", sharpness=f"{sharpness:.4g}", refresh=False)
@@ -479,11 +599,12 @@ def geodesic_sharpness(
         elementwise_curvature: geodesic for non-attention parameters (``"none"``: first order, as the paper).
         step_normalization: ``"riemannian"`` (invariant, default), ``"euclidean"`` or ``"none"``.
     """
-    _check_common(rho, mode, steps, n_samples, seed)
+    rho, steps, n_samples, seed = _check_common(rho, mode, steps, n_samples, seed)
     if metric not in ("inv", "mix"):
         raise ValueError(f"metric must be 'inv' or 'mix', got {metric!r}.")
-    if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not math.isfinite(epsilon) or epsilon < 0:
+    if isinstance(epsilon, bool) or not isinstance(epsilon, numbers.Real) or not math.isfinite(epsilon) or epsilon < 0:
         raise ValueError(f"epsilon must be a finite number >= 0, got {epsilon!r}.")
+    epsilon = float(epsilon)
     if step_normalization not in ("riemannian", "euclidean", "none"):
         raise ValueError(f"step_normalization must be 'riemannian', 'euclidean' or 'none', got {step_normalization!r}.")
     options = SpaceOptions(metric, epsilon, second_order, riemannian_norm, horizontal_projection, elementwise_curvature)
@@ -526,7 +647,7 @@ def adaptive_sharpness(
     comparable with the literature; ``"clean"`` runs the same solver as :func:`geodesic_sharpness` on the elementwise
     metric (one forward per step). Arguments as in :func:`geodesic_sharpness`.
     """
-    _check_common(rho, mode, steps, n_samples, seed)
+    rho, steps, n_samples, seed = _check_common(rho, mode, steps, n_samples, seed)
     if variant not in ("as23", "clean"):
         raise ValueError(f"variant must be 'as23' or 'clean', got {variant!r}.")
     config = dict(rho=rho, mode=mode, steps=steps, seed=seed, variant=variant, params=params, n_samples=n_samples)

@@ -22,6 +22,7 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from . import __version__
 from .api import geodesic_sharpness
+from .durable import atomic_path
 
 logger = logging.getLogger(__name__)
 
@@ -153,7 +154,8 @@ def write_card(target: str | Path, new: list[EvalResult], model_name: str | None
         path.parent.mkdir(parents=True, exist_ok=True)
         card = ModelCard(f"---\ntags:\n- hf_geosharp\n---\n\n# {name}\n\nSharpness measured with hf_geosharp.\n")
     merge(card, new, name)
-    card.save(path)
+    with atomic_path(path) as tmp:  # a failed write (disk full, Ctrl-C) leaves the old card and its prose intact
+        card.save(tmp)
     logger.debug("wrote %d eval result(s) into %s", len(new), path)
     return path
 

@@ -1,7 +1,8 @@
 """The ``geosharp`` command line: one sub-command per module in :mod:`hf_geosharp.commands`.
 
 Each command module defines ``add_parser(subparsers)`` (which registers its arguments and sets ``func``) and a
-``run(args) -> int`` exit code. Exit codes: 0 success, 1 failure while running, 2 bad usage or bad input.
+``run(args) -> int`` exit code. Exit codes (:mod:`hf_geosharp.commands.common`): 0 success, 1 failure while running,
+2 bad usage or bad input, 130 interrupted with Ctrl-C.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import logging
 import sys
 
 from . import __version__
+from .commands.common import invoke
 
 COMMANDS = ("run", "symmetry", "register", "leaderboard", "card", "demo")
 
@@ -30,6 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    return invoke(_main, argv)  # Ctrl-C, also while the libraries import: exit 130, one line, no traceback
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(

@@ -14,6 +14,7 @@ into exit code 2.
 
 from __future__ import annotations
 
+import numbers
 import os
 import re
 from dataclasses import dataclass
@@ -136,37 +137,101 @@ def require_task(model: torch.nn.Module) -> Task:
     return task
 
 
-def _from_pretrained(loader: Any, model_id: str, what: str, fix: str) -> Any:
-    """``loader.from_pretrained(model_id)`` with an error that says what is missing and where (local, Hub, offline)."""
+REMOTE_CODE_FIX = (
+    "hf_geosharp runs it only when asked: read that code, then pass --trust-remote-code (command line) or "
+    "trust_remote_code=True (Python)"
+)
+_AUTO_HEADS = (  # the auto classes a custom model's config.auto_map may name, with a task head
+    "AutoModelForSequenceClassification", "AutoModelForImageClassification", "AutoModelForCausalLM",
+    "AutoModelForMaskedLM",
+)
+
+
+def _weights_error(model_id: str, err: Exception) -> DataError | None:
+    """The fix for a weights file that cannot be read safely, or ``None`` for other errors."""
+    import pickle
+
+    from safetensors import SafetensorError
+
+    if isinstance(err, SafetensorError):
+        return DataError(
+            f"a weights file of {model_id!r} is damaged (truncated, zeroed or not a safetensors file: {err}); "
+            "save the model again with model.save_pretrained() or download it again."
+        )
+    if isinstance(err, pickle.UnpicklingError):
+        return DataError(
+            f"the pickle weights (.bin) of {model_id!r} hold more than tensors, and torch.load(weights_only=True) "
+            "refuses to run the code they contain; hf_geosharp never unpickles code. If you trust the file, convert it "
+            "to safetensors elsewhere (load it, then model.save_pretrained(folder)) and measure that folder."
+        )
+    return None
+
+
+def _from_pretrained(loader: Any, model_id: str, what: str, fix: str, trust_remote_code: bool = False) -> Any:
+    """``loader.from_pretrained(model_id, trust_remote_code=...)`` with an error that says what is missing and where
+    (local, Hub, offline), and never transformers' interactive "run the custom code?" prompt (it appears only when
+    ``trust_remote_code`` is left ``None``)."""
     try:
-        return loader.from_pretrained(model_id)
-    except (OSError, ValueError) as err:  # transformers raises ValueError for folders without a recognisable file
+        return loader.from_pretrained(model_id, trust_remote_code=bool(trust_remote_code))
+    except Exception as err:  # noqa: BLE001 - every loading failure becomes a DataError that names the fix
+        damaged = _weights_error(model_id, err)
+        if damaged is not None:
+            raise damaged from None
+        if isinstance(err, ValueError) and "trust_remote_code" in str(err):
+            message = f"the {what} {model_id!r} ships its own Python code (auto_map); {REMOTE_CODE_FIX}."
+            raise DataError(message) from None
+        if not isinstance(err, (OSError, ValueError, KeyError)):  # KeyError: an unknown model_type in config.json
+            raise
         if Path(model_id).exists():
             raise DataError(f"could not load the {what} from the folder {model_id!r}; {fix} ({err})") from None
         raise _not_found(what, model_id, err) from None
 
 
-def load_model(model_id: str) -> torch.nn.Module:
-    """Load a model with the task head its config names (``config.architectures``), in eval mode."""
+def _local_auto_map(model_id: str) -> dict[str, Any]:
+    """``auto_map`` of a local folder's config.json (``{}`` when there is none or it cannot be read)."""
+    import json
+
+    path = Path(model_id) / "config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return config.get("auto_map") or {} if isinstance(config, dict) else {}
+
+
+def load_model(model_id: str, *, trust_remote_code: bool = False) -> torch.nn.Module:
+    """Load a model with the task head its config names (``config.architectures``), in eval mode.
+
+    A model whose config names custom code (``auto_map``) is refused before any of that code is imported, unless
+    ``trust_remote_code=True``."""
     import transformers
 
+    if not isinstance(model_id, (str, os.PathLike)):
+        raise DataError(f"model_id must be a folder path or a Hub id (a string), got {type(model_id).__name__}.")
+    model_id = str(model_id)
+    if _local_auto_map(model_id) and not trust_remote_code:
+        raise DataError(f"the model folder {model_id!r} names custom Python code in config.json (auto_map: "
+                        f"{sorted(_local_auto_map(model_id))}); {REMOTE_CODE_FIX}.")
     save = "save it there with model.save_pretrained()"
-    config = _from_pretrained(transformers.AutoConfig, model_id, "model", save)
+    config = _from_pretrained(transformers.AutoConfig, model_id, "model", save, trust_remote_code)
     arch = (config.architectures or [None])[0]
     cls = getattr(transformers, arch, None) if arch else None
+    auto_map = getattr(config, "auto_map", None) or {}
+    if cls is None and trust_remote_code:  # a custom class: its auto_map says which auto class builds it
+        cls = next((getattr(transformers, name) for name in _AUTO_HEADS if name in auto_map), None)
     if cls is None:
         raise DataError(
             f"model {model_id!r} does not name a transformers class in config.architectures ({config.architectures}); "
             "save it with model.save_pretrained() from a class with a task head."
         )
-    return _from_pretrained(cls, model_id, "model", save).eval()
+    return _from_pretrained(cls, model_id, "model", save, trust_remote_code).eval()
 
 
 def is_vision(model: torch.nn.Module) -> bool:
     return getattr(model, "main_input_name", "input_ids") == "pixel_values"
 
 
-def load_processor(model_id: str, model: torch.nn.Module) -> Any:
+def load_processor(model_id: str, model: torch.nn.Module, *, trust_remote_code: bool = False) -> Any:
     """The tokenizer (text models) or image processor (vision models) saved with the model.
 
     A tokenizer without a pad token pads with its EOS token, and a model without ``config.pad_token_id`` gets that id
@@ -176,9 +241,9 @@ def load_processor(model_id: str, model: torch.nn.Module) -> Any:
 
     if is_vision(model):
         fix = "save it next to the model with image_processor.save_pretrained()"
-        return _from_pretrained(transformers.AutoImageProcessor, model_id, "image processor", fix)
+        return _from_pretrained(transformers.AutoImageProcessor, model_id, "image processor", fix, trust_remote_code)
     fix = "save it next to the model with tokenizer.save_pretrained()"
-    tokenizer = _from_pretrained(transformers.AutoTokenizer, model_id, "tokenizer", fix)
+    tokenizer = _from_pretrained(transformers.AutoTokenizer, model_id, "tokenizer", fix, trust_remote_code)
     if tokenizer.pad_token is None:  # padding is masked out, so any token will do
         tokenizer.pad_token = tokenizer.eos_token
     if getattr(model.config, "pad_token_id", None) is None:
@@ -205,10 +270,22 @@ def load_split(spec: DataSpec) -> Any:
                 raise DataError(
                     f"cannot read {path.name!r}: the dataset file must end in one of {sorted(FILE_BUILDERS)}."
                 )
+            if builder != "parquet":
+                _require_utf8(path)
             kwargs = {"delimiter": "\t"} if path.suffix.lower() == ".tsv" else {}
-            loaded = datasets.load_dataset(builder, data_files=str(path), **kwargs)
+            try:
+                loaded = datasets.load_dataset(builder, data_files=str(path), **kwargs)
+            except datasets.exceptions.DatasetGenerationError as err:
+                cause = err.__cause__ or err
+                raise DataError(f"cannot read the {builder} file {str(path)!r}: {cause}; fix the file.") from None
         else:  # a folder of data files, or an imagefolder: datasets infers the format
-            loaded = datasets.load_dataset(str(path))
+            for file in path.rglob("*"):
+                if file.suffix.lower() in (".csv", ".tsv", ".json", ".jsonl") and file.is_file():
+                    _require_utf8(file)
+            try:
+                loaded = datasets.load_dataset(str(path))
+            except datasets.exceptions.DatasetGenerationError as err:
+                raise DataError(f"cannot read the data files in {str(path)!r}: {err.__cause__ or err}.") from None
     else:
         name, _, config = spec.dataset.partition(":")
         if config and spec.config and config != spec.config:
@@ -225,6 +302,29 @@ def load_split(spec: DataSpec) -> Any:
         raise DataError(f"dataset {spec.dataset!r} has no split {spec.split!r}; its splits are {list(loaded)}. "
                         "Choose one with --split.")
     return loaded[spec.split]
+
+
+def _require_utf8(path: Path, chunk: int = 1 << 20) -> None:
+    """Refuse a text data file that is not UTF-8, naming the line of the first bad byte (streamed, any size)."""
+    import codecs
+
+    decoder, line, offset = codecs.getincrementaldecoder("utf-8")(), 1, 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            try:
+                decoder.decode(block)
+            except UnicodeDecodeError as err:
+                line += block[: err.start].count(b"\n")
+                raise DataError(
+                    f"{str(path)!r} is not UTF-8 text: byte 0x{block[err.start]:02x} at offset {offset + err.start} "
+                    f"(line {line}) cannot be decoded. Save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)."
+                ) from None
+            line += block.count(b"\n")
+            offset += len(block)
+    try:
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+        raise DataError(f"{str(path)!r} is not UTF-8 text: it ends inside a multi-byte character.") from None
 
 
 def _pick(ds: Any, flag: str, given: str | None, candidates: tuple[str, ...], accept: Any) -> str | None:
@@ -381,6 +481,21 @@ def launch_accelerator() -> Any:
 
 
 
+def _check_row_lengths(columns: dict[str, list]) -> None:
+    """Every per-token input row must have one entry per token of its ``input_ids`` row: padding a shorter
+    ``attention_mask`` with zeros would silently drop the tokens it does not cover."""
+    ids = columns.get("input_ids")
+    if ids is None:
+        return
+    for key in ("attention_mask", "token_type_ids"):
+        for j, (row, mask) in enumerate(zip(ids, columns.get(key) or [])):
+            if len(mask) != len(row):
+                raise DataError(
+                    f"example {j}: {key} has {len(mask)} entries but input_ids has {len(row)}; pass one {key} entry "
+                    "per token (the tokenizer returns matching rows), or leave attention_mask out to mask nothing."
+                )
+
+
 def make_batches(
     columns: dict[str, list], batch_size: int, *, pad_token_id: int | None, task: Task | None
 ) -> list[dict[str, torch.Tensor]]:
@@ -390,6 +505,9 @@ def make_batches(
     label lists. A missing ``attention_mask`` is built from the row lengths; causal-LM labels default to the input ids
     with padding ignored (the model shifts them itself).
     """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
+        raise DataError(f"batch_size must be a positive integer (examples per batch), got {batch_size!r}.")
+    batch_size = int(batch_size)
     if not columns:
         raise DataError("no model inputs were given (expected input_ids or pixel_values).")
     lengths = {k: len(v) for k, v in columns.items()}
@@ -398,6 +516,7 @@ def make_batches(
     n = next(iter(lengths.values()))
     if n == 0:
         raise DataError("no examples were given.")
+    _check_row_lengths(columns)
     pad = {"input_ids": 0 if pad_token_id is None else pad_token_id, "labels": IGNORE_INDEX}
     batches = []
     for start in range(0, n, batch_size):

@@ -5,16 +5,15 @@ batches, correlates every measure with the gap (Kendall tau, as in the paper's S
 and always puts two trivial predictors beside the sharpness measures, the parameter norm and the clean training loss:
 a measure that does not beat them tells the reader little.
 
-Long runs must survive being killed, so every number goes into a :class:`ResultStore` (JSON lines, one complete
-record per line, appended with a single ``write`` and ``fsync``) the moment it is computed. A rerun with the same
-settings reads the store, skips every finished (model, measure) and only computes what is missing; a line torn by a
-kill mid-write is cut off on load, so no corrupt row is ever read or extended.
+Long runs must survive being killed, so every number goes into a :class:`~hf_geosharp.store.ResultStore` the moment
+it is computed, keyed by a fingerprint of the content of the model and the data (:mod:`hf_geosharp.store`). A rerun
+with the same settings skips every finished (model, measure) and only computes what is missing. Every output file is
+written durably (:mod:`hf_geosharp.durable`).
 """
 
 from __future__ import annotations
 
 import csv
-import hashlib
 import json
 import logging
 import math
@@ -32,9 +31,10 @@ import torch
 from scipy import stats
 from tqdm.auto import tqdm
 
-from . import __version__
 from .api import SharpnessResult, adaptive_sharpness, geodesic_sharpness
-from .data import DataError, DataSpec, load_batches, load_model, load_processor, require_task
+from .data import DataError, DataSpec, load_batches, load_model, load_processor, load_split, require_task
+from .durable import atomic_path, write_json, write_text
+from .store import ResultStore, data_identity, fingerprint, model_identity
 
 logger = logging.getLogger(__name__)
 
@@ -43,62 +43,8 @@ Mode = Literal["worst", "average"]
 GapMetric = Literal["error", "loss"]
 KINDS: tuple[Kind, ...] = ("inv", "mix", "adaptive")
 TRIVIAL = ("param_norm", "clean_loss")  # the baselines every measure must beat
-STORE_FILE = "results.jsonl"
 MIN_MODELS_FOR_CI = 8
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
-
-
-# ------------------------------------------------------------------------------------------------------ the store
-
-
-class ResultStore:
-    """Append-only JSON-lines store of finished results, keyed by a fingerprint of everything that determines them.
-
-    Appends are one ``os.write`` of a whole line on an ``O_APPEND`` descriptor followed by ``fsync``, so a record is
-    either entirely on disk or (if the process dies inside the write) a torn last line, which :meth:`__init__` cuts off.
-    """
-
-    def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        self.records: dict[str, dict[str, Any]] = {}
-        if not self.path.exists():
-            return
-        raw = self.path.read_bytes()
-        complete = raw[: raw.rfind(b"\n") + 1]
-        if len(complete) < len(raw):
-            logger.warning("%s: dropping a torn last line (%d bytes) left by an interrupted run", self.path,
-                           len(raw) - len(complete))
-            with open(self.path, "r+b") as f:
-                f.truncate(len(complete))
-                os.fsync(f.fileno())
-        for number, line in enumerate(complete.decode().splitlines(), 1):
-            try:
-                record = json.loads(line)
-                self.records[record["key"]] = record
-            except (ValueError, KeyError, TypeError):
-                logger.warning("%s:%d is not a result record; ignoring it (it will be recomputed)", self.path, number)
-
-    def get(self, key: str) -> dict[str, Any] | None:
-        return self.records.get(key)
-
-    def put(self, record: dict[str, Any]) -> None:
-        """Persist one record durably before returning."""
-        line = (json.dumps(record, sort_keys=True, allow_nan=True) + "\n").encode()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, line)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        self.records[record["key"]] = record
-
-
-def fingerprint(**parts: Any) -> str:
-    """A stable key for a result: any change in model, data, settings or library version gives a new key (and a
-    recomputation)."""
-    payload = json.dumps({**parts, "hf_geosharp": __version__}, sort_keys=True, default=str)
-    return hashlib.sha256(payload.encode()).hexdigest()[:20]
 
 
 # ----------------------------------------------------------------------------------------------------- what to run
@@ -116,12 +62,21 @@ def resolve_models(specs: Iterable[str]) -> list[ModelRef]:
     """Model folders, folders of checkpoint folders, text files listing models (one per line) and Hub ids."""
     sources: list[str] = []
 
-    def add(spec: str, base: Path) -> None:
+    def add(spec: str, base: Path, reading: tuple[Path, ...]) -> None:
         path = Path(spec) if Path(spec).is_absolute() else base / spec
         if path.is_file():
-            for line in path.read_text().splitlines():
+            here = path.resolve()
+            if here in reading:
+                chain = " -> ".join(str(p) for p in (*reading, here))
+                raise DataError(f"the model list {str(path)!r} includes itself ({chain}); remove that line.")
+            try:
+                lines = path.read_text(encoding="utf-8").splitlines()
+            except UnicodeDecodeError:
+                raise DataError(f"the model list {str(path)!r} is not UTF-8 text; save it as UTF-8, one model per "
+                                "line.") from None
+            for line in lines:
                 if line.strip() and not line.lstrip().startswith("#"):
-                    add(line.strip(), path.parent)
+                    add(line.strip(), path.parent, (*reading, here))
         elif (path / "config.json").is_file():
             sources.append(str(path.resolve()))
         elif path.is_dir():
@@ -135,7 +90,7 @@ def resolve_models(specs: Iterable[str]) -> list[ModelRef]:
             raise DataError(f"{spec!r} is neither a model folder, a folder of checkpoints, a list file nor a Hub id.")
 
     for spec in specs:
-        add(spec, Path.cwd())
+        add(spec, Path.cwd(), ())
     if not sources:
         raise DataError("no models to rank; pass model folders, a folder of checkpoints, a list file or Hub ids.")
     sources = list(dict.fromkeys(sources))
@@ -144,16 +99,6 @@ def resolve_models(specs: Iterable[str]) -> list[ModelRef]:
         common = os.path.commonpath([s for s in sources if os.path.isabs(s)] or ["/"])
         names = [os.path.relpath(s, common) if os.path.isabs(s) else s for s in sources]
     return [ModelRef(n, s) for n, s in zip(names, sources)]
-
-
-def model_identity(ref: ModelRef) -> dict[str, Any]:
-    """What identifies a model's weights: a Hub id, or a folder plus the size and modification time of each weights
-    file in it, so that retraining a checkpoint in place invalidates its stored results."""
-    folder = Path(ref.source)
-    if not folder.is_dir():
-        return {"source": ref.source}
-    weights = sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".bin"))
-    return {"source": ref.source, "weights": [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in weights]}
 
 
 @dataclass(frozen=True)
@@ -206,16 +151,23 @@ def read_gap_file(path: Path) -> dict[str, float]:
     """``{model: gap}`` from a JSON mapping or a CSV/TSV with ``model`` and ``gap`` columns."""
     if not path.is_file():
         raise DataError(f"gap file {str(path)!r} does not exist.")
-    if path.suffix.lower() == ".json":
-        data = json.loads(path.read_text())
-        if not isinstance(data, dict):
-            raise DataError(f"gap file {str(path)!r} must hold a JSON object {{model: gap}}.")
-        return {str(k): float(v) for k, v in data.items()}
-    with open(path, newline="") as f:
-        rows = list(csv.DictReader(f, delimiter="\t" if path.suffix.lower() == ".tsv" else ","))
-    if not rows or not {"model", "gap"} <= set(rows[0]):
-        raise DataError(f"gap file {str(path)!r} needs a header with columns 'model' and 'gap'.")
-    return {row["model"]: float(row["gap"]) for row in rows}
+    try:
+        text = path.read_text(encoding="utf-8")
+        if path.suffix.lower() == ".json":
+            data = json.loads(text)
+            if not isinstance(data, dict):
+                raise DataError(f"gap file {str(path)!r} must hold a JSON object {{model: gap}}.")
+            return {str(k): float(v) for k, v in data.items()}
+        rows = list(csv.DictReader(text.splitlines(), delimiter="\t" if path.suffix.lower() == ".tsv" else ","))
+        if not rows or not {"model", "gap"} <= set(rows[0]):
+            raise DataError(f"gap file {str(path)!r} needs a header with columns 'model' and 'gap'.")
+        return {row["model"]: float(row["gap"]) for row in rows}
+    except UnicodeDecodeError:
+        raise DataError(f"gap file {str(path)!r} is not UTF-8 text; save it as UTF-8.") from None
+    except (TypeError, ValueError) as err:  # not JSON, or a gap that is not a number
+        if isinstance(err, DataError):
+            raise
+        raise DataError(f"gap file {str(path)!r} cannot be read: {err}; every gap must be a number.") from None
 
 
 # -------------------------------------------------------------------------------------------------------- running
@@ -270,21 +222,23 @@ def run_leaderboard(
     settings: Settings = Settings(),
     gap: GapSpec | None = None,
     progress: bool = True,
+    trust_remote_code: bool = False,
 ) -> Leaderboard:
     """Measure every model (skipping whatever ``store`` already holds) and assemble the ranked table.
 
     Each (model, measure) result, each model's trivial predictors and each model's split metrics is written to the
-    store as soon as it exists, so killing the run loses at most the computation in flight.
+    store as soon as it exists, so killing the run loses at most the computation in flight. Results are keyed by the
+    content of each model's files and of the data, so editing either recomputes them.
     """
     if not measures:
         raise ValueError("no measures given; pick some of 'inv', 'mix', 'adaptive'.")
     gap_table = read_gap_file(gap.file) if gap is not None and gap.file is not None else None
-    data_key = asdict(data)
+    data_key = data_identity(data, None if Path(data.dataset).exists() else load_split(data))
     rows, results = [], {}
     todo = len(models) * (len(measures) + 1 + (gap is not None and gap_table is None))
     bar = tqdm(total=todo, desc="leaderboard", unit="result", disable=not progress)
     for ref in models:
-        model = model_identity(ref)
+        model = model_identity(ref.source)
         keys = {m.name: fingerprint(kind="measure", model=model, measure=m.name, data=data_key, **asdict(settings))
                 for m in measures}
         keys["stats"] = fingerprint(kind="stats", model=model, data=data_key)
@@ -294,7 +248,7 @@ def run_leaderboard(
         missing = [k for k, key in keys.items() if store.get(key) is None]
         bar.update(len(keys) - len(missing))
         if missing:
-            _compute_missing(ref, data, measures, settings, gap, store, keys, missing, bar)
+            _compute_missing(ref, data, measures, settings, gap, store, keys, missing, bar, trust_remote_code)
         rows.append(_row(ref, measures, store, keys, gap, gap_table))
         results[ref.name] = [store.get(keys[m.name]) for m in measures]
     bar.close()
@@ -306,12 +260,12 @@ def run_leaderboard(
 
 def _compute_missing(
     ref: ModelRef, data: DataSpec, measures: list[Measure], settings: Settings, gap: GapSpec | None,
-    store: ResultStore, keys: dict[str, str], missing: list[str], bar: tqdm,
+    store: ResultStore, keys: dict[str, str], missing: list[str], bar: tqdm, trust_remote_code: bool,
 ) -> None:
     bar.set_postfix(model=ref.name)
-    model = load_model(ref.source)
+    model = load_model(ref.source, trust_remote_code=trust_remote_code)
     require_task(model)
-    processor = load_processor(ref.source, model)
+    processor = load_processor(ref.source, model, trust_remote_code=trust_remote_code)
     batches = load_batches(model, processor, data)
     smap = None
     if any(m.kind != "adaptive" and m.name in missing for m in measures):
@@ -440,7 +394,7 @@ def markdown(board: Leaderboard) -> str:
 
 def write_csv(board: Leaderboard, path: Path) -> None:
     table = ranked(board)
-    with open(path, "w", newline="") as f:
+    with atomic_path(path) as tmp, open(tmp, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(table[0]))
         writer.writeheader()
         writer.writerows({k: repr(v) if isinstance(v, float) else v for k, v in row.items()} for row in table)
@@ -463,18 +417,20 @@ def scatter_plot(board: Leaderboard, path: Path) -> None:
         ax.tick_params(labelsize=7)
     axes[0][0].set_ylabel(f"generalisation gap ({board.gap_metric})", fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=120)
 
 
 def write_outputs(board: Leaderboard, out_dir: Path) -> dict[str, Path]:
-    """``leaderboard.md``, ``leaderboard.csv`` and, with a gap, ``taus.json`` and ``scatter.png``."""
+    """``leaderboard.md``, ``leaderboard.csv`` and, with a gap, ``taus.json`` and ``scatter.png``, each replaced
+    durably (a failed write leaves the previous file intact)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"markdown": out_dir / "leaderboard.md", "csv": out_dir / "leaderboard.csv"}
-    paths["markdown"].write_text(markdown(board))
+    write_text(paths["markdown"], markdown(board))
     write_csv(board, paths["csv"])
     if board.taus:
         paths["taus"] = out_dir / "taus.json"
-        paths["taus"].write_text(json.dumps({"gap_metric": board.gap_metric, "taus": board.taus}, indent=2) + "\n")
+        write_json(paths["taus"], {"gap_metric": board.gap_metric, "taus": board.taus})
         paths["plot"] = out_dir / "scatter.png"
         scatter_plot(board, paths["plot"])
     return paths

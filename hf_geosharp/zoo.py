@@ -33,6 +33,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from .durable import write_json, write_text
+
 if TYPE_CHECKING:
     from transformers import ViTImageProcessorPil
 
@@ -162,7 +164,7 @@ def export_digits(folder: Path) -> Path:
     }
     tmp = Path(tempfile.mkdtemp(prefix=".digits-", dir=folder.parent))
     datasets.DatasetDict(splits).save_to_disk(str(tmp / "data"))
-    (tmp / "data" / SPLIT_FILE).write_text(split_id)
+    write_text(tmp / "data" / SPLIT_FILE, split_id)
     _replace_dir(tmp / "data", folder)
     shutil.rmtree(tmp, ignore_errors=True)
     return folder
@@ -228,7 +230,7 @@ def train_member(member: ZooMember, data: dict[str, tuple[np.ndarray, np.ndarray
     }
     model.save_pretrained(folder)
     image_processor().save_pretrained(folder)
-    (folder / METRICS_FILE).write_text(json.dumps(metrics, indent=2))
+    write_json(folder / METRICS_FILE, metrics)
     return metrics
 
 

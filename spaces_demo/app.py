@@ -33,8 +33,9 @@ from hf_geosharp import adaptive_sharpness, geodesic_sharpness
 from hf_geosharp.cards import card_yaml, dataset_info, eval_result, task_type
 from hf_geosharp.data import DataError, DataSpec, hub_offline, is_vision, load_batches, load_model, load_processor
 from hf_geosharp.data import make_batches, require_task
-from hf_geosharp.leaderboard import STORE_FILE, GapSpec, Measure, ModelRef, ResultStore, Settings
+from hf_geosharp.leaderboard import GapSpec, Measure, ModelRef, Settings
 from hf_geosharp.leaderboard import ranked, run_leaderboard, taus_markdown, write_outputs
+from hf_geosharp.store import STORE_FILE, ResultStore
 from hf_geosharp.symmetry import map_symmetries
 from hf_geosharp.symmetry.report import format_report
 from hf_geosharp.zoo import build_zoo, torch_threads, zoo_members

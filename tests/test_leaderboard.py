@@ -23,13 +23,11 @@ from hf_geosharp import cli
 from hf_geosharp.data import DataError, DataSpec, load_batches, load_model, load_processor
 from hf_geosharp.leaderboard import (
     MIN_MODELS_FOR_CI,
-    STORE_FILE,
     TRIVIAL,
     GapSpec,
     Leaderboard,
     Measure,
     ModelRef,
-    ResultStore,
     Settings,
     kendall_taus,
     ranked,
@@ -38,6 +36,7 @@ from hf_geosharp.leaderboard import (
     run_leaderboard,
     write_outputs,
 )
+from hf_geosharp.store import STORE_FILE, ResultStore
 from hf_geosharp.zoo import METRICS_FILE, build_zoo, pixel_values, torch_threads, train_member, zoo_members
 from hf_geosharp.zoo import SPLIT_FILE, digits_arrays, export_digits
 

@@ -11,12 +11,21 @@ import argparse
 import sys
 from pathlib import Path
 
+import yaml
 from huggingface_hub import ModelCard
 
-from ..cards import CardError, card_yaml, dataset_info, eval_result, push_card, read_results, require_online, task_type
-from ..cards import write_card
-
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+from ..cards import (
+    CardError,
+    card_yaml,
+    dataset_info,
+    eval_result,
+    push_card,
+    read_results,
+    require_online,
+    task_type,
+    write_card,
+)
+from .common import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -37,7 +46,33 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def card_problem(target: Path) -> str | None:
+    """Why ``target`` cannot take a card, or ``None``: it must be a model folder (an existing one, or a new path
+    without a suffix) or a ``README.md``, whose front matter, if it exists, must be readable. Anything else, such as
+    ``MODEL/config.json``, would be turned into Markdown and stop the model from loading."""
+    if target.is_dir():
+        target = target / "README.md"
+    elif target.name.lower() != "readme.md" and (target.exists() or target.suffix):
+        return (f"{str(target)!r} is neither a model folder nor a README.md; pass the model folder (its README.md is "
+                "edited or created) or the README.md itself. Nothing was written.")
+    if not target.exists():
+        return None
+    try:
+        ModelCard.load(target)
+    except UnicodeDecodeError:
+        return f"{str(target)!r} is not UTF-8 text; save it as UTF-8 first. Nothing was written."
+    except (yaml.YAMLError, ValueError) as err:  # ValueError: front matter that is a list, not a mapping
+        first = str(err).splitlines()[0]
+        return (f"the front matter of {str(target)!r} (the YAML block between the '---' lines) cannot be read "
+                f"({first}); fix it to a YAML mapping (key: value lines) or remove it. Nothing was written.")
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
+    problem = card_problem(args.model)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     try:
         if args.push:
             require_online(args.push)  # before anything is written: a failed command changes nothing

@@ -8,7 +8,6 @@ the plot's path and a model-card snippet for the flattest model. A second run re
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
@@ -16,7 +15,8 @@ from ..cards import card_yaml, dataset_info, eval_result
 from ..data import DataSpec
 from ..leaderboard import GapSpec, ranked
 from ..zoo import build_zoo, cache_root, torch_threads
-from .leaderboard import EXIT_BAD_INPUT, EXIT_OK, add_data_arguments, check_counts, execute
+from .common import EXIT_OK
+from .leaderboard import add_data_arguments, execute
 
 
 def _size(text: str) -> str | int:
@@ -44,10 +44,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    problem = check_counts(args)
-    if problem:
-        print(f"error: {problem}", file=sys.stderr)
-        return EXIT_BAD_INPUT
     start = time.perf_counter()
     with torch_threads(args.threads):
         zoo = build_zoo(args.size, args.cache_dir, progress=not args.quiet)

@@ -1,8 +1,9 @@
 """``geosharp leaderboard``: rank many models by sharpness and correlate every measure with the generalisation gap.
 
-Results go into ``OUT/results.jsonl`` as they are computed; rerunning the same command after a crash or a kill
-computes only what is missing. Outputs: ``leaderboard.md``, ``leaderboard.csv`` and, with a gap, ``taus.json`` and
-``scatter.png``.
+Results go into ``OUT/results.jsonl`` as they are computed; rerunning the same command after a crash, a kill or
+Ctrl-C computes only what is missing. One run at a time per ``--out``: a second one fails at once with exit code 2,
+naming the lock (``OUT/leaderboard.lock``) that the first holds. Outputs (written durably): ``leaderboard.md``,
+``leaderboard.csv`` and, with a gap, ``taus.json`` and ``scatter.png``.
 """
 
 from __future__ import annotations
@@ -13,13 +14,33 @@ import sys
 from pathlib import Path
 
 from ..data import DataError, DataSpec
-from ..leaderboard import KINDS, STORE_FILE, GapSpec, Leaderboard, Measure, ResultStore, Settings, resolve_models
-from ..leaderboard import markdown, run_leaderboard, write_outputs
-from .run import _quiet_libraries
+from ..durable import OutputPathError, check_writable
+from ..leaderboard import (
+    KINDS,
+    GapSpec,
+    Leaderboard,
+    Measure,
+    Settings,
+    markdown,
+    resolve_models,
+    run_leaderboard,
+    write_outputs,
+)
+from ..store import STORE_FILE, ResultStore, StoreLockedError, output_lock
+from .common import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    EXIT_OK,
+    add_trust_remote_code,
+    error,
+    keep_on_interrupt,
+    non_negative,
+    positive,
+    quiet_libraries,
+    seed,
+)
 
 logger = logging.getLogger(__name__)
-
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
 EPILOG = """\
 models: model folders, folders of checkpoint folders, text files listing models (one per line) or Hub ids.
@@ -49,15 +70,17 @@ def _splits(text: str) -> tuple[str, str]:
 
 def add_data_arguments(p: argparse.ArgumentParser, n_examples: int, batch_size: int) -> None:
     """Data options shared with ``geosharp demo`` (which fills the dataset in itself)."""
-    p.add_argument("--n-examples", type=int, default=n_examples, help=f"examples to measure on (default: {n_examples})")
-    p.add_argument("--batch-size", type=int, default=batch_size, help=f"examples per batch (default: {batch_size})")
+    p.add_argument("--n-examples", type=positive(int), default=n_examples,
+                   help=f"examples to measure on (default: {n_examples})")
+    p.add_argument("--batch-size", type=positive(int), default=batch_size,
+                   help=f"examples per batch (default: {batch_size})")
     p.add_argument("--measures", type=_choices(KINDS), default=list(KINDS), help="inv, mix, adaptive (default: all)")
     p.add_argument("--mode", type=_choices(("worst", "average")), default=["worst"], help="worst and/or average")
-    p.add_argument("--rho", type=float, default=0.1, help="perturbation radius (default: 0.1)")
-    p.add_argument("--steps", type=int, default=20, help="solver steps per batch, worst case (default: 20)")
-    p.add_argument("--n-samples", type=int, default=20, help="random directions per batch, average case")
-    p.add_argument("--epsilon", type=float, default=1e-6, help="regulariser of the geodesic metric")
-    p.add_argument("--seed", type=int, default=0, help="seed of the example shuffle, solver and bootstrap")
+    p.add_argument("--rho", type=positive(float), default=0.1, help="perturbation radius (default: 0.1)")
+    p.add_argument("--steps", type=positive(int), default=20, help="solver steps per batch, worst case (default: 20)")
+    p.add_argument("--n-samples", type=positive(int), default=20, help="random directions per batch, average case")
+    p.add_argument("--epsilon", type=non_negative(float), default=1e-6, help="regulariser of the geodesic metric")
+    p.add_argument("--seed", type=seed, default=0, help="seed of the example shuffle, solver and bootstrap")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no table")
 
 
@@ -85,8 +108,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     gap.add_argument("--gap-splits", type=_splits, help="TRAIN,TEST: compute the gap on these splits")
     p.add_argument("--gap-metric", choices=("error", "loss"), default="error",
                    help="with --gap-splits: test minus train error or loss (default: error)")
-    p.add_argument("--gap-n-examples", type=int, help="examples per split for the gap (default: whole split)")
+    p.add_argument("--gap-n-examples", type=positive(int), help="examples per split for the gap (default: whole split)")
     p.add_argument("--out", type=Path, default=Path("outputs/leaderboard"), help="output folder and result store")
+    add_trust_remote_code(p)
     p.set_defaults(func=run)
 
 
@@ -105,45 +129,48 @@ def report(board: Leaderboard, paths: dict[str, Path]) -> None:
         print(f"{kind:9s}{path}")
 
 
-def check_counts(args: argparse.Namespace) -> str | None:
-    """The usage error in the count options, if any."""
-    for name in ("n_examples", "batch_size", "steps", "n_samples"):
-        if getattr(args, name) < 1:
-            return f"--{name.replace('_', '-')} must be at least 1"
-    return None
-
-
 def execute(
     args: argparse.Namespace, model_specs: list[str], data: DataSpec, gap: GapSpec | None
 ) -> tuple[int, Leaderboard | None]:
     """Run (or resume) the leaderboard into ``args.out`` and write its files; the exit code and the board."""
-    _quiet_libraries()
+    quiet_libraries()
     if not getattr(args, "verbose", False):  # one line per model and measure would bury the progress bar
         for name in ("hf_geosharp.api", "hf_geosharp.symmetry"):
             logging.getLogger(name).setLevel(logging.WARNING)
+    store_path = args.out / STORE_FILE
     try:
+        for name in ("leaderboard.md", STORE_FILE):  # before any work: a bad --out would lose the whole run
+            check_writable(args.out / name, what="--out file")
         models = resolve_models(model_specs)
-        board = run_leaderboard(models, data, measures_of(args), ResultStore(args.out / STORE_FILE),
-                                settings=settings_of(args), gap=gap, progress=not args.quiet)
-    except DataError as err:
-        print(f"error: {err}", file=sys.stderr)
+        with output_lock(args.out):
+            store = ResultStore(store_path)
+            if store.damaged:
+                lines = ", ".join(str(d.number) for d in store.damaged[:10])
+                print(f"warning: {store_path} has {len(store.damaged)} damaged line(s) (line {lines}: "
+                      f"{store.damaged[0].reason}); they are skipped and their results recomputed.", file=sys.stderr)
+            keep_on_interrupt(f"finished results are kept in {store_path}; rerun the same command to resume")
+            trust = getattr(args, "trust_remote_code", False)  # geosharp demo has no such flag: its zoo has no code
+            board = run_leaderboard(models, data, measures_of(args), store, settings=settings_of(args), gap=gap,
+                                    progress=not args.quiet, trust_remote_code=trust)
+            paths = write_outputs(board, args.out)
+    except (DataError, OutputPathError, StoreLockedError) as err:
+        error(str(err))
         return EXIT_BAD_INPUT, None
+    except OSError as err:  # disk full, a quota, a file-size limit: durable writes keep the old files
+        error(f"could not write into {str(args.out)!r} ({err.strerror or err}); previous files are unchanged and "
+              f"finished results are kept in {store_path}. Free space and rerun the same command to resume.")
+        return EXIT_FAILED, None
     except Exception as err:  # noqa: BLE001 - a failed run keeps its finished results: say so, exit 1
         logger.debug("leaderboard failed", exc_info=True)
-        print(f"error: {type(err).__name__}: {err}\nfinished results are kept in {args.out / STORE_FILE}; rerun the "
-              "same command to resume.", file=sys.stderr)
+        error(f"{type(err).__name__}: {err}\nfinished results are kept in {store_path}; rerun the same command to "
+              "resume.")
         return EXIT_FAILED, None
-    paths = write_outputs(board, args.out)
     if not args.quiet:
         report(board, paths)
     return EXIT_OK, board
 
 
 def run(args: argparse.Namespace) -> int:
-    problem = check_counts(args)
-    if problem:
-        print(f"error: {problem}", file=sys.stderr)
-        return EXIT_BAD_INPUT
     if args.gap_splits:
         gap = GapSpec(train_split=args.gap_splits[0], test_split=args.gap_splits[1], metric=args.gap_metric,
                       n_examples=args.gap_n_examples)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import logging
 import math
 import sys
@@ -21,28 +20,28 @@ from typing import Any
 from .. import __version__
 from ..api import adaptive_sharpness, geodesic_sharpness
 from ..data import DataError, DataSpec, launch_accelerator, load_batches, load_model, load_processor, require_task
+from ..durable import OutputPathError, check_writable, write_json
 from ..symmetry import SymmetryMap, map_symmetries
+from .common import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    EXIT_OK,
+    add_trust_remote_code,
+    keep_on_interrupt,
+    non_negative,
+    positive,
+    quiet_libraries,
+    seed,
+)
 
 logger = logging.getLogger(__name__)
 
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 METRICS = ("inv", "mix")
 
 EPILOG = """\
 examples are the first --n-examples rows of the split after a shuffle seeded by --seed (--no-shuffle: file order).
 exit codes: 0 success; 1 the run failed or a value is not finite; 2 bad usage or input (model, dataset, columns).
 """
-
-
-def _positive(kind: type) -> Any:
-    def parse(text: str) -> Any:
-        value = kind(text)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-        return value
-
-    parse.__name__ = kind.__name__  # argparse names the type in its error message
-    return parse
 
 
 def _metrics(text: str) -> list[str]:
@@ -71,8 +70,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--config", help="Hub dataset configuration")
     p.add_argument("--split", default="train", help="dataset split (default: train)")
-    p.add_argument("--n-examples", type=_positive(int), default=1024, help="examples to use (default: 1024)")
-    p.add_argument("--batch-size", type=_positive(int), default=128, help="examples per batch (default: 128)")
+    p.add_argument("--n-examples", type=positive(int), default=1024, help="examples to use (default: 1024)")
+    p.add_argument("--batch-size", type=positive(int), default=128, help="examples per batch (default: 128)")
     p.add_argument("--metric", type=_metrics, default=["inv", "mix"], help="geodesic metrics (default: inv,mix)")
     p.add_argument(
         "--baseline",
@@ -81,19 +80,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="also measure adaptive sharpness, the AS23 baseline (default: on)",
     )
     p.add_argument("--mode", choices=("worst", "average"), default="worst", help="worst or average case")
-    p.add_argument("--rho", type=_positive(float), default=0.1, help="perturbation radius (default: 0.1)")
-    p.add_argument("--steps", type=_positive(int), default=20, help="solver steps per batch, worst case")
-    p.add_argument("--n-samples", type=_positive(int), default=20, help="random directions per batch, average case")
-    p.add_argument("--epsilon", type=_positive(float), default=1e-6, help="regulariser of the metric (default: 1e-6)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the example shuffle and of the solver")
+    p.add_argument("--rho", type=positive(float), default=0.1, help="perturbation radius (default: 0.1)")
+    p.add_argument("--steps", type=positive(int), default=20, help="solver steps per batch, worst case")
+    p.add_argument("--n-samples", type=positive(int), default=20, help="random directions per batch, average case")
+    p.add_argument("--epsilon", type=non_negative(float), default=1e-6, help="metric regulariser (default: 1e-6)")
+    p.add_argument("--seed", type=seed, default=0, help="seed of the example shuffle and of the solver")
     p.add_argument("--no-shuffle", action="store_true", help="take the first --n-examples rows in file order")
-    p.add_argument("--max-length", type=_positive(int), default=128, help="tokenizer truncation length")
+    p.add_argument("--max-length", type=positive(int), default=128, help="tokenizer truncation length")
     p.add_argument("--text-column", help="text column (default: found by name)")
     p.add_argument("--text-pair-column", help="second text column for sentence pairs")
     p.add_argument("--label-column", help="label column (default: a ClassLabel column or 'label', 'labels', ...)")
     p.add_argument("--image-column", help="image column of a vision dataset")
     p.add_argument("--json", type=Path, help="write the results to this JSON file")
     p.add_argument("--quiet", action="store_true", help="no progress bars and no table")
+    add_trust_remote_code(p)
     p.set_defaults(func=run)
 
 
@@ -112,7 +112,8 @@ def _table(rows: list[list[str]]) -> str:
 
 
 def _measure(
-    args: argparse.Namespace, model: Any, smap: SymmetryMap, batches: list, accelerator: Any, progress: bool
+    args: argparse.Namespace, model: Any, smap: SymmetryMap, batches: list, accelerator: Any, progress: bool,
+    timed: list[tuple],
 ) -> list[tuple]:
     common = dict(
         rho=args.rho, mode=args.mode, steps=args.steps, seed=args.seed, n_samples=args.n_samples,
@@ -121,25 +122,15 @@ def _measure(
     calls = [(geodesic_sharpness, dict(metric=m, epsilon=args.epsilon, symmetry_map=smap)) for m in args.metric]
     if args.baseline:
         calls.append((adaptive_sharpness, {}))
-    timed = []
-    for fn, extra in calls:
+    for fn, extra in calls:  # into ``timed`` as each finishes: Ctrl-C keeps the finished ones
         start = time.perf_counter()
         res = fn(model, batches, **common, **extra)
         timed.append((res, time.perf_counter() - start))
     return timed
 
 
-def _quiet_libraries() -> None:
-    """The loading bars of transformers and datasets would bury ours (batches and solver steps)."""
-    import datasets
-    import transformers
-
-    datasets.disable_progress_bars()
-    transformers.utils.logging.disable_progress_bar()
-
-
 def run(args: argparse.Namespace) -> int:
-    _quiet_libraries()
+    quiet_libraries()
     accelerator = launch_accelerator()
     main = accelerator is None or accelerator.is_main_process
     if args.quiet or not main:
@@ -157,26 +148,34 @@ def run(args: argparse.Namespace) -> int:
         image_column=args.image_column,
     )  # fmt: skip
     try:
-        model = load_model(args.model)
+        if args.json and main:
+            check_writable(args.json, what="--json")  # before the work, which a bad path would otherwise lose
+        model = load_model(args.model, trust_remote_code=args.trust_remote_code)
         require_task(model)  # before any data work: a model without a loss cannot be measured
         model.to(accelerator.device if accelerator is not None else _default_device())
-        processor = load_processor(args.model, model)
+        processor = load_processor(args.model, model, trust_remote_code=args.trust_remote_code)
         first = accelerator.main_process_first() if accelerator is not None else contextlib.nullcontext()
         with first:  # rank 0 fills the datasets cache, the others then read it
             batches = load_batches(model, processor, spec)
-    except DataError as err:
+    except (DataError, OutputPathError) as err:
         return fail(EXIT_BAD_INPUT, str(err))
 
+    world_size = accelerator.num_processes if accelerator is not None else 1
+    timed: list[tuple] = []
     try:
         smap = map_symmetries(model)
-        timed = _measure(args, model, smap, batches, accelerator, progress=main and not args.quiet)
+        _measure(args, model, smap, batches, accelerator, main and not args.quiet, timed)
+    except KeyboardInterrupt:
+        if timed and main and args.json:
+            _write_json(args.json, args, model, spec, batches, world_size, smap.summary(), timed, interrupted=True)
+            keep_on_interrupt(f"the {len(timed)} finished measure(s) are in {args.json} (marked interrupted)")
+        raise
     except ValueError as err:  # the engine refuses inputs it cannot measure (dtype, parameters, ...)
         return fail(EXIT_BAD_INPUT, str(err))
     except Exception as err:  # noqa: BLE001 - any other failure is a failed run: exit 1, traceback with -v
         logger.debug("run failed", exc_info=True)
         return fail(EXIT_FAILED, f"the measurement failed: {type(err).__name__}: {err}")
 
-    world_size = accelerator.num_processes if accelerator is not None else 1
     symmetry = smap.summary()
     if main:
         for fallback in symmetry["fallbacks"]:  # warnings go to stderr even with --quiet
@@ -188,7 +187,11 @@ def run(args: argparse.Namespace) -> int:
         if not args.quiet:
             _report(args, model, spec, batches, world_size, symmetry, timed)
         if args.json:
-            _write_json(args.json, args, model, spec, batches, world_size, symmetry, timed)
+            try:
+                _write_json(args.json, args, model, spec, batches, world_size, symmetry, timed)
+            except OSError as err:  # disk full, quota, a file-size limit: the old file is intact
+                return fail(EXIT_FAILED, f"could not write {args.json} ({err.strerror or err}); its previous "
+                            "contents are unchanged. Free space or choose another --json path.")
     bad = [res.measure for res, _ in timed if not math.isfinite(res.value)]
     if bad:
         return fail(EXIT_FAILED, f"non-finite sharpness for {', '.join(bad)}; try a smaller --rho or check the model.")
@@ -216,7 +219,8 @@ def _report(
 
 
 def _write_json(
-    path: Path, args: Any, model: Any, spec: DataSpec, batches: list, world_size: int, symmetry: dict, timed: list
+    path: Path, args: Any, model: Any, spec: DataSpec, batches: list, world_size: int, symmetry: dict, timed: list,
+    interrupted: bool = False,
 ) -> None:
     payload = {
         "hf_geosharp_version": __version__,
@@ -227,8 +231,8 @@ def _write_json(
         "world_size": world_size,
         "symmetry": symmetry,
         "results": {res.measure: {**res.to_dict(), "seconds": seconds} for res, seconds in timed},
+        **({"interrupted": True} if interrupted else {}),
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2) + "\n")
+    write_json(path, payload)  # durable: a failed write leaves the previous file intact
     logger.info("wrote %s", path)
 

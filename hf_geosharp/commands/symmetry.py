@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 from pathlib import Path
 
 from ..data import DataError, load_model
+from ..durable import OutputPathError, check_writable, write_json
 from ..symmetry import map_symmetries
 from ..symmetry.audit import MAX_AUDIT_PARAMS, jacobian_rank_audit
 from ..symmetry.report import format_report
+from .common import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, add_trust_remote_code
 
 logger = logging.getLogger(__name__)
-
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -34,13 +33,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--strict", action="store_true", help="fail if any attention module cannot be mapped")
     p.add_argument("--params", choices=("all", "trainable"), default="all",
                    help="map all pairs, or only pairs of trainable parameters (default: all)")
+    add_trust_remote_code(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        model = load_model(args.model)
-    except DataError as err:
+        if args.json:
+            check_writable(args.json, what="--json")  # before the work, which a bad path would otherwise lose
+        model = load_model(args.model, trust_remote_code=args.trust_remote_code)
+    except (DataError, OutputPathError) as err:
         print(f"geosharp symmetry: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
@@ -68,7 +70,11 @@ def run(args: argparse.Namespace) -> int:
         print(audit.format())
         report["audit"] = audit.to_dict()
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
+        try:
+            write_json(args.json, report)
+        except OSError as err:  # disk full, quota, a file-size limit: the old file is intact
+            print(f"geosharp symmetry: could not write {args.json} ({err.strerror or err}); its previous contents are "
+                  "unchanged.", file=sys.stderr)
+            return EXIT_FAILED
         logger.info("wrote %s", args.json)
     return EXIT_OK
