@@ -3,6 +3,10 @@
 Each command module defines ``add_parser(subparsers)`` (which registers its arguments and sets ``func``) and a
 ``run(args) -> int`` exit code. Exit codes (:mod:`hf_geosharp.commands.common`): 0 success, 1 failure while running,
 2 bad usage or bad input, 130 interrupted with Ctrl-C.
+
+Logging: one handler, on the library's own ``hf_geosharp`` logger (WARNING by default, INFO with ``-v``, DEBUG with
+``-vv`` or ``--verbosity``); the root logger and other libraries' loggers are left alone, and third-party progress
+bars are turned off, so that what the command prints is its own.
 """
 
 from __future__ import annotations
@@ -13,9 +17,41 @@ import logging
 import sys
 
 from . import __version__
-from .commands.common import invoke
+from .commands.common import invoke, quiet_libraries
 
 COMMANDS = ("run", "symmetry", "register", "leaderboard", "card", "demo")
+LEVELS = ("error", "warning", "info", "debug")
+
+
+class _Handler(logging.StreamHandler):
+    """The CLI's handler (so that a second ``main()`` in one process replaces it instead of adding one)."""
+
+
+class _Formatter(logging.Formatter):
+    """``warning: message`` like the commands' own ``error:`` lines; the logger's name only when debugging."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        where = f" [{record.name}]" if record.levelno <= logging.DEBUG else ""
+        text = f"{record.levelname.lower()}{where}: {record.getMessage()}"
+        return text + ("\n" + self.formatException(record.exc_info) if record.exc_info else "")
+
+
+def configure_logging(level: int) -> None:
+    """One stderr handler on the ``hf_geosharp`` logger at ``level``; nothing else is touched."""
+    library = logging.getLogger("hf_geosharp")
+    for handler in [h for h in library.handlers if isinstance(h, _Handler)]:
+        library.removeHandler(handler)
+    handler = _Handler(sys.stderr)
+    handler.setFormatter(_Formatter())
+    library.addHandler(handler)
+    library.setLevel(level)
+
+
+def _add_verbosity(parser: argparse.ArgumentParser, default: object) -> None:
+    parser.add_argument("-v", "--verbose", action="count", default=default,
+                        help="more log lines from hf_geosharp: -v info, -vv debug")  # fmt: skip
+    parser.add_argument("--verbosity", choices=LEVELS, default=default,
+                        help="log level of hf_geosharp's own messages (default: warning)")  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,11 +60,19 @@ def build_parser() -> argparse.ArgumentParser:
         description="Geodesic sharpness: symmetry-invariant sharpness for Hugging Face models.",
     )
     parser.add_argument("--version", action="version", version=f"hf_geosharp {__version__}")
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    _add_verbosity(parser, None)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
         importlib.import_module(f"hf_geosharp.commands.{name}").add_parser(subparsers)
+    for sub in subparsers.choices.values():  # also after the command: `geosharp run ... -v`
+        _add_verbosity(sub, argparse.SUPPRESS)
     return parser
+
+
+def level_of(args: argparse.Namespace) -> int:
+    if args.verbosity:
+        return getattr(logging, args.verbosity.upper())
+    return {0: logging.WARNING, 1: logging.INFO}.get(args.verbose or 0, logging.DEBUG)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,13 +82,19 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s"
-    )
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    prepare(args.command, level_of(args))
     return int(args.func(args) or 0)
+
+
+def prepare(command: str, level: int) -> None:
+    """What the command's output needs before it runs: our log lines only, and no third-party progress bars (turned
+    off before the command loads, trains, saves or maps anything; ``register`` imports no third-party library)."""
+    configure_logging(level)
+    if command != "register":
+        quiet_libraries()
 
 
 if __name__ == "__main__":

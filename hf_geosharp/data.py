@@ -14,6 +14,7 @@ into exit code 2.
 
 from __future__ import annotations
 
+import logging
 import numbers
 import os
 import re
@@ -23,6 +24,8 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
+
+logger = logging.getLogger(__name__)
 
 Task = Literal["classification", "causal-lm", "masked-lm"]
 
@@ -370,13 +373,13 @@ def resolve_columns(ds: Any, spec: DataSpec, *, vision: bool, need_labels: bool)
 
 
 def select_examples(ds: Any, spec: DataSpec) -> Any:
-    """The first ``n_examples`` rows after a seeded shuffle (or in file order): the same every time."""
+    """The first ``n_examples`` rows after a seeded shuffle (or in file order): the same every time. ``n_examples``
+    is a cap: a smaller split is used whole, with a warning."""
     n = len(ds) if spec.n_examples is None else spec.n_examples
-    if n > len(ds):
-        raise DataError(
-            f"--n-examples {n} asks for more examples than split {spec.split!r} of {spec.dataset!r} holds ({len(ds)}); "
-            f"use --n-examples {len(ds)} or fewer."
-        )
+    if n > len(ds):  # a cap, like lm-evaluation-harness's --limit
+        logger.warning("--n-examples %d but split %r of %r has %d rows; using all %d.", n, spec.split, spec.dataset,
+                       len(ds), len(ds))  # fmt: skip
+        n = len(ds)
     if spec.shuffle:
         ds = ds.shuffle(seed=spec.seed)
     return ds.select(range(n))

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+from pathlib import Path
 
 import datasets
 import pytest
@@ -13,12 +15,25 @@ import torch
 import hf_geosharp as gs
 from hf_geosharp import cli
 from hf_geosharp.data import (
-    DataSpec, load_batches, load_model, load_processor, make_batches, resolve_columns, select_examples,
+    DataSpec,
+    load_batches,
+    load_model,
+    load_processor,
+    make_batches,
+    resolve_columns,
+    select_examples,
 )  # fmt: skip
 
-from .tiny_fixtures import one_thread  # noqa: F401
-from .tiny_fixtures import save_text_model, save_vision_model, sentences, tiny_bert, tiny_tokenizer, write_csv
-from .tiny_fixtures import write_imagefolder
+from .tiny_fixtures import (
+    one_thread,  # noqa: F401
+    save_text_model,
+    save_vision_model,
+    sentences,
+    tiny_bert,
+    tiny_tokenizer,
+    write_csv,
+    write_imagefolder,
+)
 
 FAST = ["--steps", "3", "--rho", "0.05"]
 
@@ -57,12 +72,15 @@ def test_run_on_a_csv_prints_a_table_writes_json_and_matches_the_api(files, caps
     assert code == 0
     printed = capsys.readouterr().out
     report = json.loads(out.read_text())
-    measures = ["geodesic_inv_worst", "geodesic_mix_worst", "adaptive_as23_worst"]  # defaults: inv,mix + baseline
+    measures = ["geodesic_sharpness_inv", "geodesic_sharpness_mix", "adaptive_sharpness"]  # the bundle's defaults
     assert list(report["results"]) == measures
     for name in measures:
         res = report["results"][name]
         assert len(res["per_batch"]) == 3 and all(v >= 0 for v in res["per_batch"]) and math.isfinite(res["value"])
-        assert name in printed
+        assert res[name] == res["value"] and res[f"{name}_per_batch"] == res["per_batch"] and f"{name}_stderr" in res
+        assert len(res["clean_loss_per_batch"]) == 3 and "per_batch_clean_loss" not in res  # one name everywhere
+        assert name in printed and res["measure"] in printed
+    assert report["higher_is_better"] == {name: False for name in measures}
     assert report["n_batches"] == 3 and report["world_size"] == 1 and report["data"]["n_examples"] == 12
     assert report["symmetry"]["n_pairs_qk"] == 8 and not report["symmetry"]["fallbacks"]
 
@@ -70,14 +88,17 @@ def test_run_on_a_csv_prints_a_table_writes_json_and_matches_the_api(files, caps
     model = load_model(str(files["bert"]))
     batches = load_batches(model, load_processor(str(files["bert"]), model), spec)
     ref = gs.geodesic_sharpness(model, batches, metric="mix", rho=0.05, steps=3, seed=0, progress=False)
-    assert report["results"]["geodesic_mix_worst"]["value"] == pytest.approx(ref.value, rel=1e-6)
+    assert report["results"]["geodesic_sharpness_mix"]["value"] == pytest.approx(ref.value, rel=1e-6)
 
 
 def test_run_on_an_imagefolder_and_a_saved_text_pair_dataset(files, capsys):
     code = geosharp("run", "--model", files["vit"], "--dataset", files["images"], "--n-examples", 6, "--batch-size", 3,
                     "--metric", "mix", "--no-baseline", "--quiet", *FAST)  # fmt: skip
     assert code == 0
-    assert capsys.readouterr().out == ""  # --quiet: no table, no bars on stdout
+    printed = capsys.readouterr()
+    lines = printed.out.splitlines()  # --quiet and no results file: the table only, never silence
+    assert lines[0].split()[:2] == ["measure", "sharpness"] and lines[2].startswith("geodesic_sharpness_mix")
+    assert len(lines) == 3 and printed.err == ""
 
     texts, labels = sentences(10)
     pairs = datasets.Dataset.from_dict(
@@ -91,7 +112,8 @@ def test_run_on_an_imagefolder_and_a_saved_text_pair_dataset(files, capsys):
     code = geosharp("run", "--model", files["bert"], "--dataset", saved, "--n-examples", 4, "--batch-size", 4,
                     "--metric", "inv", "--no-baseline", "--quiet", "--json", out, *FAST)  # fmt: skip
     assert code == 0
-    assert list(json.loads(out.read_text())["results"]) == ["geodesic_inv_worst"]
+    assert list(json.loads(out.read_text())["results"]) == ["geodesic_sharpness_inv"]
+    assert capsys.readouterr().out == ""  # --quiet with a results file: nothing on stdout
 
 
 def test_columns_are_found_by_type_and_name_and_pairs_are_encoded(files):
@@ -136,7 +158,9 @@ def test_class_names_map_through_the_models_label2id(files, tmp_path):
 
     # a ClassLabel whose names the model knows, in another order: matched by name, not by position
     model.config.id2label, model.config.label2id = {0: "ham", 1: "spam"}, {"ham": 0, "spam": 1}
-    features = datasets.Features({"text": datasets.Value("string"), "label": datasets.ClassLabel(names=["SPAM", "HAM"])})
+    features = datasets.Features(
+        {"text": datasets.Value("string"), "label": datasets.ClassLabel(names=["SPAM", "HAM"])}
+    )
     datasets.Dataset.from_dict({"text": ["buy now", "hi mum"], "label": [0, 1]}, features).save_to_disk(tmp_path / "ds")
     spec = DataSpec(dataset=str(tmp_path / "ds"), n_examples=2, batch_size=2, shuffle=False)
     assert load_batches(model, tokenizer, spec)[0]["labels"].tolist() == [1, 0]
@@ -166,7 +190,6 @@ def test_a_masked_lm_needs_no_label_column(files, tmp_path):
     [
         ({"--dataset": "unlabelled"}, "no label column"),
         ({"--text-column": "nope"}, "--text-column 'nope' is not a column"),
-        ({"--n-examples": "1000"}, "more examples than split 'train'"),
         ({"--split": "validation"}, "no split 'validation'"),
         ({"--model": "nobody/no-such-model-xyz"}, "the Hub is offline (HF_HUB_OFFLINE=1)"),
         ({"--dataset": "nobody/no-such-dataset-xyz"}, "the Hub is offline (HF_HUB_OFFLINE=1)"),
@@ -214,3 +237,151 @@ def test_register_command(tmp_path, monkeypatch, capsys):
     assert geosharp("register") == 0
     target = next((tmp_path / "modules").rglob("geodesic_sharpness.py"))
     assert str(target) in capsys.readouterr().out
+
+
+def test_n_examples_is_a_cap_and_numbers_read_well(files, capsys):
+    out = files["root"] / "cap.json"
+    code = geosharp("run", "--model", files["bert"], "--dataset", files["csv"], "--n-examples", 1000, "--batch-size",
+                    64, "--metric", "inv", "--no-baseline", "--json", out, *FAST)  # fmt: skip
+    printed = capsys.readouterr()
+    assert code == 0, printed.err
+    assert "warning: --n-examples 1000 but split 'train'" in printed.err and "has 40 rows; using all 40" in printed.err
+    report = json.loads(out.read_text())
+    assert report["data"]["n_examples_used"] == 40 and report["n_batches"] == 1
+    assert ": 40 examples in 1 batch of up to 64" in printed.out  # not "1 batches"
+    n_params = sum(p.numel() for p in tiny_bert().parameters())
+    assert f"{n_params:,} parameters" in printed.out and "," in f"{n_params:,}"
+    assert "estimated " in printed.out and " s (from one timed forward-backward pass)" in printed.out
+
+
+def test_device_and_dtype(files, capsys):
+    out = files["root"] / "fp64.json"
+    code = geosharp("run", "--model", files["bert"], "--dataset", files["csv"], "--n-examples", 8, "--batch-size", 4,
+                    "--metric", "inv", "--no-baseline", "--device", "cpu", "--dtype", "float64", "--quiet",
+                    "--json", out, *FAST)  # fmt: skip
+    assert code == 0, capsys.readouterr().err
+    report = json.loads(out.read_text())
+    assert report["config"]["dtype"] == "torch.float64" and report["config"]["device"] == "cpu"
+    spec = DataSpec(dataset=str(files["csv"]), n_examples=8, batch_size=4)
+    model = load_model(str(files["bert"])).double()
+    batches = load_batches(model, load_processor(str(files["bert"]), model), spec)
+    ref = gs.geodesic_sharpness(model, batches, rho=0.05, steps=3, seed=0, progress=False)
+    assert report["results"]["geodesic_sharpness_inv"]["value"] == pytest.approx(ref.value, rel=1e-9)
+    assert geosharp("run", "--model", files["bert"], "--dataset", files["csv"], "--device", "nonsense") == 2
+    assert "--device 'nonsense' is not usable" in capsys.readouterr().err
+
+
+def test_results_file_carries_provenance_in_the_harness_layout(files, capsys):
+    import datetime
+    import hashlib
+    from importlib.metadata import version
+
+    folder = files["root"] / "results"
+    code = geosharp("run", "--model", files["bert"], "--dataset", files["csv"], "--n-examples", 4, "--batch-size", 4,
+                    "--metric", "inv", "--no-baseline", "--quiet", "--output-path", folder, *FAST)  # fmt: skip
+    assert code == 0, capsys.readouterr().err
+    (written,) = (folder / "bert").glob("results_*.json")  # DIR/<model>/results_<timestamp>.json
+    report = json.loads(written.read_text())
+    versions = report["versions"]
+    for package in ("torch", "transformers", "datasets", "accelerate", "huggingface_hub"):
+        assert versions[package] == version(package)
+    assert versions["hf_geosharp"] == gs.__version__ and versions["python"].count(".") == 2
+    date = datetime.datetime.fromisoformat(report["date"])
+    assert date.tzinfo is not None and abs((datetime.datetime.now(datetime.timezone.utc) - date).total_seconds()) < 600
+    weights = files["bert"] / "model.safetensors"
+    assert report["model_source"]["weights_sha256"] == {
+        "model.safetensors": hashlib.sha256(weights.read_bytes()).hexdigest()
+    }
+    assert len(report["model_source"]["content"]) == 64
+    assert report["environment"]["device"] == "cpu" and report["config"]["settings"]["steps"] == 3
+    assert "n_samples" not in report["config"]["settings"]  # not a worst-case setting
+    assert report["results"]["geodesic_sharpness_inv"]["geodesic_sharpness_inv_stderr"] is None  # one batch
+
+
+def test_head_attaches_a_seeded_classifier_to_an_encoder(files, capsys):
+    argv = ["run", "--model", files["headless"], "--dataset", files["csv"], "--n-examples", 6, "--batch-size", 3,
+            "--metric", "inv", "--no-baseline", "--quiet", *FAST]  # fmt: skip
+    assert geosharp(*argv) == 2 and "BertModel has no supported task head" in capsys.readouterr().err
+    values = []
+    for name in ("head1.json", "head2.json"):
+        assert geosharp(*argv, "--head", "--num-labels", 2, "--json", files["root"] / name) == 0
+        report = json.loads((files["root"] / name).read_text())
+        values.append(report["results"]["geodesic_sharpness_inv"]["per_batch"])
+    assert values[0] == values[1] and all(v > 0 for v in values[0])  # the head is the same: seeded
+    assert report["config"]["head"] == {"num_labels": 2, "seed": 0}
+    assert report["config"]["model_class"] == "BertForSequenceClassification"
+    other = files["root"] / "head3.json"
+    assert geosharp(*argv, "--head", "--seed", 1, "--json", other) == 0
+    assert json.loads(other.read_text())["results"]["geodesic_sharpness_inv"]["per_batch"] != values[0]
+
+
+def test_help_shows_the_defaults_of_the_bundle(capsys):
+    from hf_geosharp.measures import Settings
+
+    with pytest.raises(SystemExit):
+        geosharp("run", "--help")
+    text = " ".join(capsys.readouterr().out.split())
+    defaults = Settings()
+    for flag, value in (("--n-examples", 1024), ("--metric", "inv,mix"), ("--rho", defaults.rho),
+                        ("--steps", defaults.steps), ("--seed", defaults.seed), ("--batch-size", 128)):  # fmt: skip
+        assert f"(default: {value})" in text.split(flag, 2)[-1].split("--", 1)[0] or f"(default: {value})" in text
+
+
+def test_logging_uses_one_library_handler_and_verbosity(files, capsys):
+    import logging
+
+    root_handlers = list(logging.getLogger().handlers)
+    argv = ["run", "--model", files["bert"], "--dataset", files["csv"], "--n-examples", 4, "--batch-size", 4,
+            "--metric", "inv", "--no-baseline", *FAST]  # fmt: skip
+    assert geosharp(*argv) == 0
+    quiet = capsys.readouterr().err
+    assert "info:" not in quiet  # WARNING by default
+    assert geosharp(*argv, "-v") == 0
+    verbose = capsys.readouterr().err
+    assert "info: geodesic_inv_worst: 16 GL pairs" in verbose
+    assert "\n\n" not in verbose.replace("\r", "")  # no blank line after a log line
+    assert logging.getLogger().handlers == root_handlers  # the root logger is never configured
+    assert len(logging.getLogger("hf_geosharp").handlers) == 1  # one handler, also after several main() calls
+    assert logging.getLogger("hf_geosharp").level == logging.INFO
+
+
+def test_launcher_asking_for_more_processes_than_started_is_detected(monkeypatch):
+    from hf_geosharp.commands import run as run_command
+
+    accelerate_env = {"ACCELERATE_USE_CPU": "True"}
+    cmdline = ["python", "accelerate", "launch", "--num_processes", "2", "--cpu", "-m", "hf_geosharp", "run"]
+    assert run_command.asked_processes(accelerate_env, cmdline) == 2
+    assert run_command.asked_processes(accelerate_env, ["accelerate", "launch", "--num_processes=3"]) == 3
+    assert run_command.asked_processes({"WORLD_SIZE": "4"}, None) == 4
+    assert run_command.asked_processes({}, cmdline) is None  # not under accelerate
+    monkeypatch.setattr(run_command, "_parent_cmdline", lambda: cmdline)
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "True")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert "asked for 2 processes but 1 started" in run_command.launch_warning(1)
+    assert run_command.launch_warning(2) is None
+
+
+def test_third_party_log_lines_and_progress_bars_stay_out_of_the_output(tmp_path):
+    """What `geosharp demo` does that other libraries report on (saving models, mapping datasets, matplotlib's font
+    cache, transformers' advice), after the CLI's preparation: only our own lines come out."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import logging, sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from hf_geosharp import cli
+        cli.prepare("demo", logging.INFO)
+        import datasets, transformers
+        from tiny_fixtures import tiny_bert
+        tiny_bert().save_pretrained({str(tmp_path / "m")!r})                      # "Writing model shards" bar
+        datasets.Dataset.from_dict({{"x": list(range(5))}}).map(lambda r: r)       # "Map" bar
+        logging.getLogger("matplotlib.font_manager").info("generated new fontManager")
+        transformers.logging.get_logger("transformers.modeling_utils").warning("some advice")
+        logging.getLogger("hf_geosharp.api").info("ours")
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "HF_GEOSHARP_NO_AUTOREGISTER": "1"})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout == "" and proc.stderr == "info: ours\n"

@@ -142,6 +142,7 @@ def test_measure_trainer_equals_the_api_on_its_documented_subset(tmp_path, data)
 
 
 def test_callback_arguments_are_checked():
+    assert gs.measure_trainer is measure_trainer and gs.GeodesicSharpnessCallback is GeodesicSharpnessCallback
     with pytest.raises(ValueError, match="exactly one of batches="):
         GeodesicSharpnessCallback()
     with pytest.raises(ValueError, match="every_n_steps must be a positive integer"):

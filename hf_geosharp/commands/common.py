@@ -71,11 +71,14 @@ def add_trust_remote_code(parser: argparse.ArgumentParser) -> None:
 
 
 def quiet_libraries() -> None:
-    """The loading bars and advice of transformers and datasets would bury our progress bars and errors."""
+    """The loading bars and advice of transformers, datasets and huggingface_hub would bury our progress bars and
+    errors."""
     import datasets
+    import huggingface_hub
     import transformers
 
     datasets.disable_progress_bars()
+    huggingface_hub.utils.disable_progress_bars()
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
 

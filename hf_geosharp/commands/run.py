@@ -3,6 +3,12 @@
 Under ``accelerate launch --multi_gpu --num_processes N -m hf_geosharp run ...`` or ``torchrun`` (``WORLD_SIZE`` > 1)
 every process loads the same model and builds the same batches; the engine shares the batches out, gathers the
 per-batch values, and only rank 0 prints and writes files.
+
+Results files (``--json PATH``, or ``--output-path DIR`` for ``DIR/<model>/results_<timestamp>.json`` as
+lm-evaluation-harness lays them out) carry the results per measure key (``<key>``, ``<key>_stderr``, per-batch values,
+convergence), ``higher_is_better``, the run's ``config``, package ``versions``, an ISO 8601 ``date``, the
+``environment`` (device, platform) and the model's identity (content sha256 of its files, weight-file sha256s, or the
+Hub revision).
 """
 
 from __future__ import annotations
@@ -10,18 +16,25 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import datetime
 import logging
 import math
+import os
+import platform
+import re
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from .. import __version__
-from ..api import adaptive_sharpness, geodesic_sharpness
 from ..data import DataError, DataSpec, launch_accelerator, load_batches, load_model, load_processor, require_task
 from ..durable import OutputPathError, check_writable, write_json
-from ..symmetry import SymmetryMap, map_symmetries
+from ..measures import DEFAULT_MEASURES, MEASURES, Settings, parse_measures, result_fields, run_measures, spec
+from ..store import file_digest, model_identity
+from ..symmetry import map_symmetries
 from .common import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,
@@ -36,12 +49,36 @@ from .common import (
 
 logger = logging.getLogger(__name__)
 
-METRICS = ("inv", "mix")
+DEFAULTS = Settings()
+METRICS = tuple(m.metric for m in MEASURES.values() if m.metric)  # the geodesic metrics: inv, mix
+DTYPES = ("float32", "float64", "bfloat16", "float16")
+VERSIONED = ("torch", "transformers", "datasets", "accelerate", "huggingface_hub", "evaluate")
+WEIGHT_SUFFIXES = (".safetensors", ".bin")
 
 EPILOG = """\
-examples are the first --n-examples rows of the split after a shuffle seeded by --seed (--no-shuffle: file order).
-exit codes: 0 success; 1 the run failed or a value is not finite; 2 bad usage or input (model, dataset, columns).
+examples are the first --n-examples rows of the split after a shuffle seeded by --seed (--no-shuffle: file order);
+a split with fewer rows is used whole, with a warning.
+--head measures the encoder together with a NEW linear head initialised from --seed, not a trained classifier.
+exit codes: 0 success; 1 the run failed or a value is not finite; 2 bad usage or input (model, dataset, columns);
+130 interrupted (Ctrl-C).
 """
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every default in --help (``inv,mix`` for a list), unless the help text already says it; the epilog's line
+    breaks are kept."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (
+            "default:" in text
+            or action.default is None
+            or action.default is False
+            or action.default == argparse.SUPPRESS
+        ):
+            return text
+        value = ",".join(map(str, action.default)) if isinstance(action.default, list) else action.default
+        return f"{text} (default: {value})"
 
 
 def _metrics(text: str) -> list[str]:
@@ -53,13 +90,14 @@ def _metrics(text: str) -> list[str]:
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    default_metrics = [spec(k).metric for k in DEFAULT_MEASURES if spec(k).metric]
     p = subparsers.add_parser(
         "run",
         help="measure geodesic (and adaptive) sharpness of a model on a dataset",
         description="Measure geodesic sharpness, and adaptive sharpness as a baseline, of a model on batches of a\n"
-        "dataset; print a table and optionally write JSON.",
+        "dataset; print a table and optionally write a results file.",
         epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--model", required=True, help="saved model folder or Hub id, with its task head and tokenizer")
     p.add_argument(
@@ -69,39 +107,52 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "folder of data files or imagefolder",
     )
     p.add_argument("--config", help="Hub dataset configuration")
-    p.add_argument("--split", default="train", help="dataset split (default: train)")
-    p.add_argument("--n-examples", type=positive(int), default=1024, help="examples to use (default: 1024)")
-    p.add_argument("--batch-size", type=positive(int), default=128, help="examples per batch (default: 128)")
-    p.add_argument("--metric", type=_metrics, default=["inv", "mix"], help="geodesic metrics (default: inv,mix)")
+    p.add_argument("--split", default="train", help="dataset split")
+    p.add_argument("--n-examples", type=positive(int), default=DataSpec.n_examples, help="examples to use at most")
+    p.add_argument("--batch-size", type=positive(int), default=DataSpec.batch_size, help="examples per batch")
+    p.add_argument("--metric", type=_metrics, default=default_metrics, help="geodesic metrics, comma-separated")
     p.add_argument(
         "--baseline",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="also measure adaptive sharpness, the AS23 baseline (default: on)",
+        default="adaptive_sharpness" in DEFAULT_MEASURES,
+        help="also measure adaptive sharpness (the baseline)",
     )
-    p.add_argument("--mode", choices=("worst", "average"), default="worst", help="worst or average case")
-    p.add_argument("--rho", type=positive(float), default=0.1, help="perturbation radius (default: 0.1)")
-    p.add_argument("--steps", type=positive(int), default=20, help="solver steps per batch, worst case")
-    p.add_argument("--n-samples", type=positive(int), default=20, help="random directions per batch, average case")
-    p.add_argument("--epsilon", type=non_negative(float), default=1e-6, help="metric regulariser (default: 1e-6)")
-    p.add_argument("--seed", type=seed, default=0, help="seed of the example shuffle and of the solver")
+    p.add_argument("--mode", choices=("worst", "average"), default=DEFAULTS.mode, help="worst or average case")
+    p.add_argument("--rho", type=positive(float), default=DEFAULTS.rho, help="perturbation radius")
+    p.add_argument("--steps", type=positive(int), default=DEFAULTS.steps, help="solver steps per batch (worst case)")
+    p.add_argument("--n-samples", type=positive(int), default=DEFAULTS.n_samples,
+                   help="random directions per batch (average case)")  # fmt: skip
+    p.add_argument("--epsilon", type=non_negative(float), default=DEFAULTS.epsilon,
+                   help="regulariser of the geodesic metric (default: the engine's, 1e-6)")  # fmt: skip
+    p.add_argument("--seed", type=seed, default=DEFAULTS.seed, help="seed of the example shuffle, solver and --head")
     p.add_argument("--no-shuffle", action="store_true", help="take the first --n-examples rows in file order")
-    p.add_argument("--max-length", type=positive(int), default=128, help="tokenizer truncation length")
+    p.add_argument("--max-length", type=positive(int), default=DataSpec.max_length, help="tokenizer truncation length")
     p.add_argument("--text-column", help="text column (default: found by name)")
     p.add_argument("--text-pair-column", help="second text column for sentence pairs")
     p.add_argument("--label-column", help="label column (default: a ClassLabel column or 'label', 'labels', ...)")
     p.add_argument("--image-column", help="image column of a vision dataset")
+    p.add_argument("--device", help="cpu, cuda, cuda:1, mps, ... (default: cuda when available, else cpu)")
+    p.add_argument("--dtype", choices=DTYPES, help="cast the model and float inputs to it (default: as saved)")
+    p.add_argument("--head", action="store_true",
+                   help="attach a new seeded linear classification head to an encoder without one (e.g. a "
+                   "sentence-transformers BertModel); the numbers then describe that encoder+head")  # fmt: skip
+    p.add_argument("--num-labels", type=positive(int), default=2, help="classes of the --head")
     p.add_argument("--json", type=Path, help="write the results to this JSON file")
-    p.add_argument("--quiet", action="store_true", help="no progress bars and no table")
+    p.add_argument("--output-path", type=Path,
+                   help="write DIR/<model>/results_<timestamp>.json (lm-evaluation-harness layout)")  # fmt: skip
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress bars and no header; the table only when no results file is written")  # fmt: skip
     add_trust_remote_code(p)
     p.set_defaults(func=run)
 
 
-def _default_device() -> Any:
-    """A single process uses the GPU when there is one (under a launcher the Accelerator picks each rank's device)."""
-    import torch
+# ----------------------------------------------------------------------------------------------------- reading well
 
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+def count(n: int, word: str) -> str:
+    """``1 batch``, ``3 batches``, ``22,713,986 parameters``."""
+    plural = word + ("es" if word.endswith(("s", "sh", "ch", "x")) else "s")
+    return f"{n:,} {word if n == 1 else plural}"
 
 
 def _table(rows: list[list[str]]) -> str:
@@ -111,22 +162,113 @@ def _table(rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def _measure(
-    args: argparse.Namespace, model: Any, smap: SymmetryMap, batches: list, accelerator: Any, progress: bool,
-    timed: list[tuple],
-) -> list[tuple]:
-    common = dict(
-        rho=args.rho, mode=args.mode, steps=args.steps, seed=args.seed, n_samples=args.n_samples,
-        accelerator=accelerator, progress=progress,
-    )  # fmt: skip
-    calls = [(geodesic_sharpness, dict(metric=m, epsilon=args.epsilon, symmetry_map=smap)) for m in args.metric]
-    if args.baseline:
-        calls.append((adaptive_sharpness, {}))
-    for fn, extra in calls:  # into ``timed`` as each finishes: Ctrl-C keeps the finished ones
-        start = time.perf_counter()
-        res = fn(model, batches, **common, **extra)
-        timed.append((res, time.perf_counter() - start))
-    return timed
+# ------------------------------------------------------------------------------------------------------- launchers
+
+
+def asked_processes(environ: dict[str, str], parent_cmdline: list[str] | None) -> int | None:
+    """How many processes the launcher was asked for: ``WORLD_SIZE``, or ``accelerate launch --num_processes N``
+    read from the parent's command line (accelerate's single-process launcher does not export it)."""
+    if "WORLD_SIZE" in environ:
+        return int(environ["WORLD_SIZE"])
+    if not any(k.startswith("ACCELERATE_") for k in environ) or not parent_cmdline:
+        return None
+    for i, arg in enumerate(parent_cmdline):
+        flag, _, value = arg.partition("=")
+        if flag in ("--num_processes", "--num-processes") and (value or i + 1 < len(parent_cmdline)):
+            text = value or parent_cmdline[i + 1]
+            return int(text) if text.isdigit() else None
+    return None
+
+
+def _parent_cmdline() -> list[str] | None:
+    try:
+        raw = Path(f"/proc/{os.getppid()}/cmdline").read_bytes()
+    except OSError:  # not Linux, or not readable: no check
+        return None
+    return [a.decode(errors="replace") for a in raw.split(b"\0") if a]
+
+
+def launch_warning(started: int) -> str | None:
+    """A warning when a launcher was asked for more processes than started (e.g. ``accelerate launch --cpu
+    --num_processes 2`` starts one)."""
+    asked = asked_processes(dict(os.environ), _parent_cmdline())
+    if asked is None or asked <= started:
+        return None
+    return (
+        f"the launcher was asked for {asked} processes but {started} started, so the batches are not shared out. "
+        "accelerate starts several CPU processes only with --multi_gpu (accelerate launch --multi_gpu "
+        f"--num_processes {asked} ...), or use torchrun --nproc_per_node {asked}."
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------- models
+
+
+def _load(args: argparse.Namespace) -> Any:
+    """The model to measure: as saved, or (``--head``) with a new linear head initialised from ``--seed``."""
+    if not args.head:
+        return load_model(args.model, trust_remote_code=args.trust_remote_code)
+    from transformers import AutoModelForSequenceClassification
+
+    with torch.random.fork_rng(devices=[]):  # the head's initialisation is transformers', from this seed
+        torch.manual_seed(args.seed)
+        try:
+            model = AutoModelForSequenceClassification.from_pretrained(
+                args.model, num_labels=args.num_labels, trust_remote_code=args.trust_remote_code
+            )
+        except (OSError, ValueError, KeyError, RuntimeError) as err:
+            raise DataError(
+                f"could not attach a {args.num_labels}-class head to {args.model!r}: {err}. --head needs an encoder "
+                "that AutoModelForSequenceClassification knows (BERT, RoBERTa, MiniLM, ...)."
+            ) from None
+    return model.eval()
+
+
+def _device(args: argparse.Namespace, accelerator: Any) -> Any:
+
+    if accelerator is not None:
+        if args.device:
+            raise DataError("--device does not apply under a launcher: each process uses the device it is given.")
+        return accelerator.device
+    if args.device:
+        try:
+            device = torch.device(args.device)
+            torch.empty(0, device=device)
+        except (RuntimeError, AssertionError) as err:
+            raise DataError(f"--device {args.device!r} is not usable here: {err}") from None
+        return device
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _cast_inputs(batches: list[dict], dtype: Any) -> list[dict]:
+    """Floating-point inputs (pixels, float labels) in the model's dtype; token ids stay integers."""
+    return [{k: v.to(dtype) if v.is_floating_point() else v for k, v in b.items()} for b in batches]
+
+
+def _estimate(model: Any, batches: list, keys: list[str], settings: Settings, world_size: int) -> float:
+    """Seconds the run will take, from one timed forward-backward pass on the first batch (after one untimed warm-up)
+    times the passes the solvers make. Weights, modes and gradients are left as they were."""
+
+    from ..api import preserved_model_state
+
+    device = next(model.parameters()).device
+    batch = {k: v.to(device) for k, v in batches[0].items()}
+    params = [p for p in model.parameters() if p.requires_grad] or list(model.parameters())
+    with preserved_model_state(model), torch.enable_grad():
+        for p in params:
+            p.requires_grad_(True)
+        seconds = 0.0
+        for _ in range(2):
+            start = time.perf_counter()
+            torch.autograd.grad(model(**batch).loss, params, allow_unused=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            seconds = time.perf_counter() - start
+    passes = settings.steps + 1 if settings.mode == "worst" else settings.n_samples + 1
+    return seconds * passes * len(keys) * math.ceil(len(batches) / world_size)
+
+
+# ------------------------------------------------------------------------------------------------------------- run
 
 
 def run(args: argparse.Namespace) -> int:
@@ -141,34 +283,63 @@ def run(args: argparse.Namespace) -> int:
             print(f"error: {message}", file=sys.stderr)
         return code
 
-    spec = DataSpec(
+    world_size = accelerator.num_processes if accelerator is not None else 1
+    warning = launch_warning(world_size)
+    if warning and main:
+        print(f"warning: {warning}", file=sys.stderr)
+    keys = parse_measures(args.metric + (["adaptive"] if args.baseline else []))
+    settings = Settings(
+        rho=args.rho, mode=args.mode, steps=args.steps, n_samples=args.n_samples, seed=args.seed,
+        epsilon=args.epsilon, adaptive_variant=DEFAULTS.adaptive_variant,
+    )  # fmt: skip
+    spec_ = DataSpec(
         dataset=args.dataset, config=args.config, split=args.split, n_examples=args.n_examples,
         batch_size=args.batch_size, seed=args.seed, shuffle=not args.no_shuffle, max_length=args.max_length,
         text_column=args.text_column, text_pair_column=args.text_pair_column, label_column=args.label_column,
         image_column=args.image_column,
     )  # fmt: skip
+    started = datetime.datetime.now(datetime.timezone.utc)
     try:
-        if args.json and main:
-            check_writable(args.json, what="--json")  # before the work, which a bad path would otherwise lose
-        model = load_model(args.model, trust_remote_code=args.trust_remote_code)
+        outputs = [args.json] if args.json else []
+        if args.output_path:
+            stamp = started.strftime("%Y-%m-%dT%H-%M-%S.%f")  # lm-evaluation-harness's file name, in UTC
+            outputs.append(args.output_path / _model_folder_name(args.model) / f"results_{stamp}.json")
+        if main:
+            for path in outputs:  # before the work, which a bad path would otherwise lose
+                check_writable(path, what="--json" if path == args.json else "--output-path file")
+        model = _load(args)
         require_task(model)  # before any data work: a model without a loss cannot be measured
-        model.to(accelerator.device if accelerator is not None else _default_device())
+        device = _device(args, accelerator)
+        model.to(device=device, **({"dtype": getattr(torch, args.dtype)} if args.dtype else {}))
         processor = load_processor(args.model, model, trust_remote_code=args.trust_remote_code)
         first = accelerator.main_process_first() if accelerator is not None else contextlib.nullcontext()
         with first:  # rank 0 fills the datasets cache, the others then read it
-            batches = load_batches(model, processor, spec)
+            batches = load_batches(model, processor, spec_)
+        if args.dtype:
+            batches = _cast_inputs(batches, next(model.parameters()).dtype)
     except (DataError, OutputPathError) as err:
         return fail(EXIT_BAD_INPUT, str(err))
 
-    world_size = accelerator.num_processes if accelerator is not None else 1
-    timed: list[tuple] = []
+    n_examples = sum(len(next(iter(b.values()))) for b in batches)
+    show = main and not args.quiet
+    timed: list[tuple[str, Any, float]] = []
+    context = dict(args=args, model=model, spec=spec_, batches=batches, n_examples=n_examples, keys=keys,
+                   settings=settings, world_size=world_size, device=device, started=started)  # fmt: skip
     try:
         smap = map_symmetries(model)
-        _measure(args, model, smap, batches, accelerator, main and not args.quiet, timed)
+        context["symmetry"] = smap.summary()
+        if show:
+            _header(context)
+            estimate = _estimate(model, batches, keys, settings, world_size)
+            shown = f"{estimate:,.0f}" if estimate >= 10 else f"{estimate:.1f}"
+            print(f"estimated {shown} s (from one timed forward-backward pass)\n", flush=True)
+        run_measures(keys, model, batches, settings, symmetry_map=smap, accelerator=accelerator, progress=show,
+                     on_result=lambda key, res, seconds: timed.append((key, res, seconds)))  # fmt: skip
     except KeyboardInterrupt:
-        if timed and main and args.json:
-            _write_json(args.json, args, model, spec, batches, world_size, smap.summary(), timed, interrupted=True)
-            keep_on_interrupt(f"the {len(timed)} finished measure(s) are in {args.json} (marked interrupted)")
+        if timed and main and outputs:
+            for path in outputs:
+                write_json(path, _payload(context, timed, interrupted=True))
+            keep_on_interrupt(f"the {len(timed)} finished measure(s) are in {outputs[0]} (marked interrupted)")
         raise
     except ValueError as err:  # the engine refuses inputs it cannot measure (dtype, parameters, ...)
         return fail(EXIT_BAD_INPUT, str(err))
@@ -176,63 +347,138 @@ def run(args: argparse.Namespace) -> int:
         logger.debug("run failed", exc_info=True)
         return fail(EXIT_FAILED, f"the measurement failed: {type(err).__name__}: {err}")
 
-    symmetry = smap.summary()
     if main:
-        for fallback in symmetry["fallbacks"]:  # warnings go to stderr even with --quiet
+        for fallback in context["symmetry"]["fallbacks"]:  # warnings go to stderr even with --quiet
             print(
                 f"warning: attention module {fallback['module']!r} could not be mapped ({fallback['reason']}); its "
                 "parameters are perturbed elementwise, so the geodesic numbers are not symmetry-invariant there.",
                 file=sys.stderr,
             )
-        if not args.quiet:
-            _report(args, model, spec, batches, world_size, symmetry, timed)
-        if args.json:
+        if show or not outputs:  # --quiet without a results file still says what it measured
+            print(_results_table(timed))
+        payload = _payload(context, timed)
+        for path in outputs:
             try:
-                _write_json(args.json, args, model, spec, batches, world_size, symmetry, timed)
+                write_json(path, payload)  # durable: a failed write leaves the previous file intact
             except OSError as err:  # disk full, quota, a file-size limit: the old file is intact
-                return fail(EXIT_FAILED, f"could not write {args.json} ({err.strerror or err}); its previous "
-                            "contents are unchanged. Free space or choose another --json path.")
-    bad = [res.measure for res, _ in timed if not math.isfinite(res.value)]
+                return fail(EXIT_FAILED, f"could not write {path} ({err.strerror or err}); its previous contents are "
+                            "unchanged. Free space or choose another path.")  # fmt: skip
+            if show:
+                print(f"wrote {path}")
+    bad = [key for key, res, _ in timed if not math.isfinite(res.value)]
     if bad:
         return fail(EXIT_FAILED, f"non-finite sharpness for {', '.join(bad)}; try a smaller --rho or check the model.")
     return EXIT_OK
 
 
-def _report(
-    args: Any, model: Any, spec: DataSpec, batches: list, world_size: int, symmetry: dict, timed: list
-) -> None:
+def _header(c: dict) -> None:
+    args, spec_, symmetry, model = c["args"], c["spec"], c["symmetry"], c["model"]
     n_params = sum(p.numel() for p in model.parameters())
-    where = f"{spec.dataset}" + (f":{spec.config}" if spec.config else "") + f" [{spec.split}]"
-    print(f"model    {args.model} ({type(model).__name__}, {n_params:,} parameters)")
-    print(f"data     {where}: {spec.n_examples} examples in {len(batches)} batches of up to {spec.batch_size}")
+    where = f"{spec_.dataset}" + (f":{spec_.config}" if spec_.config else "") + f" [{spec_.split}]"
+    dtype = next(model.parameters()).dtype
+    head = f", new {args.num_labels}-class head seeded {args.seed}" if args.head else ""
+    print(f"model    {args.model} ({type(model).__name__}{head}, {count(n_params, 'parameter')}, {dtype}, "
+          f"{c['device']})")  # fmt: skip
+    print(f"data     {where}: {count(c['n_examples'], 'example')} in {count(len(c['batches']), 'batch')} of up to "
+          f"{spec_.batch_size:,}")  # fmt: skip
     print(
-        f"symmetry {symmetry['n_pairs_qk']} QK and {symmetry['n_pairs_vo']} VO head pairs, head dims "
-        f"{symmetry['head_dims']}; {len(symmetry['fallbacks'])} unmapped attention module(s)"
+        f"symmetry {count(symmetry['n_pairs_qk'], 'QK head pair')} and {symmetry['n_pairs_vo']:,} VO, head dims "
+        f"{symmetry['head_dims']}; {count(len(symmetry['fallbacks']), 'unmapped attention module')}"
     )
-    print(f"settings rho={args.rho} mode={args.mode} steps={args.steps} seed={args.seed} processes={world_size}")
-    rows = [["measure", "sharpness", "clean loss", "batches", "seconds"]]
-    for res, seconds in timed:
-        n_batches = str(len(res.per_batch))
-        rows.append([res.measure, f"{res.value:.6g}", f"{res.clean_loss:.6g}", n_batches, f"{seconds:.1f}"])
-    print()
-    print(_table(rows))
+    s = c["settings"]
+    solver = f"steps={s.steps}" if s.mode == "worst" else f"n_samples={s.n_samples}"
+    print(f"settings rho={s.rho} mode={s.mode} {solver} seed={s.seed} processes={c['world_size']}")
 
 
-def _write_json(
-    path: Path, args: Any, model: Any, spec: DataSpec, batches: list, world_size: int, symmetry: dict, timed: list,
-    interrupted: bool = False,
-) -> None:
-    payload = {
-        "hf_geosharp_version": __version__,
-        "model": args.model,
-        "model_class": type(model).__name__,
-        "data": dataclasses.asdict(spec),
-        "n_batches": len(batches),
-        "world_size": world_size,
-        "symmetry": symmetry,
-        "results": {res.measure: {**res.to_dict(), "seconds": seconds} for res, seconds in timed},
+def _results_table(timed: list[tuple[str, Any, float]]) -> str:
+    rows = [["measure", "sharpness", "stderr", "clean loss", "batches", "converged", "solver", "seconds"]]
+    for key, res, seconds in timed:
+        stderr, converged = getattr(res, "stderr", math.nan), getattr(res, "converged", None)
+        rows.append([
+            key, f"{res.value:.6g}", "-" if not math.isfinite(stderr) else f"{stderr:.2g}", f"{res.clean_loss:.6g}",
+            f"{len(res.per_batch):,}", {True: "yes", False: "no", None: "-"}[converged], res.measure, f"{seconds:.1f}",
+        ])  # fmt: skip
+    return _table(rows)
+
+
+# ---------------------------------------------------------------------------------------------------- results file
+
+
+def _model_folder_name(model: str) -> str:
+    """A folder name for ``--output-path``: a Hub id as ``org__name`` (as lm-evaluation-harness does), a local
+    folder by its own name."""
+    path = Path(model)
+    name = path.resolve().name if path.exists() else model
+    return re.sub(r"[\"<>:/|\\?*\[\]]+", "__", name) or "model"
+
+
+def _versions() -> dict[str, str | None]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(name: str) -> str | None:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+
+    return {"hf_geosharp": __version__, **{n: installed(n) for n in VERSIONED}, "python": platform.python_version()}
+
+
+def _environment(device: Any) -> dict[str, Any]:
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
+    return {"device": str(device), "device_name": name, "platform": platform.platform(),
+            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}  # fmt: skip
+
+
+def _model_source(model_id: str) -> dict[str, Any]:
+    """Which weights were measured: the content hash of the model folder's files and each weight file's sha256,
+    or the Hub revision."""
+    identity = model_identity(model_id)
+    folder = Path(model_id)
+    if folder.is_dir():
+        weights = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix in WEIGHT_SUFFIXES)
+        identity["weights_sha256"] = {p.name: file_digest(p) for p in weights}
+    return identity
+
+
+def _payload(c: dict, timed: list[tuple[str, Any, float]], *, interrupted: bool = False) -> dict[str, Any]:
+    args, s = c["args"], c["settings"]
+    results = {}
+    for key, res, seconds in timed:
+        entry = res.to_dict()
+        entry["clean_loss_per_batch"] = entry.pop("per_batch_clean_loss")  # one name across every face
+        fields = result_fields(key, res)
+        if not math.isfinite(fields[f"{key}_stderr"]):  # one batch has no spread: JSON null, not NaN
+            fields[f"{key}_stderr"] = None
+        results[key] = {**fields, **entry, "seconds": seconds}
+    settings = {k: v for k, v in s.as_dict().items() if not (k == "n_samples" and s.mode == "worst")
+                and not (k == "steps" and s.mode == "average")}  # fmt: skip
+    now = datetime.datetime.now(datetime.timezone.utc)
+    return {
+        "results": results,
+        "higher_is_better": {key: False for key, _, _ in timed},  # flatter is lower
+        "config": {
+            "model": args.model,
+            "model_class": type(c["model"]).__name__,
+            "dtype": str(next(c["model"].parameters()).dtype),
+            "device": str(c["device"]),
+            "head": {"num_labels": args.num_labels, "seed": args.seed} if args.head else None,
+            "measures": c["keys"],
+            "settings": settings,
+            "trust_remote_code": args.trust_remote_code,
+        },  # fmt: skip
+        "data": {**dataclasses.asdict(c["spec"]), "n_examples_used": c["n_examples"]},
+        "n_batches": len(c["batches"]),
+        "world_size": c["world_size"],
+        "symmetry": c["symmetry"],
+        "model_class": type(c["model"]).__name__,
+        "model_name": args.model,
+        "model_source": _model_source(args.model),
+        "versions": _versions(),
+        "date": now.isoformat(),
+        "start_time": c["started"].isoformat(),
+        "total_evaluation_time_seconds": (now - c["started"]).total_seconds(),
+        "environment": _environment(c["device"]),
         **({"interrupted": True} if interrupted else {}),
     }
-    write_json(path, payload)  # durable: a failed write leaves the previous file intact
-    logger.info("wrote %s", path)
-
