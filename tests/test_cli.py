@@ -251,7 +251,7 @@ def test_n_examples_is_a_cap_and_numbers_read_well(files, capsys):
     assert ": 40 examples in 1 batch of up to 64" in printed.out  # not "1 batches"
     n_params = sum(p.numel() for p in tiny_bert().parameters())
     assert f"{n_params:,} parameters" in printed.out and "," in f"{n_params:,}"
-    assert "estimated " in printed.out and " s (from one timed forward-backward pass)" in printed.out
+    assert "estimated " in printed.out and " s (from a timed first solver step per measure)" in printed.out
 
 
 def test_device_and_dtype(files, capsys):

@@ -32,7 +32,16 @@ import torch
 from .. import __version__
 from ..data import DataError, DataSpec, launch_accelerator, load_batches, load_model, load_processor, require_task
 from ..durable import OutputPathError, check_writable, write_json
-from ..measures import DEFAULT_MEASURES, MEASURES, Settings, parse_measures, result_fields, run_measures, spec
+from ..measures import (
+    DEFAULT_MEASURES,
+    MEASURES,
+    Settings,
+    parse_measures,
+    result_fields,
+    run_measure,
+    run_measures,
+    spec,
+)  # fmt: skip
 from ..store import file_digest, model_identity
 from ..symmetry import map_symmetries
 from .common import (
@@ -245,27 +254,20 @@ def _cast_inputs(batches: list[dict], dtype: Any) -> list[dict]:
     return [{k: v.to(dtype) if v.is_floating_point() else v for k, v in b.items()} for b in batches]
 
 
-def _estimate(model: Any, batches: list, keys: list[str], settings: Settings, world_size: int) -> float:
-    """Seconds the run will take, from one timed forward-backward pass on the first batch (after one untimed warm-up)
-    times the passes the solvers make. Weights, modes and gradients are left as they were."""
-
-    from ..api import preserved_model_state
-
-    device = next(model.parameters()).device
-    batch = {k: v.to(device) for k, v in batches[0].items()}
-    params = [p for p in model.parameters() if p.requires_grad] or list(model.parameters())
-    with preserved_model_state(model), torch.enable_grad():
-        for p in params:
-            p.requires_grad_(True)
-        seconds = 0.0
-        for _ in range(2):
-            start = time.perf_counter()
-            torch.autograd.grad(model(**batch).loss, params, allow_unused=True)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            seconds = time.perf_counter() - start
-    passes = settings.steps + 1 if settings.mode == "worst" else settings.n_samples + 1
-    return seconds * passes * len(keys) * math.ceil(len(batches) / world_size)
+def _estimate(model: Any, batches: list, keys: list[str], settings: Settings, smap: Any, world_size: int) -> float:
+    """Seconds the run will take: each measure solves the first batch with one solver step (timed: its set-up, the
+    clean loss and one step, so two passes), scaled to the passes of the run (``steps + 1`` per batch, or
+    ``n_samples + 1``) on this process's share of the batches. Runs locally, on any rank; costs about
+    ``1 / (steps + 1)`` of one batch per measure."""
+    worst = settings.mode == "worst"
+    probe = dataclasses.replace(settings, steps=1) if worst else dataclasses.replace(settings, n_samples=1)
+    passes = (settings.steps if worst else settings.n_samples) + 1
+    seconds = 0.0
+    for key in keys:
+        start = time.perf_counter()
+        run_measure(key, model, batches[:1], probe, symmetry_map=smap, progress=False)
+        seconds += time.perf_counter() - start
+    return seconds * passes / 2 * math.ceil(len(batches) / world_size)
 
 
 # ------------------------------------------------------------------------------------------------------------- run
@@ -330,9 +332,9 @@ def run(args: argparse.Namespace) -> int:
         context["symmetry"] = smap.summary()
         if show:
             _header(context)
-            estimate = _estimate(model, batches, keys, settings, world_size)
+            estimate = _estimate(model, batches, keys, settings, smap, world_size)
             shown = f"{estimate:,.0f}" if estimate >= 10 else f"{estimate:.1f}"
-            print(f"estimated {shown} s (from one timed forward-backward pass)\n", flush=True)
+            print(f"estimated {shown} s (from a timed first solver step per measure)\n", flush=True)
         run_measures(keys, model, batches, settings, symmetry_map=smap, accelerator=accelerator, progress=show,
                      on_result=lambda key, res, seconds: timed.append((key, res, seconds)))  # fmt: skip
     except KeyboardInterrupt:
