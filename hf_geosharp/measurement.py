@@ -201,7 +201,9 @@ def _model(model: torch.nn.Module | None, model_id: str | None, device: Any) -> 
         raise ValueError("pass exactly one of model= (a loaded model) or model_id= (a local path or Hub id).")
     want = torch.device(device) if device is not None else None
     if model is None:
-        return load_model(model_id).to(want or torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+        return load_model(model_id, trust_remote_code=False).to(
+            want or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        )
     here = next(model.parameters()).device
     if want is not None and (want.type != here.type or want.index not in (None, here.index)):
         raise ValueError(
@@ -300,7 +302,7 @@ class GeodesicSharpness(evaluate.Measurement):
         if "predictions" in columns:
             if tokenizer is None and model_id is None:
                 raise ValueError("predictions= are texts: pass the model's tokenizer= with model=, or use model_id=.")
-            tokenizer = tokenizer if tokenizer is not None else load_processor(model_id, model)
+            tokenizer = tokenizer if tokenizer is not None else load_processor(model_id, model, trust_remote_code=False)
             enc = tokenizer(columns.pop("predictions"), truncation=True, max_length=max_length)
             columns.update({k: enc[k] for k in ("input_ids", "attention_mask", "token_type_ids") if k in enc})
             if pad_token_id is None:
