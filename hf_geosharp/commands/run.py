@@ -234,7 +234,7 @@ def _load(args: argparse.Namespace) -> Any:
 
 
 def _device(args: argparse.Namespace, accelerator: Any) -> Any:
-
+    """``--device`` (checked by allocating on it), the launcher's device, or CUDA when available."""
     if accelerator is not None:
         if args.device:
             raise DataError("--device does not apply under a launcher: each process uses the device it is given.")
@@ -309,9 +309,9 @@ def run(args: argparse.Namespace) -> int:
         if main:
             for path in outputs:  # before the work, which a bad path would otherwise lose
                 check_writable(path, what="--json" if path == args.json else "--output-path file")
+        device = _device(args, accelerator)
         model = _load(args)
         require_task(model)  # before any data work: a model without a loss cannot be measured
-        device = _device(args, accelerator)
         model.to(device=device, **({"dtype": getattr(torch, args.dtype)} if args.dtype else {}))
         processor = load_processor(args.model, model, trust_remote_code=args.trust_remote_code)
         first = accelerator.main_process_first() if accelerator is not None else contextlib.nullcontext()
