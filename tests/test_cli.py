@@ -385,3 +385,14 @@ def test_third_party_log_lines_and_progress_bars_stay_out_of_the_output(tmp_path
                           env={**os.environ, "OMP_NUM_THREADS": "1", "HF_GEOSHARP_NO_AUTOREGISTER": "1"})  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout == "" and proc.stderr == "info: ours\n"
+
+
+def test_measures_option_selects_by_key(files, capsys):
+    out = files["root"] / "measures.json"
+    code = geosharp("run", "--model", files["bert"], "--dataset", files["csv"], "--n-examples", 4, "--batch-size", 4,
+                    "--measures", "adaptive,mix", "--quiet", "--json", out, *FAST)  # fmt: skip
+    assert code == 0, capsys.readouterr().err
+    assert list(json.loads(out.read_text())["results"]) == ["adaptive_sharpness", "geodesic_sharpness_mix"]
+    with pytest.raises(SystemExit):
+        geosharp("run", "--model", files["bert"], "--dataset", files["csv"], "--measures", "euclid")
+    assert "unknown measure 'euclid'" in capsys.readouterr().err

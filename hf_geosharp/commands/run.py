@@ -98,6 +98,18 @@ def _metrics(text: str) -> list[str]:
     return metrics
 
 
+def _measures(text: str) -> list[str]:
+    try:
+        return parse_measures(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _steps(text: str) -> int | str:
+    """A positive number of solver steps, or ``auto`` (the engine continues while the value still rises)."""
+    return "auto" if text == "auto" else positive(int)(text)
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     default_metrics = [spec(k).metric for k in DEFAULT_MEASURES if spec(k).metric]
     p = subparsers.add_parser(
@@ -126,9 +138,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default="adaptive_sharpness" in DEFAULT_MEASURES,
         help="also measure adaptive sharpness (the baseline)",
     )
+    p.add_argument("--measures", type=_measures,
+                   help="measure keys or short forms (inv, mix, adaptive, ...), comma-separated; instead of "
+                   f"--metric/--baseline (default: {','.join(DEFAULT_MEASURES)})")  # fmt: skip
     p.add_argument("--mode", choices=("worst", "average"), default=DEFAULTS.mode, help="worst or average case")
     p.add_argument("--rho", type=positive(float), default=DEFAULTS.rho, help="perturbation radius")
-    p.add_argument("--steps", type=positive(int), default=DEFAULTS.steps, help="solver steps per batch (worst case)")
+    p.add_argument("--steps", type=_steps, default=DEFAULTS.steps, help="solver steps per batch (worst case), or auto")
     p.add_argument("--n-samples", type=positive(int), default=DEFAULTS.n_samples,
                    help="random directions per batch (average case)")  # fmt: skip
     p.add_argument("--epsilon", type=non_negative(float), default=DEFAULTS.epsilon,
@@ -254,12 +269,17 @@ def _cast_inputs(batches: list[dict], dtype: Any) -> list[dict]:
     return [{k: v.to(dtype) if v.is_floating_point() else v for k, v in b.items()} for b in batches]
 
 
-def _estimate(model: Any, batches: list, keys: list[str], settings: Settings, smap: Any, world_size: int) -> float:
+def _estimate(
+    model: Any, batches: list, keys: list[str], settings: Settings, smap: Any, world_size: int
+) -> float | None:
     """Seconds the run will take: each measure solves the first batch with one solver step (timed: its set-up, the
     clean loss and one step, so two passes), scaled to the passes of the run (``steps + 1`` per batch, or
     ``n_samples + 1``) on this process's share of the batches. Runs locally, on any rank; costs about
-    ``1 / (steps + 1)`` of one batch per measure."""
+    ``1 / (steps + 1)`` of one batch per measure. ``None`` with ``steps="auto"``, whose number of steps is not
+    known in advance."""
     worst = settings.mode == "worst"
+    if worst and not isinstance(settings.steps, int):
+        return None
     probe = dataclasses.replace(settings, steps=1) if worst else dataclasses.replace(settings, n_samples=1)
     passes = (settings.steps if worst else settings.n_samples) + 1
     seconds = 0.0
@@ -289,7 +309,7 @@ def run(args: argparse.Namespace) -> int:
     warning = launch_warning(world_size)
     if warning and main:
         print(f"warning: {warning}", file=sys.stderr)
-    keys = parse_measures(args.metric + (["adaptive"] if args.baseline else []))
+    keys = args.measures or parse_measures(args.metric + (["adaptive"] if args.baseline else []))
     settings = Settings(
         rho=args.rho, mode=args.mode, steps=args.steps, n_samples=args.n_samples, seed=args.seed,
         epsilon=args.epsilon, adaptive_variant=DEFAULTS.adaptive_variant,
@@ -333,8 +353,9 @@ def run(args: argparse.Namespace) -> int:
         if show:
             _header(context)
             estimate = _estimate(model, batches, keys, settings, smap, world_size)
-            shown = f"{estimate:,.0f}" if estimate >= 10 else f"{estimate:.1f}"
-            print(f"estimated {shown} s (from a timed first solver step per measure)\n", flush=True)
+            if estimate is not None:
+                shown = f"{estimate:,.0f}" if estimate >= 10 else f"{estimate:.1f}"
+                print(f"estimated {shown} s (from a timed first solver step per measure)\n", flush=True)
         run_measures(keys, model, batches, settings, symmetry_map=smap, accelerator=accelerator, progress=show,
                      on_result=lambda key, res, seconds: timed.append((key, res, seconds)))  # fmt: skip
     except KeyboardInterrupt:
@@ -453,6 +474,7 @@ def _payload(c: dict, timed: list[tuple[str, Any, float]], *, interrupted: bool 
         fields = result_fields(key, res)
         if not math.isfinite(fields[f"{key}_stderr"]):  # one batch has no spread: JSON null, not NaN
             fields[f"{key}_stderr"] = None
+        entry.setdefault("converged", getattr(res, "converged", None))  # (older engines: no convergence report)
         results[key] = {**fields, **entry, "seconds": seconds}
     settings = {k: v for k, v in s.as_dict().items() if not (k == "n_samples" and s.mode == "worst")
                 and not (k == "steps" and s.mode == "average")}  # fmt: skip
