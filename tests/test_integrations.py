@@ -149,3 +149,27 @@ def test_callback_arguments_are_checked():
         GeodesicSharpnessCallback(batches=[{}], every_n_steps=0)
     with pytest.raises(ValueError, match="unknown measure"):
         GeodesicSharpnessCallback(batches=[{}], measures="euclid")
+
+
+def test_fixed_batches_with_the_trainer_given_are_measured_once_at_the_end(tmp_path, data):
+    from transformers import DataCollatorWithPadding, Trainer, TrainingArguments
+
+    tokenizer, ds = data
+    rows = [{k: ds[i][k] for k in ("input_ids", "attention_mask", "label")} for i in range(6)]
+    batches = [dict(DataCollatorWithPadding(tokenizer)(rows[s : s + 3])) for s in (0, 3)]
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4, report_to=[],
+                             use_cpu=True, save_strategy="no", disable_tqdm=True, logging_steps=10)  # fmt: skip
+    trainer = Trainer(model=_model(), args=args, train_dataset=ds, processing_class=tokenizer)
+    recorder = Recorder()
+    trainer.add_callback(GeodesicSharpnessCallback(batches, measures="mix", settings=SETTINGS, trainer=trainer))
+    trainer.add_callback(recorder.callback)
+    trainer.train()
+    entries = [e for e in trainer.state.log_history if "geodesic_sharpness_mix" in e]
+    assert [e["step"] for e in entries] == [3] and len([r for r in recorder.logs if "geodesic_sharpness_mix" in r]) == 1
+    model = _model().eval()
+    model.load_state_dict(recorder.weights[3])
+    ref = gs.geodesic_sharpness(model, batches, metric="mix", rho=0.05, steps=2, seed=0, progress=False)
+    assert entries[0]["geodesic_sharpness_mix"] == pytest.approx(ref.value, rel=1e-6)
+    engine_stderr = getattr(ref, "stderr", math.nan)  # passed through as the engine reports it
+    assert entries[0]["geodesic_sharpness_mix_stderr"] == pytest.approx(engine_stderr, nan_ok=True)
+    )
