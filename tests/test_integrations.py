@@ -172,4 +172,3 @@ def test_fixed_batches_with_the_trainer_given_are_measured_once_at_the_end(tmp_p
     assert entries[0]["geodesic_sharpness_mix"] == pytest.approx(ref.value, rel=1e-6)
     engine_stderr = getattr(ref, "stderr", math.nan)  # passed through as the engine reports it
     assert entries[0]["geodesic_sharpness_mix_stderr"] == pytest.approx(engine_stderr, nan_ok=True)
-    )
