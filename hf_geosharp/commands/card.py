@@ -8,6 +8,7 @@ duplicated) and prints the YAML. ``--push REPO_ID`` opens a pull request on the 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -77,13 +78,23 @@ def run(args: argparse.Namespace) -> int:
         if args.push:
             require_online(args.push)  # before anything is written: a failed command changes nothing
         results, context = read_results(args.results)
+        bad = [r["measure"] for r in results
+               if not isinstance(r["value"], (int, float)) or not math.isfinite(r["value"])]
+        if bad:
+            raise CardError(f"{', '.join(bad)} in {str(args.results)!r} is not a finite number, and a card must not "
+                            "show one; measure again (e.g. with a smaller --rho). Nothing was written.")
         dataset = dataset_info(context, name=args.dataset, split=args.split)
         task = args.task_type or task_type(context.get("model_class"))
         entries = [eval_result(r, dataset, task) for r in results]
     except CardError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    path = write_card(args.model, entries, args.model_name)
+    try:
+        path = write_card(args.model, entries, args.model_name)
+    except OSError as err:  # disk full, a quota, a file-size limit: the card is written durably, so it is intact
+        print(f"error: could not write the card into {str(args.model)!r} ({err.strerror or err}); the previous "
+              "README.md is unchanged.", file=sys.stderr)
+        return EXIT_FAILED
     print(card_yaml(entries, ModelCard.load(path).data.model_name))
     print(f"wrote {len(entries)} eval result(s) into {path}")
     if args.push:
