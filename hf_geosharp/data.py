@@ -271,7 +271,11 @@ def load_split(spec: DataSpec) -> Any:
         if spec.config:
             raise DataError(f"--config {spec.config!r} only applies to Hub datasets, not to the local path {path}.")
         if path.is_dir() and ((path / "dataset_dict.json").exists() or (path / "state.json").exists()):
-            loaded = datasets.load_from_disk(str(path))
+            try:
+                loaded = datasets.load_from_disk(str(path))
+            except (OSError, ValueError, KeyError) as err:  # missing or damaged arrow files, a bad state.json
+                raise DataError(f"cannot read the saved dataset {str(path)!r} ({type(err).__name__}: {err}); save "
+                                "it again with save_to_disk().") from None
         elif path.is_file():
             builder = FILE_BUILDERS.get(path.suffix.lower())
             if builder is None:
