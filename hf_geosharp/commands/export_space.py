@@ -61,7 +61,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def source_root(explicit: Path | None = None) -> Path:
     """The checkout to build from: it must hold ``pyproject.toml``, the package and ``spaces_demo/app.py``."""
     root = Path(explicit) if explicit else Path(__file__).resolve().parents[2]
-    missing = [p for p in ("pyproject.toml", "hf_geosharp/__init__.py", "spaces_demo/app.py") if not (root / p).is_file()]
+    needed = ("pyproject.toml", "hf_geosharp/__init__.py", "spaces_demo/app.py")
+    missing = [p for p in needed if not (root / p).is_file()]
     if missing:
         raise ExportError(f"{str(root)!r} is not an hf_geosharp source checkout (missing {', '.join(missing)}); the "
                           "Space ships a wheel built from the source, so pass --source CHECKOUT.")
