@@ -143,7 +143,7 @@ def test_killed_leaderboard_resumes_to_the_same_table_without_recomputing(zoo, t
 
     out = tmp_path / "killed"
     store = out / STORE_FILE
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_GEOSHARP_NO_AUTOREGISTER": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "hf_geosharp", *_leaderboard_args(zoo, out)], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 180
