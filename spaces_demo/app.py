@@ -116,7 +116,8 @@ def fit_minilm_head(model: torch.nn.Module, tokenizer: Any) -> None:
     enc = tokenizer([s for s, _ in SENTENCES], padding=True, truncation=True, max_length=32, return_tensors="pt")
     with torch.no_grad():
         features = model.bert(**enc).pooler_output.double().numpy()
-        fit = LogisticRegression(max_iter=2000).fit(features, [y for _, y in SENTENCES])
+        # weak regularisation (C=100): the sentences are separable, so the head becomes a confident classifier
+        fit = LogisticRegression(C=100.0, max_iter=5000).fit(features, [y for _, y in SENTENCES])
         w, b = torch.as_tensor(fit.coef_[0]), float(fit.intercept_[0])
         # softmax over (-z/2, z/2) is sigmoid(z): the same decision function as the fitted regression
         model.classifier.weight.copy_(torch.stack([-w / 2, w / 2]).to(model.classifier.weight.dtype))

