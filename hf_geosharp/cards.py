@@ -177,7 +177,8 @@ def eval_result(result: dict[str, Any], dataset: DatasetInfo, task: str, *, url:
     """One model-index entry from a ``SharpnessResult.to_dict()``: metric type = the measure's public key."""
     key = measure_key(result)
     args = settings_args(result)
-    name = f"{MEASURES[key].title}, rho={args.get('rho')}, {args.get('mode')} case"
+    name = ", ".join([MEASURES[key].title, *([f"rho={args['rho']}"] if "rho" in args else []),
+                      *([f"{args['mode']} case"] if "mode" in args else [])])
     url = source_url(url)
     return EvalResult(
         task_type=task, dataset_type=dataset.type, dataset_name=dataset.name, dataset_config=dataset.config,
