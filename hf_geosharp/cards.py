@@ -69,7 +69,7 @@ _TASKS = {  # transformers head class suffix -> Hub task type (first match wins:
     "ForVideoClassification": "video-classification",
 }
 #: What a result's config records that determines the number; copied into the metric's args when present.
-_SETTINGS = ("rho", "mode", "steps", "n_samples", "seed", "n_batches", "epsilon", "variant", "params",
+_SETTINGS = ("rho", "mode", "steps", "n_samples", "seed", "n_batches", "epsilon", "variant", "params", "layer",
              "second_order", "riemannian_norm", "horizontal_projection", "elementwise_curvature", "step_normalization")
 _DATA_ARGS = ("n_examples", "batch_size", "seed")
 _LOCAL_SUFFIXES = {".csv", ".tsv", ".json", ".jsonl", ".parquet", ".arrow", ".txt"}

@@ -307,7 +307,7 @@ def _per_batch_plot(results: dict) -> Figure:
 def _measure_tab(space: Space) -> None:
     choices = space.model_choices()
     with gr.Row():
-        model_in = gr.Dropdown(choices, value=choices[0][1], label="model", elem_id="model-in")
+        model_in = gr.Dropdown(choices, value=choices[0][1], label="model", elem_id="model-in", scale=3)
         hub_in = gr.Textbox(label="Hub model id (when 'a Hub model id' is picked)", placeholder="org/model")
     with gr.Row():
         data_in = gr.Radio([BUNDLED, HUB_DATA], value=BUNDLED, label="data")
@@ -321,8 +321,8 @@ def _measure_tab(space: Space) -> None:
         steps_in = gr.Slider(1, LIMITS["max_steps"], value=10, step=1, label="solver steps")
     go = gr.Button("Compute sharpness", variant="primary", elem_id="compute-btn")
     status_out = gr.Markdown(elem_id="status-out")
-    table_out = gr.Dataframe(headers=RESULT_COLUMNS, label="results (4 significant digits; stderr over batches)",
-                             elem_id="results-table")
+    table_out = gr.Dataframe(headers=RESULT_COLUMNS, elem_id="results-table",
+                             label="results (4 significant digits; stderr over batches, blank for one batch)")
     plot_out = gr.Plot(label="sharpness per batch")
     report_out = gr.Textbox(label="symmetry report", lines=8, max_lines=400, elem_id="report-out")
     card_out = gr.Code(language="yaml", label="model-card YAML (paste into the README front matter)")

@@ -52,6 +52,8 @@ def _result(measure: str, value: float, rho: float = 0.1, stderr: float = 0.01, 
     geodesic = measure.startswith("geodesic")
     base = {"rho": rho, "mode": "worst", "steps": 20, "seed": 0, "n_samples": 20, "params": "all", "n_batches": 2}
     base.update({"metric": measure.split("_")[1], "epsilon": 1e-6} if geodesic else {"variant": "clean"})
+    if measure == "relative_flatness":  # no rho and no solver: a layer and Hutchinson samples
+        base = {"layer": "classifier", "n_samples": 20, "seed": 0, "n_batches": 2}
     return {"measure": measure, "value": value, "per_batch": [value, value], "clean_loss": 0.3, "stderr": stderr,
             "per_batch_clean_loss": [0.3, 0.3], "config": {**base, **config}}
 
@@ -158,6 +160,13 @@ def test_nan_is_never_written(tmp_path, capsys):
     single = eval_result(_result("geodesic_inv_worst", 0.2, stderr=math.nan), DatasetInfo("glue", "train"),
                          "text-classification")
     assert "stderr" not in single.metric_args  # a single worst-case batch has no error bar: none is written
+
+
+@pytest.mark.skipif("relative_flatness" not in MEASURES, reason="relative flatness is not in this bundle")
+def test_relative_flatness_records_its_own_settings():
+    entry = eval_result(_result("relative_flatness", 3.0), DatasetInfo("glue", "train"), "text-classification")
+    assert entry.metric_type == "relative_flatness" and entry.metric_name.startswith("Relative flatness")
+    assert entry.metric_args == {"n_samples": 20, "seed": 0, "n_batches": 2, "layer": "classifier", "stderr": 0.01}
 
 
 def test_average_case_records_samples_not_steps():
