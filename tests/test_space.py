@@ -25,7 +25,7 @@ from huggingface_hub import SpaceCard  # noqa: E402
 from huggingface_hub.repocard_data import model_index_to_eval_results  # noqa: E402
 
 from hf_geosharp import __version__  # noqa: E402
-from hf_geosharp.commands.export_space import MINILM_REPO, ExportError, export_space  # noqa: E402
+from hf_geosharp.commands.export_space import MINILM_REPO, ExportError, export_space, requirements  # noqa: E402
 from hf_geosharp.measures import MEASURES  # noqa: E402
 from hf_geosharp.zoo import build_zoo, torch_threads  # noqa: E402
 
@@ -133,10 +133,11 @@ def test_space_folder_is_self_contained_and_says_how_to_build(space, tmp_path):
 
     with pytest.raises(ExportError, match="not an empty folder"):  # nothing is overwritten
         export_space(space, source=ROOT)
-    hub = tmp_path / "hub"
-    export_space(hub, source=ROOT, space_id="me/geosharp")
+    # on the Hub the requirements are installed before the Space's files exist: the wheel is named by its URL
     assert (f"hf_geosharp @ https://huggingface.co/spaces/me/geosharp/resolve/main/wheels/{wheel}"
-            in (hub / "requirements.txt").read_text().splitlines())
+            in requirements(wheel, "me/geosharp").splitlines())
+    with pytest.raises(ExportError, match="OWNER/NAME"):
+        export_space(tmp_path / "new", source=ROOT, space_id="geosharp")
 
 
 def test_venv_imports_the_package_from_the_space_wheel(venv):
@@ -300,3 +301,12 @@ def test_minilm_choice_has_a_fitted_head(app, tmp_path):
         out = model(**enc, labels=labels)
     # a random 2-class head sits near chance (loss ~ ln 2, half right); the fitted one classifies the sentences
     assert (out.logits.argmax(-1) == labels).float().mean() >= 0.9 and out.loss < 0.3 and "fitted" in name
+
+
+def test_export_space_command_refuses_a_folder_with_files(tmp_path, capsys):
+    from hf_geosharp import cli
+
+    (tmp_path / "mine.txt").write_text("keep me")
+    assert cli.main(["export-space", str(tmp_path)]) == 2
+    assert "not an empty folder" in capsys.readouterr().err
+    assert [p.name for p in tmp_path.iterdir()] == ["mine.txt"] and (tmp_path / "mine.txt").read_text() == "keep me"
