@@ -213,6 +213,15 @@ def card_yaml(new: list[EvalResult], model_name: str) -> str:
     return ModelCardData(model_name=model_name, eval_results=new).to_yaml()
 
 
+def parse_card(text: str, where: str) -> ModelCard:
+    """A card from its text, or a :class:`CardError` naming ``where`` when its front matter cannot be read."""
+    try:
+        return ModelCard(text)
+    except (ValueError, yaml.YAMLError) as err:
+        raise CardError(f"{where} has front matter that cannot be read ({type(err).__name__}); fix it first. "
+                        "Nothing was written or pushed.") from None
+
+
 def new_card(name: str) -> ModelCard:
     return ModelCard(f"---\ntags:\n- hf_geosharp\n---\n\n# {name}\n\nSharpness measured with hf_geosharp.\n")
 
@@ -241,7 +250,7 @@ def write_card(target: str | Path, new: list[EvalResult], model_name: str | None
     """Merge ``new`` into ``target`` (a README.md, or a model folder holding one); create the card if needed."""
     path = readme_path(target)
     name = model_name or path.parent.name
-    card = ModelCard.load(path) if path.exists() else new_card(name)
+    card = parse_card(path.read_text(), str(path)) if path.exists() else new_card(name)
     merge(card, new, name, metadata)
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(path) as tmp:

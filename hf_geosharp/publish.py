@@ -17,9 +17,19 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from huggingface_hub import CommitOperationAdd, EvalResult, EvalResultEntry, HfApi, ModelCard
+from huggingface_hub import CommitOperationAdd, EvalResult, EvalResultEntry, HfApi
 
-from .cards import SOURCE_NAME, CardError, entries_yaml, eval_results_file, merge, merge_entries, new_card, read_entries
+from .cards import (
+    SOURCE_NAME,
+    CardError,
+    entries_yaml,
+    eval_results_file,
+    merge,
+    merge_entries,
+    new_card,
+    parse_card,
+    read_entries,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +72,8 @@ def operations(api: HfApi, pub: Publication) -> list[CommitOperationAdd]:
     ops = []
     if pub.model_index:
         text = _remote_text(api, pub.repo_id, "README.md")
-        card = ModelCard(text) if text is not None else new_card(pub.repo_id.split("/")[-1])
+        card = parse_card(text, f"the README.md of {pub.repo_id!r}") if text is not None \
+            else new_card(pub.repo_id.split("/")[-1])
         merge(card, pub.model_index, pub.repo_id.split("/")[-1], pub.metadata)
         ops.append(CommitOperationAdd("README.md", str(card).encode()))
     for benchmark in dict.fromkeys(e.dataset_id for e in pub.eval_entries):

@@ -290,3 +290,23 @@ def test_push_to_a_repo_without_a_card_creates_one(tmp_path, monkeypatch):
     assert urls["pull_request"].endswith("/discussions/1") and set(commit["files"]) == {"README.md"}
     card = ModelCard(commit["files"]["README.md"].decode())
     assert [r.metric_type for r in card.data.eval_results] == ["geodesic_sharpness_inv"]
+
+
+def test_push_refuses_a_remote_card_it_cannot_read(tmp_path, monkeypatch):
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    api = FakeApi({"README.md": "---\nlicense: [unclosed\n---\n\ntext\n"}, tmp_path)
+    entry = eval_result(_result("geodesic_inv_worst", 0.25), DatasetInfo("glue", "train"), "text-classification")
+    with pytest.raises(CardError, match="cannot be read"):
+        publish.push(publish.Publication("me/broken", [entry]), api=api)
+    assert api.commits == []
+
+
+def test_a_local_card_that_cannot_be_read_stops_everything(tmp_path, capsys):
+    (tmp_path / "m").mkdir()
+    broken = "---\nlicense: [unclosed\n---\n\nmy text\n"
+    (tmp_path / "m" / "README.md").write_text(broken)
+    run = _run_json(tmp_path / "run.json", _result("geodesic_inv_worst", 0.25))
+    args = ["card", str(tmp_path / "m"), "--results", str(run), "--format", "both", "--benchmark", "me/b"]
+    assert cli.main(args) == 2
+    assert "cannot be read" in capsys.readouterr().err
+    assert (tmp_path / "m" / "README.md").read_text() == broken and not (tmp_path / "m" / ".eval_results").exists()

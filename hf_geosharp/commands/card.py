@@ -30,8 +30,10 @@ from ..cards import (
     eval_results_file,
     known_task,
     model_metadata,
+    parse_card,
     read_entries,
     read_results,
+    readme_path,
     write_card,
     write_eval_results,
 )
@@ -96,6 +98,8 @@ def _prepare(args: argparse.Namespace) -> tuple[list, list, dict]:
                                  benchmark_revision=args.benchmark_revision) for r in results] \
         if args.format != "model-index" else []
     folder = _folder(args.model)
+    if index and readme_path(args.model).exists():  # a card we cannot read stops us before any write
+        parse_card(readme_path(args.model).read_text(), str(readme_path(args.model)))
     for path in _existing_eval_files(folder, entries):  # a broken existing file stops us before any write
         read_entries(path.read_text())
     meta = model_metadata(folder, base_model=args.base_model, license=args.license)
