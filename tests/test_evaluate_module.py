@@ -13,10 +13,11 @@ from pathlib import Path
 import evaluate
 import pytest
 import torch
-from .tiny_fixtures import one_thread, sentences, tiny_bert, tiny_tokenizer, tiny_vit  # noqa: F401
 
 import hf_geosharp as gs
 from hf_geosharp import register
+
+from .tiny_fixtures import one_thread, sentences, tiny_bert, tiny_tokenizer, tiny_vit  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[1]
 SETTINGS = dict(rho=0.05, mode="worst", steps=3, seed=0)

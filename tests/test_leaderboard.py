@@ -38,8 +38,17 @@ from hf_geosharp.leaderboard import (
     run_leaderboard,
     write_outputs,
 )
-from hf_geosharp.zoo import METRICS_FILE, build_zoo, pixel_values, torch_threads, train_member, zoo_members
-from hf_geosharp.zoo import SPLIT_FILE, digits_arrays, export_digits
+from hf_geosharp.zoo import (
+    METRICS_FILE,
+    SPLIT_FILE,
+    build_zoo,
+    digits_arrays,
+    export_digits,
+    pixel_values,
+    torch_threads,
+    train_member,
+    zoo_members,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = ["--n-examples", "64", "--batch-size", "32", "--steps", "3"]
