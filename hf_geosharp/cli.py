@@ -19,7 +19,7 @@ import sys
 from . import __version__
 from .commands.common import invoke, quiet_libraries
 
-COMMANDS = ("run", "symmetry", "register", "leaderboard", "card", "demo")
+COMMANDS = ("run", "symmetry", "register", "leaderboard", "card", "demo", "export_space")
 LEVELS = ("error", "warning", "info", "debug")
 
 

@@ -190,31 +190,39 @@ def _from_pretrained(loader: Any, model_id: str, what: str, fix: str, trust_remo
         raise _not_found(what, model_id, err) from None
 
 
-def _local_auto_map(model_id: str) -> dict[str, Any]:
-    """``auto_map`` of a local folder's config.json (``{}`` when there is none or it cannot be read)."""
+CODE_CONFIGS = ("config.json", "tokenizer_config.json", "preprocessor_config.json", "processor_config.json")
+
+
+def _local_auto_map(model_id: str) -> dict[str, list[str]]:
+    """``{file: auto classes}`` for each file of a local model folder whose ``auto_map`` names custom code."""
     import json
 
-    path = Path(model_id) / "config.json"
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return config.get("auto_map") or {} if isinstance(config, dict) else {}
+    found = {}
+    for name in CODE_CONFIGS:
+        try:
+            config = json.loads((Path(model_id) / name).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(config, dict) and config.get("auto_map"):
+            found[name] = sorted(config["auto_map"])
+    return found
 
 
 def load_model(model_id: str, *, trust_remote_code: bool = False) -> torch.nn.Module:
     """Load a model with the task head its config names (``config.architectures``), in eval mode.
 
-    A model whose config names custom code (``auto_map``) is refused before any of that code is imported, unless
-    ``trust_remote_code=True``."""
+    A folder whose config, tokenizer or processor files name custom code (``auto_map``) is refused before any of that
+    code is imported, unless ``trust_remote_code=True``."""
     import transformers
 
     if not isinstance(model_id, (str, os.PathLike)):
         raise DataError(f"model_id must be a folder path or a Hub id (a string), got {type(model_id).__name__}.")
     model_id = str(model_id)
-    if _local_auto_map(model_id) and not trust_remote_code:
-        raise DataError(f"the model folder {model_id!r} names custom Python code in config.json (auto_map: "
-                        f"{sorted(_local_auto_map(model_id))}); {REMOTE_CODE_FIX}.")
+    custom = _local_auto_map(model_id)
+    if custom and not trust_remote_code:
+        where = "; ".join(f"{name}: {', '.join(classes)}" for name, classes in custom.items())
+        raise DataError(f"the model folder {model_id!r} names custom Python code (auto_map in {where}); "
+                        f"{REMOTE_CODE_FIX}.")
     save = "save it there with model.save_pretrained()"
     config = _from_pretrained(transformers.AutoConfig, model_id, "model", save, trust_remote_code)
     arch = (config.architectures or [None])[0]
@@ -266,7 +274,11 @@ def load_split(spec: DataSpec) -> Any:
         if spec.config:
             raise DataError(f"--config {spec.config!r} only applies to Hub datasets, not to the local path {path}.")
         if path.is_dir() and ((path / "dataset_dict.json").exists() or (path / "state.json").exists()):
-            loaded = datasets.load_from_disk(str(path))
+            try:
+                loaded = datasets.load_from_disk(str(path))
+            except (OSError, ValueError, KeyError) as err:  # missing or damaged arrow files, a bad state.json
+                raise DataError(f"cannot read the saved dataset {str(path)!r} ({type(err).__name__}: {err}); save "
+                                "it again with save_to_disk().") from None
         elif path.is_file():
             builder = FILE_BUILDERS.get(path.suffix.lower())
             if builder is None:

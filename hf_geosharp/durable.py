@@ -122,8 +122,10 @@ def check_writable(path: str | os.PathLike[str], *, what: str = "output file") -
         raise OutputPathError(f"cannot create the folder of {what} {str(target)!r}: {err.strerror or err}.") from None
     if not folder.is_dir():
         raise OutputPathError(f"the parent of {what} {str(target)!r} is not a folder.")
-    if not os.access(folder, os.W_OK | os.X_OK):
+    # Mode bits as well as access(): root may write anything, but a file or folder marked read-only says the user
+    # does not want it changed (and a durable write replaces the file by renaming, which its own mode does not stop).
+    if not os.access(folder, os.W_OK | os.X_OK) or not folder.stat().st_mode & 0o222:
         raise OutputPathError(f"cannot write {what} {str(target)!r}: its folder is not writable; choose another path.")
-    if target.exists() and not os.access(target, os.W_OK):
+    if target.exists() and (not os.access(target, os.W_OK) or not target.stat().st_mode & 0o222):
         raise OutputPathError(f"cannot write {what} {str(target)!r}: the file is read-only; choose another path.")
     return target

@@ -83,8 +83,8 @@ class ResultStore:
                 self.records[record["key"]] = record
         if self.damaged:
             lines = ", ".join(str(d.number) for d in self.damaged[:10]) + (" ..." if len(self.damaged) > 10 else "")
-            logger.warning("%s: skipped %d damaged line(s) (%s: %s); their results will be recomputed",
-                           self.path, len(self.damaged), lines, self.damaged[0].reason)
+            logger.warning("%s: skipped %d damaged line(s) (line %s; the first: %s); they stay in the file, and their "
+                           "results will be recomputed", self.path, len(self.damaged), lines, self.damaged[0].reason)
 
     def get(self, key: str) -> dict[str, Any] | None:
         return self.records.get(key)

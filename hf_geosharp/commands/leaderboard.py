@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 from pathlib import Path
 
 from ..data import DataError, DataSpec
@@ -143,11 +142,7 @@ def execute(
             check_writable(args.out / name, what="--out file")
         models = resolve_models(model_specs)
         with output_lock(args.out):
-            store = ResultStore(store_path)
-            if store.damaged:
-                lines = ", ".join(str(d.number) for d in store.damaged[:10])
-                print(f"warning: {store_path} has {len(store.damaged)} damaged line(s) (line {lines}: "
-                      f"{store.damaged[0].reason}); they are skipped and their results recomputed.", file=sys.stderr)
+            store = ResultStore(store_path)  # warns about damaged lines, which it skips
             keep_on_interrupt(f"finished results are kept in {store_path}; rerun the same command to resume")
             trust = getattr(args, "trust_remote_code", False)  # geosharp demo has no such flag: its zoo has no code
             board = run_leaderboard(models, data, measures_of(args), store, settings=settings_of(args), gap=gap,

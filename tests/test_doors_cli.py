@@ -1,0 +1,309 @@
+"""Doors of the command line: nothing of the user's is lost or damaged, no custom code runs without the flag, and
+every bad input is a one-line error with exit code 2 before the work (never a traceback).
+
+The expensive cases run in as few subprocesses as possible: one with a file-size limit (a full disk, simulated with
+``resource.setrlimit``) for every writer, one with ``y`` piped into stdin for every door that loads a model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_geosharp import cli
+
+from .tiny_fixtures import one_thread, save_text_model, write_csv  # noqa: F401  (one_thread: autouse)
+
+ROOT = Path(__file__).resolve().parents[1]
+FAST = ["--n-examples", "8", "--batch-size", "4", "--steps", "2", "--rho", "0.05", "--quiet"]
+BOARD_FAST = ["--n-examples", "8", "--batch-size", "4", "--steps", "2", "--measures", "adaptive", "--quiet"]
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def env(tmp: Path) -> dict[str, str]:
+    """A child that finds this checkout first, runs offline on one thread, and caches modules under ``tmp``."""
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+            "HF_DATASETS_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp / "modules")}
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("doors-cli")
+    return {"root": root, "model": save_text_model(root / "model"), "csv": write_csv(root / "reviews.csv", 12)}
+
+
+def run_argv(files: dict, *extra: str) -> list[str]:
+    return ["run", "--model", str(files["model"]), "--dataset", str(files["csv"]), *FAST, *extra]
+
+
+# ------------------------------------------------------------------------------------------- usage and bad input
+def test_epsilon_zero_is_accepted_and_a_negative_seed_is_a_usage_error(files, capsys):
+    assert cli.main(run_argv(files, "--epsilon", "0", "--metric", "inv", "--no-baseline")) == 0
+    with pytest.raises(SystemExit) as info:
+        cli.main(run_argv(files, "--seed", "-1"))
+    assert info.value.code == 2 and "--seed: must be an integer in 0..2**63-1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["folder", "read-only"])
+def test_json_paths_are_checked_before_the_measurement(files, tmp_path, capsys, kind):
+    target = tmp_path / "out.json"
+    if kind == "folder":
+        target.mkdir()
+    else:
+        target.write_text('{"old": true}')
+        target.chmod(0o444)
+    start = time.perf_counter()
+    assert cli.main(run_argv(files, "--steps", "200", "--json", str(target))) == 2
+    assert time.perf_counter() - start < 30  # 200 steps per batch were never started
+    err = capsys.readouterr().err
+    assert ("is a folder" if kind == "folder" else "read-only") in err and "Traceback" not in err
+    if kind == "read-only":
+        assert target.read_text() == '{"old": true}'
+
+
+@pytest.fixture(scope="module")
+def damaged(files):
+    """Copies of the model with truncated, zeroed and pickle weights."""
+    out = {}
+    for kind in ("truncated", "zeroed", "pickle"):
+        folder = files["root"] / kind
+        shutil.copytree(files["model"], folder)
+        weights = folder / "model.safetensors"
+        data = weights.read_bytes()
+        if kind == "truncated":
+            weights.write_bytes(data[: len(data) // 2])
+        elif kind == "zeroed":
+            weights.write_bytes(bytes(len(data)))
+        else:
+            weights.unlink()
+            (folder / "pytorch_model.bin").write_bytes(pickle.dumps({"not": "tensors", "code": print}))
+        out[kind] = folder
+    return out
+
+
+@pytest.mark.parametrize("kind, message", [("truncated", "damaged"), ("zeroed", "damaged"),
+                                           ("pickle", "never unpickles code")])
+@pytest.mark.parametrize("command", ["run", "symmetry"])
+def test_damaged_weights_are_a_clear_error(damaged, files, capsys, kind, message, command):
+    folder = damaged[kind]
+    argv = ["symmetry", str(folder)] if command == "symmetry" else [
+        "run", "--model", str(folder), "--dataset", str(files["csv"]), *FAST]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_non_utf8_csv_names_the_line(files, tmp_path, capsys):
+    bad = tmp_path / "latin1.csv"
+    bad.write_bytes("review,label\ngood film,1\ncaf\xe9 awful,0\n".encode("latin-1"))
+    assert cli.main(["run", "--model", str(files["model"]), "--dataset", str(bad), *FAST]) == 2
+    err = capsys.readouterr().err
+    assert "is not UTF-8 text" in err and "line 3" in err and "iconv" in err
+
+
+def test_token_positions_beyond_the_model_are_refused_with_the_flag_to_fix(files, tmp_path, capsys):
+    long = tmp_path / "long.csv"
+    long.write_text("review,label\n" + "".join(f"{'good film ' * 60},{i % 2}\n" for i in range(8)))
+    assert cli.main(["run", "--model", str(files["model"]), "--dataset", str(long), *FAST, "--max-length", "200"]) == 2
+    assert "--max-length 64" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------- model cards
+@pytest.fixture()
+def run_json(files, tmp_path):
+    path = tmp_path / "run.json"
+    assert cli.main(run_argv(files, "--metric", "inv", "--no-baseline", "--json", str(path))) == 0
+    return path
+
+
+def test_card_refuses_any_target_but_a_model_folder_or_its_readme(files, tmp_path, run_json, capsys):
+    model = tmp_path / "model"
+    shutil.copytree(files["model"], model)
+    config = digest(model / "config.json")
+    for target in (model / "config.json", model / "notes.md", tmp_path / "card.txt"):
+        assert cli.main(["card", str(target), "--results", str(run_json)]) == 2
+        assert "neither a model folder nor a README.md" in capsys.readouterr().err
+    assert digest(model / "config.json") == config and not (tmp_path / "card.txt").exists()
+    assert cli.main(["card", str(model), "--results", str(run_json)]) == 0
+    assert (model / "README.md").is_file()
+
+
+@pytest.mark.parametrize("front, message", [("tags: [a, b\nfoo: : bar\n", "cannot be read"),
+                                            ("- a\n- b\n", "cannot be read")])
+def test_card_refuses_unreadable_front_matter_and_leaves_it(tmp_path, run_json, capsys, front, message):
+    readme = tmp_path / "m" / "README.md"
+    readme.parent.mkdir()
+    readme.write_text(f"---\n{front}---\n\n# My model\n\nProse the user wrote.\n")
+    before = digest(readme)
+    assert cli.main(["card", str(readme), "--results", str(run_json)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "front matter" in err and "Traceback" not in err
+    assert digest(readme) == before
+
+
+def test_card_refuses_non_finite_values(tmp_path, run_json, capsys):
+    payload = json.loads(run_json.read_text())
+    for result in payload["results"].values():
+        result["value"] = float("nan")
+    bad = tmp_path / "nan.json"
+    bad.write_text(json.dumps(payload))
+    assert cli.main(["card", str(tmp_path / "m"), "--results", str(bad)]) == 2
+    assert not (tmp_path / "m" / "README.md").exists()
+    assert "Traceback" not in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------- a full disk
+def test_a_failed_write_keeps_every_previous_file(files, tmp_path):
+    """Each writer once without a limit (the previous, good files), then under a file-size limit of half each file's
+    size: the command fails with exit 1 and a message, and the previous file is byte-identical."""
+    out = tmp_path / "out.json"
+    sym = tmp_path / "symmetry.json"
+    board = tmp_path / "board"
+    card = tmp_path / "card-model"
+    shutil.copytree(files["model"], card)
+    (card / "README.md").write_text("---\nlicense: mit\n---\n\n# Card\n\n" + "The user's prose. " * 3500)
+    commands = {
+        "run": (run_argv(files, "--json", str(out)), out),
+        "symmetry": (["symmetry", str(files["model"]), "--json", str(sym)], sym),
+        "leaderboard": (["leaderboard", str(files["model"]), "--dataset", str(files["csv"]), *BOARD_FAST,
+                         "--out", str(board)], board / "leaderboard.md"),
+    }
+    for argv, _ in commands.values():
+        assert cli.main(argv) == 0
+    commands["card"] = (["card", str(card), "--results", str(out)], card / "README.md")
+    before = {name: (path, digest(path), path.stat().st_size) for name, (_, path) in commands.items()}
+    plan = [(before[name][2] // 2, argv) for name, (argv, _) in commands.items()]
+    script = textwrap.dedent(f"""
+        import json, resource, signal, sys
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of being killed
+        from hf_geosharp import cli
+        codes = []
+        for limit, argv in {plan!r}:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+            codes.append(cli.main(argv))
+            resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+        print(json.dumps(codes))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], env=env(tmp_path), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [1, 1, 1, 1], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and proc.stderr.count("unchanged") >= 4, proc.stderr[-3000:]
+    for name, (path, sha, _) in before.items():
+        assert digest(path) == sha, name
+        assert not [p for p in path.parent.iterdir() if p.name.startswith(".") and ".tmp" in p.name], name
+
+
+# ------------------------------------------------------------------------------------------- custom code
+def remote_code_folder(files: dict, where: Path, marker: Path, part: str) -> Path:
+    """A model folder whose config (or tokenizer) names a custom module that writes ``marker`` when imported."""
+    folder = where / f"custom-{part}"
+    shutil.copytree(files["model"], folder)
+    code = f"import pathlib\npathlib.Path({str(marker)!r}).write_text('custom code ran')\n"
+    if part == "config":
+        (folder / "doors_config.py").write_text(code + "from transformers import BertConfig\n\n\n"
+                                                "class DoorsConfig(BertConfig):\n    model_type = 'doors-custom'\n")
+        config = json.loads((folder / "config.json").read_text())
+        config.update(model_type="doors-custom", auto_map={"AutoConfig": "doors_config.DoorsConfig"})
+        (folder / "config.json").write_text(json.dumps(config))
+    else:
+        (folder / "doors_tokenizer.py").write_text(code + "from transformers import BertTokenizerFast\n\n\n"
+                                                   "class DoorsTokenizer(BertTokenizerFast):\n    pass\n")
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+        config.update(tokenizer_class="DoorsTokenizer",
+                      auto_map={"AutoTokenizer": [None, "doors_tokenizer.DoorsTokenizer"]})
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_custom_code_never_runs_without_the_flag_even_with_y_on_stdin(files, tmp_path):
+    marker = tmp_path / "MARKER"
+    by_config = remote_code_folder(files, tmp_path, marker, "config")
+    by_tokenizer = remote_code_folder(files, tmp_path, marker, "tokenizer")
+    csv = str(files["csv"])
+    plan = [
+        ["run", "--model", str(by_config), "--dataset", csv, *FAST],
+        ["run", "--model", str(by_tokenizer), "--dataset", csv, *FAST],
+        ["symmetry", str(by_config)],
+        ["leaderboard", str(by_config), "--dataset", csv, *BOARD_FAST, "--out", str(tmp_path / "board")],
+    ]
+    script = textwrap.dedent(f"""
+        import json, os
+        from hf_geosharp import cli
+        refused = [cli.main(argv) for argv in {plan!r}]
+        ran = os.path.exists({str(marker)!r})
+        allowed = cli.main(["symmetry", {str(by_config)!r}, "--trust-remote-code"])  # the flag: the one way in
+        print(json.dumps([refused, ran, allowed]))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], env=env(tmp_path), input="y\n" * 20,
+                          capture_output=True, text=True, timeout=600)
+    refused, ran, allowed = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert refused == [2, 2, 2, 2] and not ran, proc.stderr[-3000:]
+    assert proc.stderr.count("--trust-remote-code") >= 4 and "[y/N]" not in proc.stdout + proc.stderr
+    assert allowed == 0 and marker.read_text() == "custom code ran"
+
+
+def test_python_side_needs_trust_remote_code_too(files, tmp_path):
+    from hf_geosharp.data import DataError, load_model
+
+    marker = tmp_path / "MARKER"
+    folder = remote_code_folder(files, tmp_path, marker, "config")
+    with pytest.raises(DataError, match="trust_remote_code=True"):
+        load_model(str(folder))
+    assert not marker.exists()
+
+
+# ------------------------------------------------------------------------------------------- Ctrl-C
+def test_ctrl_c_exits_130_with_one_line_and_keeps_finished_measures(files, tmp_path):
+    """SIGINT once the first measure has finished (the baseline's bar shows up on stderr): exit 130, one line naming
+    what was kept, no traceback; the finished measure is in --json, marked interrupted."""
+    out = tmp_path / "out.json"
+    argv = ["run", "--model", str(files["model"]), "--dataset", str(files["csv"]), "--n-examples", "8",
+            "--batch-size", "4", "--steps", "300", "--metric", "inv", "--json", str(out)]
+    proc = subprocess.Popen([sys.executable, "-m", "hf_geosharp", *argv], env=env(tmp_path), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    seen = b""
+    deadline = time.monotonic() + 300
+    while b"adaptive" not in seen and time.monotonic() < deadline and proc.poll() is None:
+        seen += os.read(proc.stderr.fileno(), 4096)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    err = (seen + err).decode()
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "interrupted (Ctrl-C)" in err
+    payload = json.loads(out.read_text())
+    assert payload.get("interrupted") is True and list(payload["results"]) == ["geodesic_inv_worst"]
+
+
+def test_ctrl_c_in_any_command_is_exit_130(files, monkeypatch, capsys):
+    import hf_geosharp.commands.symmetry as symmetry
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(symmetry, "map_symmetries", interrupted)
+    assert cli.main(["symmetry", str(files["model"])]) == 130
+    err = capsys.readouterr().err
+    assert err.strip() == "interrupted (Ctrl-C); nothing was written." and "Traceback" not in err
+
+
+def test_torch_is_untouched_by_the_cli(files):
+    """The commands change no global torch state the caller could notice (grad mode, RNG)."""
+    state = torch.get_rng_state()
+    assert cli.main(run_argv(files, "--metric", "inv", "--no-baseline")) == 0
+    assert torch.is_grad_enabled() and torch.equal(torch.get_rng_state(), state)

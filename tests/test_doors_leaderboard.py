@@ -1,0 +1,205 @@
+"""Doors of the leaderboard: a damaged store, two runs on one ``--out``, results reused only while the model and the
+data are what they were, model lists that include themselves, bad settings and Ctrl-C."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hf_geosharp import cli
+from hf_geosharp.data import DataSpec
+from hf_geosharp.store import LOCK_FILE, STORE_FILE, data_identity, model_identity, output_lock
+
+from .tiny_fixtures import one_thread, save_text_model, write_csv  # noqa: F401  (one_thread: autouse)
+
+FAST = ["--n-examples", "8", "--batch-size", "4", "--steps", "2", "--quiet"]
+
+
+@pytest.fixture()
+def setup(tmp_path):
+    model = save_text_model(tmp_path / "model")
+    data = write_csv(tmp_path / "reviews.csv", 12)
+    out = tmp_path / "board"
+
+    def board(*extra: str, measures: str = "adaptive") -> int:
+        return cli.main(["leaderboard", str(model), "--dataset", str(data), *FAST, "--measures", measures,
+                         "--out", str(out), *extra])
+
+    return {"model": model, "data": data, "out": out, "board": board, "store": out / STORE_FILE}
+
+
+def lines(path: Path) -> list[bytes]:
+    return path.read_bytes().splitlines()
+
+
+def records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in lines(path)]
+
+
+def test_a_damaged_store_is_reported_and_the_rest_is_used(setup, caplog):
+    assert setup["board"]() == 0
+    good = records(setup["store"])
+    measure = next(r for r in good if r["kind"] == "measure")
+    stats = next(r for r in good if r["kind"] == "stats")
+    no_value = {k: v for k, v in measure.items() if k != "value"}
+    setup["store"].write_bytes(b"\n".join([
+        json.dumps(stats).encode(), b"\xff\xfe\xfa not utf-8", b"{not json", json.dumps(no_value).encode(),
+        json.dumps({"value": 1.0}).encode(),
+    ]) + b"\n")
+    caplog.clear()
+    assert setup["board"]() == 0
+    err = caplog.text  # a warning of hf_geosharp.store: the command line prints it on stderr
+    assert "skipped 4 damaged line(s) (line 2, 3, 4, 5; the first: not UTF-8)" in err and "recomputed" in err
+    after = [json.loads(line) for line in lines(setup["store"]) if _usable(line)]
+    assert after[:1] == [stats]  # kept, not recomputed, and nothing was rewritten in place
+    recomputed = after[-1]
+    assert recomputed["kind"] == "measure" and recomputed["value"] == measure["value"]
+    assert len(lines(setup["store"])) == 6  # five old lines (the damaged ones left for the user) + one new
+
+
+def _usable(line: bytes) -> bool:
+    try:
+        record = json.loads(line.decode("utf-8"))
+    except ValueError:
+        return False
+    return isinstance(record, dict) and "key" in record and ("value" in record or record.get("kind") != "measure")
+
+
+def test_a_second_run_on_the_same_out_fails_fast_naming_the_lock(setup, capsys):
+    """Another process holds the lock: this run exits 2 at once, without computing anything."""
+    setup["out"].mkdir()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from filelock import FileLock; "
+         f"lock = FileLock({str(setup['out'] / LOCK_FILE)!r}); lock.acquire(); print('held', flush=True); "
+         "time.sleep(120)"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        start = time.perf_counter()
+        assert setup["board"]("--steps", "500") == 2
+        assert time.perf_counter() - start < 20
+        err = capsys.readouterr().err
+        assert LOCK_FILE in err and "another geosharp leaderboard" in err and "rerun" not in err
+        assert not setup["store"].exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert setup["board"]() == 0  # released when its holder dies
+
+
+def test_the_lock_is_held_for_the_run_and_released_after(setup):
+    with output_lock(setup["out"]):
+        assert setup["board"]() == 2
+    assert setup["board"]() == 0
+
+
+def test_editing_the_data_or_the_config_recomputes(setup):
+    assert setup["board"]() == 0
+    first = records(setup["store"])
+    assert setup["board"]() == 0
+    assert records(setup["store"]) == first  # unchanged inputs: everything reused
+    rows = list(csv.reader(setup["data"].read_text().splitlines()))
+    flipped = [rows[0]] + [[text, str(1 - int(label))] for text, label in rows[1:]]
+    os.utime(setup["data"], ns=(0, 0))
+    stamp = setup["data"].stat().st_mtime_ns
+    with setup["data"].open("w", newline="") as f:
+        csv.writer(f).writerows(flipped)
+    os.utime(setup["data"], ns=(stamp, stamp))  # same size and mtime: only the content tells
+    assert setup["board"]() == 0
+    after_data = records(setup["store"])
+    assert len(after_data) == 2 * len(first)
+    assert after_data[-1]["clean_loss"] != first[-1]["clean_loss"]  # new labels, new loss: not the old table
+    config = json.loads((setup["model"] / "config.json").read_text())
+    config["id2label"] = {"0": "negative", "1": "positive"}
+    config["label2id"] = {"negative": 0, "positive": 1}
+    (setup["model"] / "config.json").write_text(json.dumps(config))
+    assert setup["board"]() == 0
+    assert len(records(setup["store"])) == 3 * len(first)
+
+
+def test_fingerprints_follow_content_not_names(tmp_path, monkeypatch):
+    model = save_text_model(tmp_path / "model")
+    key = model_identity(str(model))
+    (model / "README.md").write_text("# a card does not change the results\n")
+    assert model_identity(str(model)) == key
+    weights = model / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    assert model_identity(str(model)) != key
+    csv_path = write_csv(tmp_path / "a.csv", 6)
+    spec = DataSpec(dataset=str(csv_path))
+    before = data_identity(spec)
+    csv_path.write_text(csv_path.read_text().replace(",1\n", ",0\n"))
+    assert data_identity(spec) != before
+
+
+def test_hub_ids_are_fingerprinted_by_their_revision(tmp_path, monkeypatch):
+    """Offline, the revision comes from the local cache: the snapshot a Hub id resolves to."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    repo = tmp_path / "models--someone--tiny"
+
+    def cache(sha: str) -> None:
+        (repo / "snapshots" / sha).mkdir(parents=True, exist_ok=True)
+        (repo / "snapshots" / sha / "config.json").write_text("{}")
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / "main").write_text(sha)
+
+    cache("a" * 40)
+    first = model_identity("someone/tiny")
+    assert first["revision"] == "a" * 40
+    cache("b" * 40)
+    assert model_identity("someone/tiny")["revision"] == "b" * 40
+
+
+def test_a_model_list_that_includes_itself_is_refused(setup, tmp_path, capsys):
+    listing = tmp_path / "models.txt"
+    other = tmp_path / "more.txt"
+    listing.write_text(f"{setup['model']}\nmore.txt\n")
+    other.write_text("models.txt\n")
+    assert cli.main(["leaderboard", str(listing), "--dataset", str(setup["data"]), *FAST,
+                     "--out", str(setup["out"])]) == 2
+    err = capsys.readouterr().err
+    assert "includes itself" in err and "more.txt -> " in err
+
+
+@pytest.mark.parametrize("argv", [["--rho", "-1"], ["--steps", "0"], ["--seed", "-1"], ["--epsilon", "nan"]])
+def test_bad_settings_are_usage_errors_without_resume_advice(setup, capsys, argv):
+    with pytest.raises(SystemExit) as info:
+        setup["board"](*argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and argv[0] in err and "rerun" not in err and "Traceback" not in err
+
+
+def test_epsilon_zero_is_accepted(setup):
+    assert setup["board"]("--epsilon", "0", measures="inv") == 0
+
+
+def test_ctrl_c_keeps_finished_results_and_says_where(setup, monkeypatch, capsys):
+    import hf_geosharp.leaderboard as leaderboard
+
+    real, calls = leaderboard._measure, []
+
+    def interrupted_second(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(leaderboard, "_measure", interrupted_second)
+    assert setup["board"](measures="inv,adaptive") == 130
+    err = capsys.readouterr().err
+    assert "interrupted (Ctrl-C); finished results are kept in" in err and "Traceback" not in err
+    assert [r["measure"] for r in records(setup["store"])] == ["geodesic_inv_worst"]
+    monkeypatch.setattr(leaderboard, "_measure", real)
+    assert setup["board"](measures="inv,adaptive") == 0  # resumes: the finished measure is not recomputed
+    assert [r.get("measure") for r in records(setup["store"])][:2] == ["geodesic_inv_worst", "adaptive_as23_worst"]
