@@ -204,6 +204,9 @@ def _model(model: torch.nn.Module | None, model_id: str | None, device: Any) -> 
         return load_model(model_id, trust_remote_code=False).to(
             want or torch.device("cuda" if torch.cuda.is_available() else "cpu")
         )
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model= must be a loaded torch.nn.Module, got {type(model).__name__}; pass a folder or Hub id "
+                        "as model_id= instead.")  # fmt: skip
     here = next(model.parameters()).device
     if want is not None and (want.type != here.type or want.index not in (None, here.index)):
         raise ValueError(

@@ -287,7 +287,7 @@ def test_ctrl_c_exits_130_with_one_line_and_keeps_finished_measures(files, tmp_p
     assert proc.returncode == 130, err[-3000:]
     assert "Traceback" not in err and "interrupted (Ctrl-C)" in err
     payload = json.loads(out.read_text())
-    assert payload.get("interrupted") is True and list(payload["results"]) == ["geodesic_inv_worst"]
+    assert payload.get("interrupted") is True and list(payload["results"]) == ["geodesic_sharpness_inv"]
 
 
 def test_ctrl_c_in_any_command_is_exit_130(files, monkeypatch, capsys):
