@@ -78,7 +78,7 @@ def test_measure_through_gradio_client(app, url):
     job = client.submit("mini-01", "", app.BUNDLED, "", "train", 64, 0.1, "mix", 2, api_name="/measure")
     table, report, plot, card_yaml, status = job.result(timeout=180)
     rows = {row[0]: row for row in table["data"]}
-    assert table["headers"] == app.RESULT_COLUMNS and set(rows) == {"geodesic_mix_worst", "adaptive_as23_worst"}
+    assert table["headers"] == app.RESULT_COLUMNS and set(rows) == {"geodesic_mix_worst", "adaptive_clean_worst"}
     assert all(row[1] >= 0 and row[3] == 1 for row in rows.values())  # 64 examples: one batch of 64
     assert "2 QK, 2 VO" in report and plot["type"] == "matplotlib"
     name, entries = model_index_to_eval_results(yaml.safe_load(card_yaml)["model-index"])
@@ -137,7 +137,7 @@ def test_browser_click_compute_shows_the_result_table(url):
             page.locator("#compute-btn").click()
             table = page.locator("#results-table")
             playwright.expect(table).to_contain_text("geodesic_inv_worst", timeout=120_000)
-            playwright.expect(table).to_contain_text("adaptive_as23_worst")
+            playwright.expect(table).to_contain_text("adaptive_clean_worst")
             playwright.expect(page.locator("#status-out")).to_contain_text("mini-00")
             SCREENSHOT.parent.mkdir(exist_ok=True)
             page.screenshot(path=str(SCREENSHOT), full_page=True)
