@@ -63,6 +63,14 @@ def task_type(model_class: str | None) -> str:
 def eval_result(result: dict[str, Any], dataset: DatasetInfo, task: str) -> EvalResult:
     """One card entry from a ``SharpnessResult.to_dict()``: the measure names the config, its settings are the args."""
     measure, config = result["measure"], result.get("config", {})
+    if measure == "relative_flatness":  # no rho, no solver: its layer and Hutchinson samples are its settings
+        return EvalResult(
+            task_type=task, dataset_type=dataset.type, dataset_name=dataset.name, dataset_config=dataset.config,
+            dataset_split=dataset.split, dataset_args=dataset.args, metric_type=METRIC_TYPE,
+            metric_name=f"Relative flatness (layer {config.get('layer')})", metric_value=float(result["value"]),
+            metric_config=measure, source_name=SOURCE_NAME, source_url=SOURCE_URL,
+            metric_args={k: config[k] for k in ("layer", "n_samples", "seed", "n_batches") if config.get(k) is not None},
+        )
     geodesic = measure.startswith("geodesic")
     budget = "steps" if config["mode"] == "worst" else "n_samples"  # the solver's effort that matters in this mode
     args: dict[str, Any] = {
