@@ -74,8 +74,8 @@ class SharpnessResult:
         error = "" if math.isnan(self.stderr) else f" +- {self.stderr:.2g}"
         flag = "" if self.converged else f", NOT converged (gain {self.convergence_gain:.2%} in the last quarter)"
         return (
-            f"{self.measure}: {self.value:.6g}{error} (clean loss {self.clean_loss:.6g}, {len(self.per_batch)} batches, "
-            f"rho={self.config.get('rho')}{flag})"
+            f"{self.measure}: {self.value:.6g}{error} (clean loss {self.clean_loss:.6g}, "
+            f"{len(self.per_batch)} batches, rho={self.config.get('rho')}{flag})"
         )
 
 
@@ -135,7 +135,8 @@ def _flat_parameters(model: nn.Module) -> tuple[list[str], list[Tensor], Tensor]
         if p.is_meta:
             raise ValueError(
                 f"Parameter {name!r} is on the meta device (no data). Load the weights first, e.g. "
-                "`from_pretrained(...)` without `device_map='meta'`, or `model.to_empty(device=...)` and load a state dict."
+                "`from_pretrained(...)` without `device_map='meta'`, or `model.to_empty(device=...)` and load a "
+                "state dict."
             )
         if not p.is_floating_point():
             raise ValueError(f"Parameter {name!r} has dtype {p.dtype}; sharpness needs floating-point weights.")
@@ -155,13 +156,15 @@ def _flat_parameters(model: nn.Module) -> tuple[list[str], list[Tensor], Tensor]
 def _default_loss(model: nn.Module, batch: Any) -> Tensor:
     if not isinstance(batch, Mapping):
         raise TypeError(
-            f"A batch must be a dict of model inputs (labels included) when no loss_fn is given; got {type(batch).__name__}."
+            "A batch must be a dict of model inputs (labels included) when no loss_fn is given; "
+            f"got {type(batch).__name__}."
         )
     outputs = model(**batch)
     loss = outputs.get("loss") if isinstance(outputs, Mapping) else getattr(outputs, "loss", None)
     if loss is None:
         raise ValueError(
-            "The model returned no loss. Include `labels` in each batch, or pass `loss_fn(model, batch) -> scalar tensor`."
+            "The model returned no loss. Include `labels` in each batch, or pass "
+            "`loss_fn(model, batch) -> scalar tensor`."
         )
     return loss
 
@@ -609,7 +612,8 @@ def adaptive_sharpness(
     tol: float = CONVERGENCE_TOL,
     max_steps: int = AUTO_MAX_STEPS,
 ) -> SharpnessResult:
-    """Adaptive sharpness (Kwon et al. 2021; Andriushchenko et al. 2023): ``max_{||delta / |w| || <= rho} L(w + delta) - L(w)``.
+    """Adaptive sharpness (Kwon et al. 2021; Andriushchenko et al. 2023):
+    ``max_{||delta / |w| || <= rho} L(w + delta) - L(w)``.
 
     ``variant="clean"`` (default) runs the same solver as :func:`geodesic_sharpness` on the elementwise metric (one
     forward per step) and reaches the maximum of the definition. ``"as23"`` reproduces the reference code

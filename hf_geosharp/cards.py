@@ -69,7 +69,8 @@ def eval_result(result: dict[str, Any], dataset: DatasetInfo, task: str) -> Eval
             dataset_split=dataset.split, dataset_args=dataset.args, metric_type=METRIC_TYPE,
             metric_name=f"Relative flatness (layer {config.get('layer')})", metric_value=float(result["value"]),
             metric_config=measure, source_name=SOURCE_NAME, source_url=SOURCE_URL,
-            metric_args={k: config[k] for k in ("layer", "n_samples", "seed", "n_batches") if config.get(k) is not None},
+            metric_args={k: config[k] for k in ("layer", "n_samples", "seed", "n_batches")
+                         if config.get(k) is not None},
         )
     geodesic = measure.startswith("geodesic")
     budget = "steps" if config["mode"] == "worst" else "n_samples"  # the solver's effort that matters in this mode

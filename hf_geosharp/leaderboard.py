@@ -34,8 +34,8 @@ from tqdm.auto import tqdm
 
 from . import __version__
 from .api import SharpnessResult, adaptive_sharpness, geodesic_sharpness
-from .relative_flatness import relative_flatness
 from .data import DataError, DataSpec, load_batches, load_model, load_processor, require_task
+from .relative_flatness import relative_flatness
 
 logger = logging.getLogger(__name__)
 

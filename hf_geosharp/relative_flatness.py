@@ -53,7 +53,9 @@ def feature_layer(model: nn.Module, layer: str | nn.Linear | None = None) -> tup
     elif layer is None:
         linears = [(n, m) for n, m in named.items() if isinstance(m, nn.Linear)]
         if not linears:
-            raise ValueError("The model has no nn.Linear layer; pass layer='<name of the layer that reads the features>'.")
+            raise ValueError(
+                "The model has no nn.Linear layer; pass layer='<name of the layer that reads the features>'."
+            )
         name, module = linears[-1]
     else:
         raise TypeError(f"layer must be a module name, an nn.Linear or None, got {type(layer).__name__}.")

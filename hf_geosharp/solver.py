@@ -16,8 +16,9 @@ on a CPU also spares the page faults of fresh large allocations.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Literal, Protocol
+from typing import Literal, Protocol
 
 import torch
 from torch import Tensor
@@ -184,8 +185,9 @@ def apgd(
     ``steps + 1`` forward passes and ``steps`` backward passes in all. With ``max_steps`` (``steps="auto"``), after
     the ``steps``-step block the run continues from where it is, in blocks as long as everything so far (each with
     AS23's checkpoints), while the best value gains more than ``tol`` over the last quarter of the steps, up to
-    ``max_steps``; continuing costs one backward for the gradient the last step of a block skipped. With ``step_normalization="riemannian"``
-    every quantity is g-invariant, so the iterates are equivariant under the model's symmetries.
+    ``max_steps``; continuing costs one backward for the gradient the last step of a block skipped. With
+    ``step_normalization="riemannian"`` every quantity is g-invariant, so the iterates are equivariant under the
+    model's symmetries.
 
     How a step stays cheap: the direction ``d`` (the projected Riemannian gradient) and the iterates ``xi``,
     ``xi_prev`` are horizontal, so ``z = P_S(xi + c d)`` and the momentum point ``P_S(a xi + b d + c xi_prev)`` are

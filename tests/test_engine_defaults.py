@@ -57,10 +57,10 @@ def test_fig7_protocol_at_the_default_settings_geodesic_is_invariant_and_adaptiv
     model = tiny_bert().double()  # transformers' default init (std 0.02)
     batches = _batches()
     kw = dict(progress=False)  # everything else at its default: rho, steps, n_samples, seed, epsilon
-    measures = {
-        f"{metric}-{mode}": (lambda m, metric=metric, mode=mode: gs.geodesic_sharpness(m, batches, metric=metric, mode=mode, **kw))
-        for metric in ("inv", "mix") for mode in ("worst", "average")
-    }
+    def measure(metric, mode):
+        return lambda m: gs.geodesic_sharpness(m, batches, metric=metric, mode=mode, **kw)
+
+    measures = {f"{metric}-{mode}": measure(metric, mode) for metric in ("inv", "mix") for mode in ("worst", "average")}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # convergence notes are not what this test is about
         base = {name: fn(model).value for name, fn in measures.items()}
@@ -152,3 +152,23 @@ def test_not_converged_warning_names_the_fix_and_goes_to_the_module_logger(caplo
         res = gs.geodesic_sharpness(model, batches, rho=1.0, metric="inv", steps=20, progress=False)
     assert not res.converged and "NOT converged" in str(res)
     assert any("steps='auto'" in r.getMessage() for r in caplog.records if r.name == "hf_geosharp.api")
+
+
+@pytest.mark.parametrize("metric", ["inv", "mix"])
+def test_solver_identities_hold_exactly_with_a_large_relaxation(metric):
+    """``ascent_direction``'s fast products (``<R e, v>_g = <e, v>`` for horizontal ``v``) against the slow metric
+    inner products at epsilon = 1e-2: they need the projection to be exactly g-orthogonal in the relaxed metric."""
+    from hf_geosharp.space import PerturbationSpace, SpaceOptions
+
+    model = tiny_bert().double()
+    theta0 = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    space = PerturbationSpace(theta0, gs.map_symmetries(model).blocks, SpaceOptions(metric, epsilon=1e-2))
+    g = torch.Generator().manual_seed(0)
+    egrad = torch.randn(theta0.shape, generator=g, dtype=torch.float64)
+    reference = space.riemannian_gradient(egrad)
+    vectors = torch.stack([space.horizontal(torch.randn(theta0.shape, generator=g, dtype=torch.float64)) for _ in "ab"])
+    assert torch.allclose(space.horizontal(vectors[0]), vectors[0], rtol=1e-10, atol=1e-12)  # idempotent
+    d, square, fast = space.ascent_direction(egrad.clone(), vectors, out=torch.empty_like(egrad))
+    assert torch.allclose(d, reference, rtol=1e-12, atol=1e-15)
+    assert square == pytest.approx(float(space.inner_product(reference, reference)), rel=1e-9)
+    assert fast == pytest.approx([float(space.inner_product(reference, v)) for v in vectors], rel=1e-9)

@@ -16,7 +16,9 @@ METRICS = ["inv", "mix"]
 
 def _pair(seed=0, k=K, n=N, m=M, h=H):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(k, n, h, generator=g, dtype=torch.float64), torch.randn(k, m, h, generator=g, dtype=torch.float64))
+    return (
+        torch.randn(k, n, h, generator=g, dtype=torch.float64), torch.randn(k, m, h, generator=g, dtype=torch.float64)
+    )
 
 
 def _random_group_element(seed=1, k=K, h=H, condition=10.0):
@@ -149,7 +151,8 @@ def test_second_order_geodesic_error_is_cubic(metric):
         exact = _geodesic_ode(G, Hm, v, metric, 1.0)
         second = geo.exp2(v)
         errors_2.append(float(torch.cat([(second[i] - exact[i]).reshape(-1) for i in range(2)]).norm()))
-        errors_1.append(float(torch.cat([(G + v[0] - exact[0]).reshape(-1), (Hm + v[1] - exact[1]).reshape(-1)]).norm()))
+        first = [(G + v[0] - exact[0]).reshape(-1), (Hm + v[1] - exact[1]).reshape(-1)]
+        errors_1.append(float(torch.cat(first).norm()))
     ratios_2 = [errors_2[i] / errors_2[i + 1] for i in range(2)]
     ratios_1 = [errors_1[i] / errors_1[i + 1] for i in range(2)]
     assert all(6.5 < r < 9.5 for r in ratios_2), ratios_2  # O(t^3)
@@ -222,7 +225,8 @@ def test_relaxed_projection_is_exact_idempotent_and_orthogonal(metric, singular)
     xi = _pair(seed=5)
     p = geo.projection(xi)
     for seed in range(3):
-        v = geo.vertical_vector(torch.randn(K, H, H, generator=torch.Generator().manual_seed(seed), dtype=torch.float64))
+        lam = torch.randn(K, H, H, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+        v = geo.vertical_vector(lam)
         scale = float(geo.norm(p).max() * geo.norm(v).max())
         assert geo.inner_product(p, v).abs().max() < 1e-11 * scale
         assert geo.inner_product(xi, v).abs().max() > 1e-3 * scale

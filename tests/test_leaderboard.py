@@ -280,7 +280,9 @@ def test_demo_prints_table_taus_plot_and_card_and_reuses_the_cache(zoo, tmp_path
     args = ["demo", "--size", "mini", "--cache-dir", str(zoo.root), "--out", str(tmp_path), *FAST]
     assert cli.main(args) == 0
     out = capsys.readouterr().out
-    assert "| rank | model | geodesic_inv_worst | geodesic_mix_worst | adaptive_clean_worst | relative_flatness | geodesic_inv_worst_stderr |" in out
+    header = ("| rank | model | geodesic_inv_worst | geodesic_mix_worst | adaptive_clean_worst | relative_flatness | "
+              "geodesic_inv_worst_stderr |")
+    assert header in out
     assert "Kendall tau" in out and str(tmp_path / "scatter.png") in out
     assert "model-index:" in out and "type: geodesic_sharpness" in out
     stored = (tmp_path / STORE_FILE).read_bytes()

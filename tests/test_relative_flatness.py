@@ -37,8 +37,8 @@ class _Net(nn.Module):
 
 def _net_batches():
     g = torch.Generator().manual_seed(0)
-    return [{"x": torch.randn(16, 3, generator=g, dtype=torch.float64), "labels": torch.randint(0, 4, (16,), generator=g)}
-            for _ in range(2)]
+    return [{"x": torch.randn(16, 3, generator=g, dtype=torch.float64),
+             "labels": torch.randint(0, 4, (16,), generator=g)} for _ in range(2)]
 
 
 def _exact(model: _Net, batches) -> float:
@@ -76,7 +76,8 @@ def test_model_is_untouched_and_default_layer_is_the_classifier():
     name, module = feature_layer(model)
     assert name == "classifier" and module is model.classifier
     g = torch.Generator().manual_seed(0)
-    batches = [{"input_ids": torch.randint(5, 100, (4, 8), generator=g), "labels": torch.randint(0, 2, (4,), generator=g)}]
+    batches = [{"input_ids": torch.randint(5, 100, (4, 8), generator=g),
+                "labels": torch.randint(0, 2, (4,), generator=g)}]
     res = relative_flatness(model, batches, n_samples=4)
     assert res.value == res.value and model.training
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
@@ -91,7 +92,8 @@ def test_invariant_to_attention_symmetries_and_layerwise_rescaling_but_not_per_f
     unchanged; kappa_Tr is invariant when the scale is one number for the layer, not when it differs per feature."""
     model = tiny_bert().double()
     g = torch.Generator().manual_seed(0)
-    batches = [{"input_ids": torch.randint(5, 100, (4, 8), generator=g), "labels": torch.randint(0, 2, (4,), generator=g)}]
+    batches = [{"input_ids": torch.randint(5, 100, (4, 8), generator=g),
+                "labels": torch.randint(0, 2, (4,), generator=g)}]
     moved = copy.deepcopy(model)
     gs.reparametrize(moved, condition=100.0)
     assert not torch.equal(moved.bert.encoder.layer[0].attention.self.query.weight,
