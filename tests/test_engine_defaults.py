@@ -172,3 +172,32 @@ def test_solver_identities_hold_exactly_with_a_large_relaxation(metric):
     assert torch.allclose(d, reference, rtol=1e-12, atol=1e-15)
     assert square == pytest.approx(float(space.inner_product(reference, reference)), rel=1e-9)
     assert fast == pytest.approx([float(space.inner_product(reference, v)) for v in vectors], rel=1e-9)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(steps="many"), "steps must be a positive integer or 'auto'"),
+    (dict(tol=-1.0), "tol must be"),
+    (dict(max_steps=0), "max_steps must be"),
+])
+def test_convergence_arguments_are_checked_before_any_work(kwargs, match):
+    model = tiny_bert().double()
+    with pytest.raises(ValueError, match=match):
+        gs.geodesic_sharpness(model, _batches(n=1), progress=False, **kwargs)
+    with pytest.raises(ValueError, match=match):
+        gs.adaptive_sharpness(model, _batches(n=1), progress=False, **kwargs)
+
+
+def test_as23_auto_continues_and_the_bundle_runs_relative_flatness():
+    from hf_geosharp.measures import MEASURES, Settings, result_fields, run_measure
+
+    model, batches = _noisy_bert(0.1), _batches(n=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        as23 = gs.adaptive_sharpness(model, batches, rho=0.5, steps="auto", max_steps=80, variant="as23",
+                                     progress=False)
+    assert 20 <= as23.steps_used <= 80 and as23.config["variant"] == "as23"
+    assert "relative_flatness" in MEASURES
+    res = run_measure("relative_flatness", model, batches, Settings(n_samples=3))
+    assert res.measure == "relative_flatness" and res.config["n_samples"] == 3
+    fields = result_fields("relative_flatness", res)
+    assert fields["relative_flatness_stderr"] == res.stderr
