@@ -1,4 +1,4 @@
-r"""Diagonal-network reproduction of da Silva, Dangel & Oore (ICML 2025), §5.1.1 and Fig. 3 (spec §7.2).
+r"""Diagonal-network reproduction of da Silva, Dangel & Oore (ICML 2025), §5.1.1 and Fig. 3.
 
 Fifty diagonal linear nets :math:`f(x) = x^\top(u \odot v)` are fitted by full-batch gradient descent to the same sparse
 regression problem (``d = 200`` features, ``n = 100 < d`` training points, a 90 %-sparse ground truth ``beta*``) until
@@ -13,7 +13,7 @@ For each net we measure
 * worst-case adaptive sharpness (the library's default solver, ``variant="clean"``, through
   :func:`hf_geosharp.adaptive_sharpness` on a two-parameter ``nn.Module``; ``--adaptive-variant as23`` for AS23's
   ``m_apgd_l2``);
-* worst-case geodesic sharpness for the inv and mix metrics with the **exact** geodesics of spec §2.5
+* worst-case geodesic sharpness for the inv and mix metrics with the **exact** geodesics of a diagonal net
   (:class:`ExactGeodesicSpace`, solved by the library's :func:`hf_geosharp.solver.apgd`);
 
 and report Kendall's tau against the test loss with a bootstrap 95 % interval, beside trivial predictors. Three
@@ -171,7 +171,7 @@ def train_gd(
 
 # ------------------------------------------------------------------------------------- exact-geodesic geometry
 class ExactGeodesicSpace:
-    r"""Horizontal perturbations of one diagonal net with the exact geodesics of spec §2.5.
+    r"""Horizontal perturbations of one diagonal net with the exact geodesics of a diagonal net.
 
     Points are ``(u, v)`` with ``beta = u * v``; a tangent vector is the flat ``[2d]`` tensor ``(xi_u, xi_v)``. The
     GL(1) action ``(a u, v / a)`` per coordinate has vertical vectors ``(lam * u, -lam * v)``; the horizontal space is
@@ -192,12 +192,12 @@ class ExactGeodesicSpace:
     gradient ascent must measure steps in the geometry of its feasible set to converge to the constrained maximum.
 
     Coordinates with ``|u|`` or ``|v|`` below ``zero_tol`` are frozen (zero allowed perturbation), as the library
-    does for zero weights (spec §2.4): the horizontal space and the mix metric are undefined there.
+    does for zero weights: the horizontal space and the mix metric are undefined there.
 
     Args:
         u, v: ``[d]`` the trained weights (float64).
         metric: which geodesics (and, with ``constraint="metric"``, which norm).
-        constraint: ``"metric"`` (``||xi||_g <= rho``, spec §2.5) or ``"loose"`` (``||b|| <= rho``).
+        constraint: ``"metric"`` (``||xi||_g <= rho``) or ``"loose"`` (``||b|| <= rho``).
         zero_tol: weights smaller than this in magnitude are frozen.
     """
 
@@ -290,7 +290,7 @@ class ExactGeodesicSpace:
 
     # -------------------------------------------------------------------- exact geodesics
     def geodesic(self, xi: Tensor, t: float = 1.0) -> tuple[Tensor, Tensor]:
-        """``(u(t), v(t))`` on the exact geodesic with initial velocity ``horizontal(xi)`` (spec §2.5)."""
+        """``(u(t), v(t))`` on the exact geodesic with initial velocity ``horizontal(xi)``."""
         b = self.b_of(xi)
         scale = torch.exp(b * t) if self.metric == "inv" else torch.clamp(1.0 + 2.0 * b * t, min=0.0).sqrt()
         return self.u * scale, self.v * scale
@@ -633,7 +633,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-steps", type=int, default=200_000, help="GD step cap (nets that hit it are flagged)")
     p.add_argument("--rho", type=float, default=0.1, help="radius of every sharpness ball")
     p.add_argument("--mix-constraint", choices=("metric", "loose"), default="metric",
-                   help="mix ball shown in the figure: metric sqrt(2)||b*beta0|| <= rho (spec) or loose ||b|| <= rho")
+                   help="mix ball shown in the figure: metric sqrt(2)||b*beta0|| <= rho or loose ||b|| <= rho")
     p.add_argument("--adaptive-steps", type=int, default=AS23_STEPS, help="adaptive solver iterations (AS23 uses 20)")
     p.add_argument("--adaptive-variant", choices=("clean", "as23"), default="clean",
                    help="adaptive solver: the library's default 'clean' (reaches the maximum) or AS23's 'as23'")

@@ -1,9 +1,9 @@
 """Solvers for worst-case and average-case sharpness over any perturbation space.
 
-The worst case is Auto-PGD as used by Andriushchenko et al. 2023 (AS23) and by the paper's Algorithm 1 (spec §4):
-step-size checkpoints, halving, momentum and best-point tracking. :func:`apgd` is the clean version of spec §4.2
+The worst case is Auto-PGD as used by Andriushchenko et al. 2023 (AS23) and by the paper's Algorithm 1:
+step-size checkpoints, halving, momentum and best-point tracking. :func:`apgd` is the clean version
 (one forward and one backward per step: the loss of an iterate comes from the forward that gives its gradient).
-:func:`apgd_as23` reproduces the reference code's quirks (spec §5.1) so that adaptive-sharpness numbers are comparable
+:func:`apgd_as23` reproduces the reference code's quirks so that adaptive-sharpness numbers are comparable
 with the literature. Both talk to a space only through ``zero``, ``empty``, ``ascent_direction`` and
 ``random_tangent_vector``; the objective is a callable
 ``(xi, need_grad, out=None) -> (loss, euclidean_grad | None)`` that writes the gradient into ``out`` when given.
@@ -142,7 +142,7 @@ def as23_checkpoints(n_iters: int) -> list[int]:
 
 
 class _StepSchedule:
-    """Croce & Hein's halving rule at the checkpoints, with AS23's conditions (spec §4.2 d)."""
+    """Croce & Hein's halving rule at the checkpoints, with AS23's conditions."""
 
     def __init__(self, eta: float, steps: int, min_update_ratio: float, clean_loss: float) -> None:
         self.eta = eta
@@ -284,7 +284,7 @@ def _ellipsoid_norm(delta: Tensor, inv_scale: Tensor, lmbd: float, scratch: tupl
 
 
 def _ellipsoid_projection(delta: Tensor, inv_scale: Tensor, rho: float) -> Tensor:
-    """AS23's Euclidean projection onto ``||delta / |w| || <= rho`` by bisection on lambda (spec §5.1), in place.
+    """AS23's Euclidean projection onto ``||delta / |w| || <= rho`` by bisection on lambda, in place.
 
     The reference evaluates ``||delta / (1 + 2 lambda / w^2) / |w| ||`` from scratch at each bisection step; here each
     evaluation is one blocked pass over ``delta`` and ``1/|w|`` with block-sized scratch. The bisection, its bracket
@@ -328,7 +328,7 @@ def apgd_as23(
     max_steps: int | None = None,
     tol: float = CONVERGENCE_TOL,
 ) -> SolveResult:
-    """AS23's ``m_apgd_l2`` adaptive worst case, quirks included (spec §5.1).
+    """AS23's ``m_apgd_l2`` adaptive worst case, quirks included.
 
     ``scale`` is ``|w|`` (zero on frozen coordinates). Faithful to the reference: the step is ``grad * |w|`` over the
     global Euclidean gradient norm, Euclidean projection onto the ellipsoid by bisection, momentum

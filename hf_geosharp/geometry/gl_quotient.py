@@ -185,7 +185,7 @@ class GLQuotient:
         return self.inner_product(xi, xi).clamp_min(0).sqrt()
 
     def euclidean_to_riemannian_gradient(self, egrad: Pair, out: Pair | None = None) -> Pair:
-        """The vector ``r`` with ``<r, eta>_g = <egrad, eta>_F`` for all ``eta`` (spec §1.6); into ``out`` if given."""
+        """The vector ``r`` with ``<r, eta>_g = <egrad, eta>_F`` for all ``eta``; into ``out`` if given."""
         eG, eH = egrad
         fG, fH = (self.P, self.Q) if self.metric == "inv" else (self.Q_inv, self.P_inv)
         if out is None:
@@ -238,7 +238,7 @@ class GLQuotient:
 
     # ------------------------------------------------------------------ geodesics
     def exp2_correction(self, xi: Pair) -> Pair:
-        r"""The second-order geodesic term :math:`-\tfrac12\Gamma(\xi,\xi)` (spec §2.2, §2.3); differentiable."""
+        r"""The second-order geodesic term :math:`-\tfrac12\Gamma(\xi,\xi)`; differentiable."""
         xG, xH = xi
         G, H = self.G, self.H
         if self.metric == "inv":
@@ -312,7 +312,7 @@ class GLQuotient:
     def random_tangent_vector(self, generator: torch.Generator | None = None) -> Pair:
         """A metric-isotropic Gaussian tangent vector (not yet projected), equivariant for a fixed generator state.
 
-        Rows of ``z_G`` have covariance ``P`` (inv) or ``Q^{-1}`` (mix) (spec §3.2)."""
+        Rows of ``z_G`` have covariance ``P`` (inv) or ``Q^{-1}`` (mix)."""
         if self._roots is None:
             self._roots = (
                 self._equivariant_root(self.G.double(), self._P_inv64, self._probe_generator),
