@@ -119,7 +119,7 @@ class Factor:
     index: Tensor | None
 
     @classmethod
-    def of(cls, index: Tensor, device: torch.device) -> "Factor":
+    def of(cls, index: Tensor, device: torch.device) -> Factor:
         pieces = _strided_pieces(index)
         return cls(index.shape, pieces, None if pieces is not None else index.reshape(-1).to(device))
 
@@ -163,7 +163,7 @@ class PairGroup:
             return self.g.gather(x), self.h.gather(x)
         return self.g.gather(x, out[0]), self.h.gather(x, out[1])
 
-    def buffers(self, scratch: "_Scratch") -> tuple[Tensor, Tensor]:
+    def buffers(self, scratch: _Scratch) -> tuple[Tensor, Tensor]:
         """Uninitialised ``(G-shaped, H-shaped)`` tensors from ``scratch``."""
         return scratch.take(self.g.shape), scratch.take(self.h.shape)
 
