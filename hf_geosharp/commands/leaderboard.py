@@ -13,8 +13,19 @@ import sys
 from pathlib import Path
 
 from ..data import DataError, DataSpec
-from ..leaderboard import KINDS, STORE_FILE, GapSpec, Leaderboard, Measure, ResultStore, Settings, resolve_models
-from ..leaderboard import markdown, run_leaderboard, write_outputs
+from ..leaderboard import (
+    KINDS,
+    STORE_FILE,
+    GapSpec,
+    Leaderboard,
+    Measure,
+    ResultStore,
+    Settings,
+    markdown,
+    resolve_models,
+    run_leaderboard,
+    write_outputs,
+)
 from .run import _quiet_libraries
 
 logger = logging.getLogger(__name__)
