@@ -9,6 +9,7 @@ __version__ = "0.1.0"
 import os as _os  # noqa: E402
 
 from .api import SharpnessResult, adaptive_sharpness, geodesic_sharpness  # noqa: E402
+from .relative_flatness import relative_flatness  # noqa: E402
 from .symmetry import SymmetryMap, map_symmetries, reparametrize  # noqa: E402
 
 __all__ = ["SharpnessResult", "SymmetryMap", "adaptive_sharpness", "geodesic_sharpness", "map_symmetries",

@@ -34,14 +34,15 @@ from tqdm.auto import tqdm
 from .api import SharpnessResult, adaptive_sharpness, geodesic_sharpness
 from .data import DataError, DataSpec, load_batches, load_model, load_processor, load_split, require_task
 from .durable import atomic_path, write_json, write_text
+from .relative_flatness import relative_flatness
 from .store import ResultStore, data_identity, fingerprint, model_identity
 
 logger = logging.getLogger(__name__)
 
-Kind = Literal["inv", "mix", "adaptive"]
+Kind = Literal["inv", "mix", "adaptive", "relative_flatness"]
 Mode = Literal["worst", "average"]
 GapMetric = Literal["error", "loss"]
-KINDS: tuple[Kind, ...] = ("inv", "mix", "adaptive")
+KINDS: tuple[Kind, ...] = ("inv", "mix", "adaptive", "relative_flatness")
 TRIVIAL = ("param_norm", "clean_loss")  # the baselines every measure must beat
 MIN_MODELS_FOR_CI = 8
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
@@ -103,7 +104,8 @@ def resolve_models(specs: Iterable[str]) -> list[ModelRef]:
 
 @dataclass(frozen=True)
 class Measure:
-    """One sharpness measure: geodesic (``inv``/``mix``) or ``adaptive``, worst or average case."""
+    """One measure: geodesic (``inv``/``mix``) or ``adaptive`` sharpness, worst or average case, or
+    ``relative_flatness`` (Petzka et al.; it has no mode)."""
 
     kind: Kind
     mode: Mode = "worst"
@@ -111,8 +113,10 @@ class Measure:
     @property
     def name(self) -> str:
         """The engine's name for it (``SharpnessResult.measure``), also the table's column."""
+        if self.kind == "relative_flatness":
+            return "relative_flatness"
         if self.kind == "adaptive":
-            return "adaptive_as23_worst" if self.mode == "worst" else "adaptive_average"
+            return "adaptive_clean_worst" if self.mode == "worst" else "adaptive_average"
         return f"geodesic_{self.kind}_{self.mode}"
 
 
@@ -191,6 +195,8 @@ def _measure(
 ) -> SharpnessResult:
     common = dict(rho=settings.rho, mode=measure.mode, steps=settings.steps, seed=settings.seed,
                   n_samples=settings.n_samples, progress=False)
+    if measure.kind == "relative_flatness":
+        return relative_flatness(model, batches, n_samples=settings.n_samples, seed=settings.seed)
     if measure.kind == "adaptive":
         return adaptive_sharpness(model, batches, **common)
     return geodesic_sharpness(
@@ -268,7 +274,7 @@ def _compute_missing(
     processor = load_processor(ref.source, model, trust_remote_code=trust_remote_code)
     batches = load_batches(model, processor, data)
     smap = None
-    if any(m.kind != "adaptive" and m.name in missing for m in measures):
+    if any(m.kind in ("inv", "mix") and m.name in missing for m in measures):
         from .symmetry import map_symmetries
 
         smap = map_symmetries(model)
@@ -279,7 +285,7 @@ def _compute_missing(
         start = time.perf_counter()
         res = _measure(m, model, batches, settings, smap)
         store.put({"key": keys[m.name], "kind": "measure", "model": ref.name, "source": ref.source,
-                   "measure": res.measure, "value": res.value, "clean_loss": res.clean_loss,
+                   "measure": res.measure, "value": res.value, "stderr": res.stderr, "clean_loss": res.clean_loss,
                    "per_batch": res.per_batch, "config": res.config, "seconds": time.perf_counter() - start})
         bar.update()
     if "stats" in missing:
@@ -304,7 +310,9 @@ def _row(
     gap_table: dict[str, float] | None,
 ) -> dict[str, Any]:
     stats_record = store.get(keys["stats"])
-    row: dict[str, Any] = {"model": ref.name, **{m.name: store.get(keys[m.name])["value"] for m in measures},
+    records = {m.name: store.get(keys[m.name]) for m in measures}
+    row: dict[str, Any] = {"model": ref.name, **{name: r["value"] for name, r in records.items()},
+                           **{f"{name}_stderr": r.get("stderr", math.nan) for name, r in records.items()},
                            "param_norm": stats_record["param_norm"], "clean_loss": stats_record["clean_loss"]}
     if gap is None:
         return row

@@ -52,7 +52,7 @@ from hf_geosharp.leaderboard import (
 )
 from hf_geosharp.leaderboard import Settings as BoardSettings
 from hf_geosharp.measures import DEFAULT_MEASURES, MEASURES, Settings, run_measures
-from hf_geosharp.store import STORE_FILE, ResultStore
+from hf_geosharp.store import STORE_FILE, ResultStore, StoreLockedError, output_lock
 from hf_geosharp.symmetry import map_symmetries
 from hf_geosharp.symmetry.report import format_report
 from hf_geosharp.zoo import ZooMember, build_zoo, torch_threads, zoo_members
@@ -232,12 +232,16 @@ class Space:
             zoo = build_zoo(self.zoo_size, self.cache_dir, progress=True)
             models = [ModelRef(m.name, str(zoo.root / m.name)) for m in zoo.members]
             out = self.work_dir / "leaderboard"
-            board = run_leaderboard(
-                models, DataSpec(dataset=str(zoo.data_dir), split="train", n_examples=128, batch_size=64),
-                measures, ResultStore(out / STORE_FILE),
-                settings=BoardSettings(rho=float(rho), steps=steps), gap=GapSpec(), progress=True,
-            )
-        paths = write_outputs(board, out)
+            try:
+                with output_lock(out):  # two visitors ranking at once would compute twice and interleave the store
+                    board = run_leaderboard(
+                        models, DataSpec(dataset=str(zoo.data_dir), split="train", n_examples=128, batch_size=64),
+                        measures, ResultStore(out / STORE_FILE),
+                        settings=BoardSettings(rho=float(rho), steps=steps), gap=GapSpec(), progress=True,
+                    )
+                    paths = write_outputs(board, out)
+            except StoreLockedError:
+                raise gr.Error("Another visitor is ranking the zoo right now; try again in a minute.") from None
         table = pd.DataFrame(ranked(board)).map(lambda v: sig(v) if isinstance(v, float) else v)
         return table, taus_markdown(board), str(paths["plot"])
 

@@ -74,6 +74,8 @@ def test_json_paths_are_checked_before_the_measurement(files, tmp_path, capsys, 
     assert ("is a folder" if kind == "folder" else "read-only") in err and "Traceback" not in err
     if kind == "read-only":
         assert target.read_text() == '{"old": true}'
+    assert cli.main(["symmetry", str(files["model"]), "--json", str(target)]) == 2  # checked before loading
+    assert ("is a folder" if kind == "folder" else "read-only") in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")

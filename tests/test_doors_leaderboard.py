@@ -202,4 +202,6 @@ def test_ctrl_c_keeps_finished_results_and_says_where(setup, monkeypatch, capsys
     assert [r["measure"] for r in records(setup["store"])] == ["geodesic_inv_worst"]
     monkeypatch.setattr(leaderboard, "_measure", real)
     assert setup["board"](measures="inv,adaptive") == 0  # resumes: the finished measure is not recomputed
-    assert [r.get("measure") for r in records(setup["store"])][:2] == ["geodesic_inv_worst", "adaptive_as23_worst"]
+    measures = [r.get("measure") for r in records(setup["store"])]
+    assert measures[0] == "geodesic_inv_worst" and measures[1].startswith("adaptive_")
+    assert measures.count("geodesic_inv_worst") == 1

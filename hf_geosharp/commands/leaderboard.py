@@ -73,7 +73,8 @@ def add_data_arguments(p: argparse.ArgumentParser, n_examples: int, batch_size: 
                    help=f"examples to measure on (default: {n_examples})")
     p.add_argument("--batch-size", type=positive(int), default=batch_size,
                    help=f"examples per batch (default: {batch_size})")
-    p.add_argument("--measures", type=_choices(KINDS), default=list(KINDS), help="inv, mix, adaptive (default: all)")
+    p.add_argument("--measures", type=_choices(KINDS), default=list(KINDS),
+                   help="inv, mix, adaptive, relative_flatness (default: all)")
     p.add_argument("--mode", type=_choices(("worst", "average")), default=["worst"], help="worst and/or average")
     p.add_argument("--rho", type=positive(float), default=0.1, help="perturbation radius (default: 0.1)")
     p.add_argument("--steps", type=positive(int), default=20, help="solver steps per batch, worst case (default: 20)")
@@ -114,7 +115,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def measures_of(args: argparse.Namespace) -> list[Measure]:
-    return [Measure(kind, mode) for mode in args.mode for kind in args.measures]
+    measures = [Measure(kind, mode) for mode in args.mode for kind in args.measures]
+    return list({m.name: m for m in measures}.values())  # relative flatness has no mode: once
 
 
 def settings_of(args: argparse.Namespace) -> Settings:
