@@ -15,6 +15,7 @@ import argparse
 import importlib
 import logging
 import sys
+import warnings
 
 from . import __version__
 from .commands.common import invoke, quiet_libraries
@@ -93,6 +94,8 @@ def prepare(command: str, level: int) -> None:
     """What the command's output needs before it runs: our log lines only, and no third-party progress bars (turned
     off before the command loads, trains, saves or maps anything; ``register`` imports no third-party library)."""
     configure_logging(level)
+    # the engine reports a solver that has not converged twice (log line and UserWarning); the log line is enough here
+    warnings.filterwarnings("ignore", message=".* is not converged: ", category=UserWarning)
     if command != "register":
         quiet_libraries()
 

@@ -24,6 +24,7 @@ import platform
 import re
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,7 @@ METRICS = tuple(m.metric for m in MEASURES.values() if m.metric)  # the geodesic
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 VERSIONED = ("torch", "transformers", "datasets", "accelerate", "huggingface_hub", "evaluate")
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
+AUTO_FIRST_STEPS = 20  # steps="auto" starts with this many steps, then continues while the value still rises
 
 EPILOG = """\
 examples are the first --n-examples rows of the split after a shuffle seeded by --seed (--no-shuffle: file order);
@@ -269,25 +271,33 @@ def _cast_inputs(batches: list[dict], dtype: Any) -> list[dict]:
     return [{k: v.to(dtype) if v.is_floating_point() else v for k, v in b.items()} for b in batches]
 
 
-def _estimate(
-    model: Any, batches: list, keys: list[str], settings: Settings, smap: Any, world_size: int
-) -> float | None:
+def _estimate(model: Any, batches: list, keys: list[str], settings: Settings, smap: Any, world_size: int) -> float:
     """Seconds the run will take: each measure solves the first batch with one solver step (timed: its set-up, the
     clean loss and one step, so two passes), scaled to the passes of the run (``steps + 1`` per batch, or
     ``n_samples + 1``) on this process's share of the batches. Runs locally, on any rank; costs about
-    ``1 / (steps + 1)`` of one batch per measure. ``None`` with ``steps="auto"``, whose number of steps is not
-    known in advance."""
-    worst = settings.mode == "worst"
-    if worst and not isinstance(settings.steps, int):
-        return None
-    probe = dataclasses.replace(settings, steps=1) if worst else dataclasses.replace(settings, n_samples=1)
-    passes = (settings.steps if worst else settings.n_samples) + 1
+    ``1 / (steps + 1)`` of one batch per measure. With ``steps="auto"`` it is the time of the first 20 steps, which
+    the solver then extends while the value still rises: a lower bound."""
+    probe = dataclasses.replace(settings, steps=1, n_samples=1)
+    steps = settings.steps if isinstance(settings.steps, int) else AUTO_FIRST_STEPS
+
+    def passes(key: str) -> int:  # relative flatness draws n_samples Hutchinson probes whatever the mode
+        sampled = settings.mode == "average" or spec(key).family == "relative_flatness"
+        return (settings.n_samples if sampled else steps) + 1
+
     seconds = 0.0
-    for key in keys:
-        start = time.perf_counter()
-        run_measure(key, model, batches[:1], probe, symmetry_map=smap, progress=False)
-        seconds += time.perf_counter() - start
-    return seconds * passes / 2 * math.ceil(len(batches) / world_size)
+    library = logging.getLogger("hf_geosharp")
+    level = library.level
+    library.setLevel(logging.ERROR)  # one step never converges: that is no news about the run
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for key in keys:
+                start = time.perf_counter()
+                run_measure(key, model, batches[:1], probe, symmetry_map=smap, progress=False)
+                seconds += (time.perf_counter() - start) * passes(key) / 2
+    finally:
+        library.setLevel(level)
+    return seconds * math.ceil(len(batches) / world_size)
 
 
 # ------------------------------------------------------------------------------------------------------------- run
@@ -353,9 +363,9 @@ def run(args: argparse.Namespace) -> int:
         if show:
             _header(context)
             estimate = _estimate(model, batches, keys, settings, smap, world_size)
-            if estimate is not None:
-                shown = f"{estimate:,.0f}" if estimate >= 10 else f"{estimate:.1f}"
-                print(f"estimated {shown} s (from a timed first solver step per measure)\n", flush=True)
+            shown = f"{estimate:,.0f}" if estimate >= 10 else f"{estimate:.1f}"
+            bound = "at least " if settings.steps == "auto" else ""
+            print(f"estimated {bound}{shown} s (from a timed first solver step per measure)\n", flush=True)
         run_measures(keys, model, batches, settings, symmetry_map=smap, accelerator=accelerator, progress=show,
                      on_result=lambda key, res, seconds: timed.append((key, res, seconds)))  # fmt: skip
     except KeyboardInterrupt:
