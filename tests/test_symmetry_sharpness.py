@@ -13,7 +13,8 @@ from hf_geosharp.symmetry.tiny import build
 # with cross-attention, nn.MultiheadAttention, PEFT LoRA; mix on a plain and on a reduced-group model
 CASES = [("bert", "inv"), ("bert", "mix"), ("gpt2_conv1d", "inv"), ("llama_gqa", "inv"), ("llama_gqa", "mix"),
          ("gpt_neox_partial", "inv"), ("falcon_grouped", "inv"), ("phi3_fused", "inv"), ("bart", "inv"),
-         ("mha", "inv"), ("lora", "inv")]
+         ("mha", "inv"), ("lora", "inv"), ("gpt_bigcode_mqa", "inv"), ("deberta_v2_shared", "inv"),
+         ("deberta_v2_separate", "mix"), ("deberta", "inv")]
 
 
 @pytest.mark.parametrize("arch,metric", CASES)

@@ -15,6 +15,8 @@ from typing import Literal
 
 import torch
 
+from .report import symmetry_report
+
 PairKind = Literal["qk", "vo", "lora", "linear"]
 
 
@@ -133,6 +135,4 @@ class SymmetryMap:
 
         See :func:`hf_geosharp.symmetry.report.symmetry_report`.
         """
-        from .report import symmetry_report  # the report needs the weights' linear algebra; keep base light
-
         return symmetry_report(self, model)
