@@ -66,6 +66,7 @@ _SHRINK = {
     "vocab_size": VOCAB,
     **dict.fromkeys(("max_position_embeddings", "n_positions", "max_target_positions"), 128),
     "max_source_positions": 32,
+    "rotary_dim": 4,
 }
 
 
@@ -76,6 +77,11 @@ def _shrink(values: dict[str, Any]) -> dict[str, Any]:
     for key, value in values.items():
         if isinstance(value, dict) and ("model_type" in value or key.endswith("_config")):
             out[key] = _shrink(value)
+        elif isinstance(value, dict) and isinstance(value.get("mrope_section"), list):
+            n = len(value["mrope_section"])  # multimodal RoPE sections must add up to head_dim / 2 = 4
+            sections = [4 // n] * n
+            sections[0] += 4 - sum(sections)
+            out[key] = {**value, "mrope_section": sections}
         elif isinstance(value, bool):
             out[key] = value
         elif isinstance(value, int) and key in _SHRINK and value > _SHRINK[key]:
@@ -105,11 +111,10 @@ def tiny_model(model_type: str, seed: int = 0) -> torch.nn.Module:
     config_cls = CONFIG_MAPPING[model_type]
     values = _shrink(config_cls().to_dict())
     config = config_cls.from_dict(values)
-    config._attn_implementation = "eager"
-    for sub in getattr(config, "sub_configs", {}) or {}:
-        sub_config = getattr(config, sub, None)
-        if sub_config is not None and hasattr(sub_config, "_attn_implementation"):
-            sub_config._attn_implementation = "eager"
+    for cfg in [config] + [getattr(config, sub, None) for sub in getattr(config, "sub_configs", {}) or {}]:
+        if cfg is not None and hasattr(cfg, "_attn_implementation"):
+            cfg._attn_implementation = "eager"
+            cfg._experts_implementation = "eager"  # grouped_mm kernels refuse float64
     name = MODEL_MAPPING_NAMES.get(model_type) or CONFIG_MAPPING_NAMES[model_type].removesuffix("Config") + "Model"
     model_cls = getattr(tf, name if isinstance(name, str) else name[0], None)
     if model_cls is None:
@@ -329,6 +334,8 @@ def worker(types: list[str], timeout: int) -> None:
             row = examine(model_type)
         except _Timeout:
             row = {"model_type": model_type, "status": "timeout", "reason": f"over {timeout} s"}
+        except Exception as exc:  # noqa: BLE001 - e.g. the alarm landing inside an except clause
+            row = {"model_type": model_type, "status": "crashed", "reason": _short(exc)}
         finally:
             signal.alarm(0)
         print(ROW + json.dumps(row, default=str), flush=True)
@@ -468,7 +475,8 @@ def main(argv: list[str] | None = None) -> int:
 
     check_writable(args.json)
     check_writable(args.markdown)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logger.addHandler(logging.StreamHandler())
+    logger.setLevel(logging.INFO)
     import transformers
 
     start = time.perf_counter()

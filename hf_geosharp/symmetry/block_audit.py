@@ -54,6 +54,7 @@ class BlockAuditResult:
     rank: int
     n_inactive: int
     singular_values_at_cut: list[float]
+    null_space_by_parameter: dict[str, float]
     rtol: float
     seconds: float
     verdict: str = field(init=False)
@@ -76,6 +77,8 @@ class BlockAuditResult:
         hi, lo = self.singular_values_at_cut
         lines.append(f"  measured rank {self.rank:,} (singular values > {self.rtol:g} x largest; at the cut "
                      f"{hi:.2e} then {lo:.2e} relative), {self.n_inactive} coordinates with zero gradient")
+        lines.append("  null directions by parameter (squared weight, adds up to the nullity): "
+                     + ", ".join(f"{k} {v:g}" for k, v in self.null_space_by_parameter.items()))
         gap = self.predicted_rank - self.rank
         if gap:
             lines.append(f"  gap {gap:+,}: " + ("redundancies the prediction does not name" if gap > 0 else
@@ -322,12 +325,20 @@ def _audit_one(model: nn.Module, smap: SymmetryMap, name: str, blocks: list[Pair
         log(f"{name}: estimated {seconds * n_chunks:,.0f} s for the sketch and ~{svd:,.0f} s for its SVD")
 
     sketch, _ = sketch_jacobian(f, base[coords].clone(), generator=gen, on_first_chunk=estimate)
-    sv = torch.linalg.svdvals(sketch)
+    _, sv, vh = torch.linalg.svd(sketch, full_matrices=False)
     rank = numerical_rank(sv, rtol)
+    # where the null directions live: each null basis vector has unit norm, so the shares add up to n - rank
+    null = vh[rank:].square().sum(0)
+    local_owner = torch.searchsorted(torch.tensor([int(offsets[k]) for k in names]), coords, right=True) - 1
+    shares: dict[str, float] = {}
+    for i, k in enumerate(names):
+        share = float(null[local_owner == i].sum())
+        if share > 1e-6:
+            shares[k] = round(share, 3)
     col = sketch.norm(dim=0)
     n_inactive = int((col <= 1e-12 * col.max()).sum())
     cut = [float(sv[rank - 1] / sv[0]) if rank else 0.0, float(sv[rank] / sv[0]) if rank < sv.numel() else 0.0]
     predicted = n - sum(terms.values())
     return BlockAuditResult(name, scope, n, x.shape[0], n_outputs, sketch.shape[0],
                             {"width": width, "x": rank_x, "x1": rank_x1}, terms, predicted, rank, n_inactive, cut,
-                            rtol, time.perf_counter() - start)
+                            shares, rtol, time.perf_counter() - start)

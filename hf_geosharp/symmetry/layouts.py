@@ -10,6 +10,7 @@ recognises the layout but cannot map it safely. Turning a layout into GL(h) pair
 from __future__ import annotations
 
 import inspect
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -193,14 +194,29 @@ def _rope(holders: list[nn.Module], config: object, head_dim: int) -> tuple[int,
     if not any(word in _source(cls.forward) for cls in classes for word in _ROPE_WORDS):
         return None
     rotary_dim = _rotary_dim(holders, config, head_dim)
-    interleaved = False  # pairs (2j, 2j+1) instead of rotate_half's (j, j + r/2): GPT-J, RoFormer, Cohere
-    for cls in classes:
-        namespace = vars(sys.modules[cls.__module__])
-        sources = [_source(cls)] + [_source(namespace.get(fn)) for fn in ("apply_rotary_pos_emb", "rotate_half")]
-        interleaved = interleaved or any("rotate_every_two" in src or "::2]" in src for src in sources)
+    # pairs (2j, 2j+1) instead of rotate_half's (j, j + r/2): GPT-J, RoFormer, Cohere, gpt-oss, SAM3's 2-D RoPE
+    sources = [src for cls in classes for src in [_source(cls), *_rotary_helpers(cls)]]
+    interleaved = any(word in src for src in sources for word in ("rotate_every_two", "rotate_pairwise", "::2]"))
     if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > head_dim:
         raise Unmappable(f"rotary dimension {rotary_dim} is not even and within head_dim {head_dim}")
     return rotary_dim, interleaved
+
+
+def _rotary_helpers(cls: type, depth: int = 3) -> list[str]:
+    """Sources of the rotary helpers the class's forward calls, followed through the helpers they call.
+
+    Only functions whose name mentions rot/rope are followed, so a file that holds a second RoPE style for another
+    module (a vision tower) does not leak into this module's pairing.
+    """
+    namespace = vars(sys.modules[cls.__module__])
+    seen: dict[str, str] = {}
+    frontier = [_source(cls.forward)]
+    for _ in range(depth):
+        called = {n for src in frontier for n in re.findall(r"\b([A-Za-z_]\w*)\s*\(", src)}
+        new = [n for n in called if n not in seen and ("rot" in n.lower() or "rope" in n.lower())
+               and inspect.isfunction(namespace.get(n))]
+        frontier = [seen.setdefault(n, _source(namespace[n])) for n in new]
+    return list(seen.values())
 
 
 def _rotary_dim(holders: list[nn.Module], config: object, head_dim: int) -> int:
@@ -220,6 +236,9 @@ def _rotary_dim(holders: list[nn.Module], config: object, head_dim: int) -> int:
 
 def _qk_norm(holders: list[nn.Module], head_dim: int) -> str | None:
     """Why QK is not GL-symmetric when q/k are normalised, or ``None`` without qk-norm."""
+    if any(re.search(r"\bnormalize\(", _source(type(h).forward)) for h in holders):
+        raise Unmappable("the forward calls normalize(...) on q/k or on the heads' output (cosine attention, "
+                         "YOSO); a parameter-free normalisation breaks GL(h), so nothing is mapped")
     for holder in holders:
         for name in _QK_NORM_NAMES:
             norm = getattr(holder, name, None)
