@@ -70,14 +70,15 @@ class AuditResult:
         return "\n".join(lines)
 
 
-def random_inputs(model: nn.Module) -> InputFn:
-    """Random inputs for a ``transformers`` model from its config (token ids, or pixels for vision models)."""
+def random_inputs(model: nn.Module, seq_len: int = 8) -> InputFn:
+    """Random inputs for a ``transformers`` model from its config (token ids in sequences of up to ``seq_len``, or
+    pixels for vision models)."""
     config = getattr(model, "config", None)
     main = getattr(model, "main_input_name", None)
     if config is None or main not in ("input_ids", "pixel_values"):
         raise ValueError(f"cannot draw random inputs for {type(model).__name__}; pass inputs=... to the audit.")
     if main == "input_ids":
-        seq = min(8, getattr(config, "max_position_embeddings", None) or 8)
+        seq = min(seq_len, getattr(config, "max_position_embeddings", None) or seq_len)
 
         def text(gen: torch.Generator, n_tokens: int) -> dict[str, Any]:
             shape = (math.ceil(n_tokens / seq), seq)

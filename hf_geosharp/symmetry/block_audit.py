@@ -36,6 +36,10 @@ logger = logging.getLogger(__name__)
 
 MAX_BLOCK_PARAMS = 6000  # the sketch is (n + 16) x n float64 and its SVD cubic: 6000 -> 290 MB, about a minute
 RANK_RTOL = 1e-9
+# One sequence of L tokens shows at most 2 t L - t^2 - t QK directions of a t-column slice (its L x L scores, less
+# the GL(t) overlap and softmax's row shifts), so short sequences cap the measured rank below the prediction
+# (MiniLM, t = 2: 57 sequences of 8 tokens show 57 x 26 = 1,482 < 1,530). 64 tokens lift the cap above any slice.
+SEQ_LEN = 64
 
 
 @dataclass
@@ -288,8 +292,9 @@ def _audit_one(model: nn.Module, smap: SymmetryMap, name: str, blocks: list[Pair
     n = coords.numel()
     audited_o_bias = o_bias is not None and (scope == "whole block" or o_bias in extras)
 
-    # inputs: enough tokens to span the input space and give more outputs than coordinates
-    make = random_inputs(model)
+    # inputs: enough tokens to span the input space and give more outputs than coordinates, in sequences long enough
+    # that one sequence's scores can show its share of the QK directions (see SEQ_LEN)
+    make = random_inputs(model, seq_len=SEQ_LEN)
     gen = torch.Generator().manual_seed(seed)
     args, kwargs = _capture(model, block, make(gen, 8))
     x = args[0] if args else kwargs["hidden_states"]

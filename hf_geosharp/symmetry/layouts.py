@@ -150,7 +150,10 @@ _QK_NORM_NAMES = ("q_norm", "k_norm", "q_layernorm", "k_layernorm", "query_layer
                   "qk_norm")
 # parameters inside an attention module that provably leave the GL action alone: they add to the scores
 # independently of q and k (relative-position buckets) or to the softmax normaliser (attention sinks)
-_SAFE_EXTRAS = {"relative_attention_bias": "relative-position score bias", "sinks": "attention sinks"}
+# (Swin's bias table likewise); a residual LayerNorm named ``LayerNorm`` (ALBERT) acts after the output projection
+_SAFE_EXTRAS = {"relative_attention_bias": "relative-position score bias", "sinks": "attention sinks",
+                "relative_position_bias_table": "relative-position score bias table",
+                "LayerNorm": "residual LayerNorm after the output projection (ALBERT)"}
 _ROPE_WORDS = ("rotary", "rotate_half", "rotate_every_two", "apply_rope")
 
 
