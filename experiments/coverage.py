@@ -433,12 +433,14 @@ def markdown(payload: dict[str, Any]) -> str:
         "tried": "tried", "built": "built offline from the default config",
         "fully_mapped": "every attention module mapped",
         "fully_mapped_probe_verified": "... and probe-verified (invariant, control visible)",
-        "partially_mapped": "partially mapped (some modules fall back)", "fallback_only": "attention found, none mapped",
+        "partially_mapped": "partially mapped (some modules fall back)",
+        "fallback_only": "attention found, none mapped",
         "no_attention_found": "no attention module found (convnets, SSMs, ...)",
         "not_built": "not built (needs files, special config or inputs)", "timeout_or_crash": "timeout or crash",
         "map_error": "map_symmetries raised", "probe_passed": "probe passed (mapped + partial)",
         "probe_failed": "**probe failed (wrong map)**", "probe_inconclusive": "probe inconclusive (control invisible)",
-        "probe_not_run": "probe not run (generic inputs rejected)", "probe_nondeterministic": "outputs nondeterministic",
+        "probe_not_run": "probe not run (generic inputs rejected)",
+        "probe_nondeterministic": "outputs nondeterministic",
     }
     lines += [f"| {labels[k]} | {v} |" for k, v in head.items()]
     lines += ["", "Statuses: `mapped` (all attention mapped), `partial`, `fallback` (attention found, nothing mapped), "
@@ -484,7 +486,8 @@ def main(argv: list[str] | None = None) -> int:
 
     start = time.perf_counter()
     rows = sweep(types, args.timeout)
-    payload = {"transformers": transformers.__version__, "torch": torch.__version__, "python": platform.python_version(),
+    payload = {"transformers": transformers.__version__, "torch": torch.__version__,
+               "python": platform.python_version(),
                "probe_tol": PROBE_TOL, "control_min": CONTROL_MIN, "timeout_s": args.timeout,
                "seconds": round(time.perf_counter() - start, 1), "headline": headline(rows), "rows": rows}
     write_json(args.json, payload)

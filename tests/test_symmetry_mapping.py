@@ -253,6 +253,7 @@ def _swap_key_and_value(smap) -> None:
 
 
 @pytest.mark.parametrize("arch,breaks", [("gpt_bigcode_mqa", _swap_key_and_value),
+                                         ("gpt_bigcode_mha", _swap_key_and_value),
                                          ("deberta_v2_separate", _drop_position_rows),
                                          ("deberta", _drop_position_rows),
                                          ("deberta_v2_shared", None)])

@@ -78,8 +78,8 @@ def run(args: argparse.Namespace) -> int:
     code = EXIT_OK
     if args.audit:
         if not args.layers and smap.n_params > MAX_AUDIT_PARAMS:
-            print(f"geosharp symmetry --audit: the whole-model audit is for tiny models ({smap.n_params:,} parameters > "
-                  f"{MAX_AUDIT_PARAMS:,}); audit chosen attention blocks instead, e.g. --audit --layers 0.",
+            print(f"geosharp symmetry --audit: the whole-model audit is for tiny models ({smap.n_params:,} parameters "
+                  f"> {MAX_AUDIT_PARAMS:,}); audit chosen attention blocks instead, e.g. --audit --layers 0.",
                   file=sys.stderr)
             return EXIT_BAD_INPUT
         model = model.double()  # numerical rank needs float64 (the model was loaded here, not handed over)

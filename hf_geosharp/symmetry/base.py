@@ -119,7 +119,7 @@ class SymmetryMap:
         return sum(int(torch.Size(s).numel()) for s in self.param_shapes)
 
     @classmethod
-    def empty(cls, model: torch.nn.Module) -> "SymmetryMap":
+    def empty(cls, model: torch.nn.Module) -> SymmetryMap:
         """A map with no pairs: every parameter is elementwise (adaptive sharpness)."""
         named = list(model.named_parameters())
         return cls([n for n, _ in named], [p.shape for _, p in named])

@@ -286,7 +286,8 @@ def _audit_one(model: nn.Module, smap: SymmetryMap, name: str, blocks: list[Pair
     else:
         flat = torch.cat([p.coords for p in pieces] + [smap.index_of(e).reshape(-1) for e in extras])
         owners = _owner_names(smap, flat)
-        coords = torch.tensor([g - global_to_local[o][0] + global_to_local[o][1] for g, o in zip(flat.tolist(), owners)])
+        coords = torch.tensor([g - global_to_local[o][0] + global_to_local[o][1]
+                               for g, o in zip(flat.tolist(), owners)])
     if coords.unique().numel() != coords.numel():
         raise ValueError(f"{name}: audited coordinates overlap (a parameter in two pairs)")
     n = coords.numel()
@@ -300,7 +301,7 @@ def _audit_one(model: nn.Module, smap: SymmetryMap, name: str, blocks: list[Pair
     x = args[0] if args else kwargs["hidden_states"]
     width = x.shape[-1]
     out_width = _first_tensor(block(*args, **kwargs)).shape[-1]
-    n_tokens = max(width + 1 + 64, math.ceil(1.25 * (n + SKETCH_OVERSAMPLE) / out_width))
+    n_tokens = max(width + 1 + 16, math.ceil(1.25 * (n + SKETCH_OVERSAMPLE) / out_width))
     args, kwargs = _capture(model, block, make(gen, n_tokens))
     x = (args[0] if args else kwargs["hidden_states"]).reshape(-1, width).to(torch.float64)
     ones = torch.ones(x.shape[0], 1, dtype=torch.float64)
