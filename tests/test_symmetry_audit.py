@@ -86,7 +86,7 @@ def test_block_audit_whole_block_predicts_the_rank_term_by_term():
     assert result.input_rank == {"width": e, "x": e, "x1": e}  # LayerNorm'd input: [X, 1] loses one dimension
     assert result.terms == {
         "QK orbit (2 pair(s) x GL(8))": h * d * d, "VO orbit (2 pair(s) x GL(8))": h * d * d,
-        "input subspace: [X, 1] n = 0 directions of W_q, W_k, W_v": 3 * e,
+        "input subspace ([X, 1] n = 0) of W_q, W_k, W_v": 3 * e,
         "key bias (invisible to softmax)": e, "value bias (absorbed by the output bias)": e,
         "output LayerNorm: W_O rows along 1": e, "output LayerNorm: output bias along 1": 1}
     assert result.rank == result.predicted_rank and result.verdict == "PASS"

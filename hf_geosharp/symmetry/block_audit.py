@@ -203,7 +203,7 @@ def _predict(smap: SymmetryMap, pieces: list[_Piece], o_bias: str | None, audite
                 raise ValueError(f"{b.module}: a {b.kind} factor with {rows} rows does not read the block input "
                                  f"(width {width}) alone (relative-position rows?); the block audit does not cover it")
             per_block = (width + 1 - rank_x1) if biased else (width - rank_x)
-            add("input subspace: [X, 1] n = 0 directions of W_q, W_k, W_v", blocks_in * per_block * p.t * p.k)
+            add("input subspace ([X, 1] n = 0) of W_q, W_k, W_v", blocks_in * per_block * p.t * p.k)
         if b.kind == "qk" and b.lie_basis is None and "key bias visible" not in b.note:
             add("key bias (invisible to softmax)", _bias_rows(smap, b.H_index[0]) * p.t * p.k)
         if b.kind == "vo" and audited_o_bias:
