@@ -292,7 +292,7 @@ def examine(model_type: str) -> dict[str, Any]:
         row.update(status="map_error", reason=_short(exc), seconds=round(time.perf_counter() - start, 2))
         return row
     modules = sorted({b.module for b in smap.blocks if b.kind in ("qk", "vo")})
-    fallbacks = [{"module": f.module, "reason": f.reason[:240]} for f in smap.fallbacks]
+    fallbacks = [{"module": f.module, "reason": f.reason[:160]} for f in smap.fallbacks]
     row.update(
         n_attention_modules=len(set(modules) | {f["module"] for f in fallbacks}),
         n_mapped_modules=len(modules),
@@ -301,9 +301,9 @@ def examine(model_type: str) -> dict[str, Any]:
         n_reduced_blocks=sum(b.lie_basis is not None for b in smap.blocks),
         layouts=sorted({b.note.split(";")[0] for b in smap.blocks}),
         n_fallbacks=len(fallbacks),
-        fallbacks=fallbacks[:3],
+        fallbacks=fallbacks[:1],
         fallback_reasons=sorted({f["reason"].split(":")[0] for f in fallbacks}),
-        notes=[n[:200] for n in smap.notes][:4],
+        notes=[n[:160] for n in smap.notes][:1],
     )
     if not smap.blocks:
         row["status"] = "fallback" if fallbacks else "no_attention"
@@ -490,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
                "python": platform.python_version(),
                "probe_tol": PROBE_TOL, "control_min": CONTROL_MIN, "timeout_s": args.timeout,
                "seconds": round(time.perf_counter() - start, 1), "headline": headline(rows), "rows": rows}
-    write_json(args.json, payload)
+    write_json(args.json, payload, indent=None)
     write_text(args.markdown, markdown(payload))
     print(json.dumps(payload["headline"], indent=2))
     return 0
