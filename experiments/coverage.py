@@ -12,7 +12,8 @@ Each type runs in a worker process with a per-type alarm, and the parent restart
 one bad architecture costs at most its timeout. Everything is offline: a type that needs files from the Hub (a timm
 backbone, a tokenizer) fails to build and says why.
 
-Run from the repository root: ``python -m experiments.coverage`` (writes ``docs/results/coverage.json`` and
+Run from the repository root: ``nice -n 10 python -m experiments.coverage`` (about 12 minutes on two shared cores;
+writes ``docs/results/coverage.json`` and
 ``docs/coverage.md``); ``--types bert,gpt2`` runs a sample.
 """
 
@@ -452,9 +453,10 @@ def markdown(payload: dict[str, Any]) -> str:
         pairs = f"{r['n_pairs_qk']} / {r['n_pairs_vo']} ({r['n_reduced_blocks']})" if "n_pairs_qk" in r else ""
         dev = (f"{p['max_rel_deviation']:.1e} / {p['control_rel_deviation']:.1e}"
                if "max_rel_deviation" in p else "")
-        reason = r.get("reason") or p.get("reason") or "; ".join(r.get("fallback_reasons", []))
+        fallback = r["fallbacks"][0]["reason"] if r.get("fallbacks") else ""
+        reason = r.get("reason") or p.get("reason") or fallback
         lines.append(f"| {r['model_type']} | {r['status']} | {_cell(', '.join(r.get('layouts', [])), 60)} | {pairs} "
-                     f"| {p.get('status', '')} | {dev} | {_cell(reason or '')} |")
+                     f"| {p.get('status', '')} | {dev} | {_cell(reason or '', 120)} |")
     return "\n".join(lines) + "\n"
 
 
