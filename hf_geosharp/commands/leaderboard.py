@@ -135,9 +135,6 @@ def execute(
 ) -> tuple[int, Leaderboard | None]:
     """Run (or resume) the leaderboard into ``args.out`` and write its files; the exit code and the board."""
     quiet_libraries()
-    if not getattr(args, "verbose", False):  # one line per model and measure would bury the progress bar
-        for name in ("hf_geosharp.api", "hf_geosharp.symmetry"):
-            logging.getLogger(name).setLevel(logging.WARNING)
     store_path = args.out / STORE_FILE
     try:
         for name in ("leaderboard.md", STORE_FILE):  # before any work: a bad --out would lose the whole run
