@@ -13,7 +13,7 @@ from .relative_flatness import relative_flatness  # noqa: E402
 from .symmetry import SymmetryMap, map_symmetries, reparametrize  # noqa: E402
 
 __all__ = ["SharpnessResult", "SymmetryMap", "adaptive_sharpness", "geodesic_sharpness", "map_symmetries",
-           "reparametrize", "EVALUATE_MODULE_DIR", "__version__"]
+           "reparametrize", "relative_flatness", "EVALUATE_MODULE_DIR", "__version__"]
 
 EVALUATE_MODULE_DIR = _os.path.join(_os.path.dirname(__file__), "geodesic_sharpness")
 """The evaluate module's one folder (loading script and measurement card): ``evaluate.load(EVALUATE_MODULE_DIR)``."""

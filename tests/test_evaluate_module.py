@@ -57,8 +57,12 @@ def test_import_writes_nothing(tmp_path):
     hf_home = tmp_path / "hf"
     hf_home.mkdir()
     env = {**_env(hf_home), "PYTHONPATH": str(REPO)}
-    subprocess.run([sys.executable, "-c", "import hf_geosharp, hf_geosharp.cli; hf_geosharp.cli.build_parser()"],
-                   env=env, check=True, cwd=tmp_path)
+    subprocess.run(
+        [sys.executable, "-c", "import hf_geosharp, hf_geosharp.cli; hf_geosharp.cli.build_parser()"],
+        env=env,
+        check=True,
+        cwd=tmp_path,
+    )
     assert list(hf_home.rglob("*")) == []
 
 
