@@ -310,4 +310,8 @@ def test_reduced_group_relaxed_projection_is_orthogonal(metric):
     for E in basis:
         assert geo.inner_product(p, geo.vertical_vector(E.expand(K, H, H))).abs().max() < 1e-10
     a, b = full.projection(xi), closed.projection(xi)
-    assert torch.allclose(a[0], b[0], atol=1e-9) and torch.allclose(a[1], b[1], atol=1e-9)
+    # Two backward-stable solvers of the same linear system agree to O(unit roundoff * condition number); the dead
+    # columns make the relaxed Gram matrices ill-conditioned (about 1e8 here), so the tolerance scales with it.
+    cond = max(float(torch.linalg.cond(closed._P64).max()), float(torch.linalg.cond(closed._Q64).max()))
+    tol = max(1e-9, 1e-13 * cond)
+    assert torch.allclose(a[0], b[0], atol=tol) and torch.allclose(a[1], b[1], atol=tol)
