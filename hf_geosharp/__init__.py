@@ -3,6 +3,7 @@
 __version__ = "0.1.0"
 
 from .api import SharpnessResult, adaptive_sharpness, geodesic_sharpness  # noqa: E402
+from .hide import HideResult, hide  # noqa: E402
 from .symmetry import SymmetryMap, map_symmetries, reparametrize  # noqa: E402
 
 import os as _os  # noqa: E402
