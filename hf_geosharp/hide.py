@@ -135,7 +135,7 @@ class _Proxy:
     def __call__(self, xs: list[Tensor]) -> Tensor:
         """Mean over batches of ``rho * ||grad (.) |w| ||`` at the point moved by ``A = exp(X)`` per pair."""
         a = [torch.linalg.matrix_exp(x) for x in xs]
-        a_inv = [torch.linalg.matrix_exp(-x) for x in xs]
+        a_inv = [torch.linalg.inv(ak) for ak in a]  # cheaper to differentiate than exp(-X); cond(A) is bounded
         G = [g @ ai for g, ai in zip(self.G, a_inv)]  # G A^{-1}
         H = [h @ ak.mT for h, ak in zip(self.H, a)]  # H A^T
         values = []
@@ -174,20 +174,65 @@ def _search(proxy: _Proxy, smap: SymmetryMap, target: Target, bound: float, step
 
     sign = -1.0 if target == "sharp" else 1.0
     optimizer = torch.optim.Adam(coeffs, lr=lr)
-    with torch.no_grad():
-        best, best_value = [x.clone() for x in xs()], float(proxy(xs()))
-    for _ in range(steps):
-        value = proxy(xs())
+    best: list[Tensor] = []
+    best_value = math.nan
+    for step in range(steps + 1):
+        current = xs()
+        value = proxy(current)
+        v = float(value.detach())
+        if not best or ((v > best_value) if target == "sharp" else (v < best_value)):
+            best, best_value = [x.detach().clone() for x in current], v
+        if step == steps:
+            break
         optimizer.zero_grad()
         (sign * value.log()).backward()
         optimizer.step()
         project()
-        current = xs()
-        with torch.no_grad():
-            v = float(proxy(current))
-        if (v > best_value) if target == "sharp" else (v < best_value):
-            best, best_value = [x.detach().clone() for x in current], v
     return best, best_value
+
+
+def _checked_apply(model: nn.Module, batches: list, smap: SymmetryMap, elements: list[Tensor],
+                   tolerance: float | None, loss_fn: LossFn | None) -> tuple[float, Callable[[], None]]:
+    """Apply ``elements`` all-or-nothing and run the probe; rolls back and raises if the outputs moved."""
+    dtype = next(model.parameters()).dtype
+    tolerance = math.sqrt(torch.finfo(dtype).eps) if tolerance is None else tolerance
+    with preserved_model_state(model):
+        reference = _outputs(model, batches, loss_fn)
+        undo = apply_group_elements(model, smap, elements)
+        try:
+            deviation = _deviation(reference, _outputs(model, batches, loss_fn))
+            if not deviation <= tolerance:
+                raise FunctionChangedError(
+                    f"the transformed model's outputs moved by {deviation:.3g} (relative) > tolerance {tolerance:.3g}; "
+                    "the model was restored. Lower `condition`, or check the symmetry map with `geosharp symmetry "
+                    "MODEL --audit`.")
+        except BaseException:
+            undo()
+            raise
+    return deviation, undo
+
+
+def reparametrize_checked(
+    model: nn.Module,
+    batches: Iterable[Any],
+    *,
+    seed: int = 0,
+    condition: float = 100.0,
+    tolerance: float | None = None,
+    loss_fn: LossFn | None = None,
+    smap: SymmetryMap | None = None,
+) -> tuple[list[Tensor], float]:
+    """:func:`hf_geosharp.reparametrize` (a random group element, in place) with the probe of :func:`hide`: returns
+    the applied elements and the relative output deviation; rolls back and raises :class:`FunctionChangedError`
+    when the outputs moved by more than ``tolerance`` (default ``sqrt(eps)`` of the weights' dtype)."""
+    from .geometry.lie import random_group_element
+
+    smap = map_symmetries(model) if smap is None else smap
+    generator = torch.Generator().manual_seed(seed)
+    elements = [random_group_element(b.n_pairs, b.head_dim, lie_basis=b.lie_basis, condition=condition,
+                                     generator=generator) for b in smap.blocks]
+    deviation, _ = _checked_apply(model, list(batches), smap, elements, tolerance, loss_fn)
+    return elements, deviation
 
 
 def hide(
@@ -197,7 +242,7 @@ def hide(
     measure: str = "adaptive",
     *,
     condition: float = 100.0,
-    search_steps: int = 200,
+    search_steps: int = 100,
     restarts: int = 1,
     seed: int = 0,
     lr: float | None = None,
@@ -254,8 +299,6 @@ def hide(
                          "(see `geosharp symmetry MODEL`).")
     loss = _default_loss if loss_fn is None else loss_fn
     bound = math.log(condition) / 2
-    dtype = next(model.parameters()).dtype
-    tolerance = math.sqrt(torch.finfo(dtype).eps) if tolerance is None else tolerance
 
     proxy = _Proxy(model, batches, smap, settings.rho, loss)
     identity = [torch.zeros(b.n_pairs, b.head_dim, b.head_dim, dtype=torch.float64) for b in smap.blocks]
@@ -278,19 +321,7 @@ def hide(
     if geodesic:
         before["geodesic"] = run_measure("geodesic_sharpness_inv", model, batches, settings, symmetry_map=smap,
                                          **options).value
-    with preserved_model_state(model):
-        reference = _outputs(model, batches, loss_fn)
-        undo = apply_group_elements(model, smap, elements)
-        try:
-            deviation = _deviation(reference, _outputs(model, batches, loss_fn))
-            if not deviation <= tolerance:
-                raise FunctionChangedError(
-                    f"the transformed model's outputs moved by {deviation:.3g} (relative) > tolerance {tolerance:.3g}; "
-                    "the model was restored. Lower `condition`, or check the symmetry map with `geosharp symmetry "
-                    "MODEL --audit`.")
-        except BaseException:
-            undo()
-            raise
+    deviation, undo = _checked_apply(model, batches, smap, elements, tolerance, loss_fn)
     result = HideResult(target, measure, elements, max_condition, proxy_before, best_value,
                         max_output_deviation=deviation, seed=seed, **{f"{k}_before": v for k, v in before.items()})
     try:
