@@ -1,4 +1,5 @@
-"""``geosharp reparametrize MODEL OUT``: a transformed copy with the same function; MODEL and other folders untouched."""
+"""``geosharp reparametrize MODEL OUT``: a transformed copy with the same function; MODEL and other folders
+untouched."""
 
 from __future__ import annotations
 
