@@ -12,6 +12,7 @@ import dataclasses
 import importlib
 import os
 import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -169,3 +170,60 @@ def test_reparametrize_completes_when_not_interrupted() -> None:
     assert (_logits(model, batches) - logits).abs().max() <= 1e-10 * logits.abs().max()
     q = "bert.encoder.layer.0.attention.self.query.weight"
     assert not torch.allclose(model.state_dict()[q], state[q])
+
+
+# -------------------------------------------------------------------------------------------- the demo's section
+
+
+@pytest.fixture(scope="module")
+def mini_zoo(tmp_path_factory):
+    from hf_geosharp.zoo import build_zoo, torch_threads
+
+    with torch_threads(1):
+        return build_zoo("mini", tmp_path_factory.getbasetemp() / "zoo", progress=False)
+
+
+def test_demo_hide_and_seek_section(mini_zoo, tmp_path: Path, capsys) -> None:
+    from hf_geosharp import cli
+
+    args = ["demo", "--size", "mini", "--cache-dir", str(mini_zoo.root), "--out", str(tmp_path), "--n-examples", "64",
+            "--batch-size", "32", "--steps", "3", "--hide-steps", "3"]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    section = out[out.index("hide & seek:"):]
+    for part in ("(i) a random symmetry element", "(ii) adversarial", "(iii) Kendall tau against the gap"):
+        assert part in section
+    ranks = dict(line.split() for line in section.split("(ii)")[0].splitlines()[3:] if line.strip())
+    assert ranks["geodesic_sharpness_inv"] == "+1.00" and ranks["geodesic_sharpness_mix"] == "+1.00"
+    assert (tmp_path / "hide_and_seek.png").stat().st_size > 0
+    stored = (tmp_path / "hide_and_seek.jsonl").read_bytes()
+    assert cli.main(args) == 0  # second run: every hide & seek number comes from the store
+    assert (tmp_path / "hide_and_seek.jsonl").read_bytes() == stored
+    assert capsys.readouterr().out.split("hide & seek:")[1].split("\nzoo:")[0] == section.split("hide & seek:")[1] \
+        .split("\nzoo:")[0]
+
+
+def test_hide_and_seek_moves_adaptive_and_not_geodesic(mini_zoo) -> None:
+    from hf_geosharp.data import DataSpec, load_batches, load_model, load_processor
+    from hf_geosharp.hide import hide_and_seek
+    from hf_geosharp.measures import Settings
+
+    spec = DataSpec(dataset=str(mini_zoo.data_dir), n_examples=64, batch_size=32)
+    dirs = {d.name: d for d in mini_zoo.model_dirs}
+
+    def load(name):
+        model = load_model(str(dirs[name]))
+        return model, load_batches(model, load_processor(str(dirs[name]), model), spec)
+
+    names = sorted(dirs)
+    gaps = [m["test_error"] - m["train_error"] for m in (mini_zoo.metrics()[n] for n in names)]
+    report = hide_and_seek(names, load, gaps, settings=Settings(steps=3, epsilon=0.0), condition=1000.0)
+    for what in ("random", "adversarial"):
+        for key in ("geodesic_sharpness_inv", "geodesic_sharpness_mix"):
+            for a, b in zip(report.original[key], getattr(report, what)[key]):
+                assert b == pytest.approx(a, rel=1e-4)  # measured in float64
+    moved = [b / a for a, b in zip(report.original["adaptive_sharpness"], report.random["adaptive_sharpness"])]
+    assert max(abs(m - 1) for m in moved) > 0.05
+    sharp = next(c for c in report.showcase if c["target"] == "sharp")
+    assert sharp["after"]["adaptive_sharpness"] > 2 * sharp["before"]["adaptive_sharpness"]
+    assert report.max_output_deviation < 1e-3
