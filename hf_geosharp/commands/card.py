@@ -1,8 +1,15 @@
-"""``geosharp card``: put sharpness results into a model card's ``model-index``, locally or as a Hub pull request.
+"""``geosharp card``: publish sharpness results as model-index entries and/or ``.eval_results`` files.
 
-Reads the JSON of ``geosharp run --json`` (or ``SharpnessResult.to_dict()`` output), merges one eval result per
-measure into ``MODEL/README.md`` (other content kept; an entry with the same configuration is replaced, not
-duplicated) and prints the YAML. ``--push REPO_ID`` opens a pull request on the Hub with the user's token.
+Reads the JSON of ``geosharp run --json`` (or ``SharpnessResult.to_dict()`` output) and, by ``--format``:
+
+* ``model-index`` (default): merges one entry per measure into ``MODEL/README.md`` (other content kept; an entry with
+  the same configuration is replaced, not duplicated). Works for any dataset.
+* ``eval-results``: merges one entry per measure into ``MODEL/.eval_results/<benchmark>.yaml``, the Hub's current
+  format; needs ``--benchmark``, a benchmark dataset on the Hub that carries an ``eval.yaml``.
+* ``both``.
+
+``--push REPO_ID`` proposes the same files as one pull request (one commit) on the Hub with the user's token;
+``--results-repo`` also commits the run JSON to a results dataset. Every check runs before anything is written.
 """
 
 from __future__ import annotations
@@ -13,49 +20,124 @@ from pathlib import Path
 
 from huggingface_hub import ModelCard
 
-from ..cards import CardError, card_yaml, dataset_info, eval_result, push_card, read_results, require_online, task_type
-from ..cards import write_card
+from ..cards import (
+    CardError,
+    card_yaml,
+    dataset_info,
+    entries_yaml,
+    eval_result,
+    eval_result_entry,
+    eval_results_file,
+    known_task,
+    model_metadata,
+    parse_card,
+    read_entries,
+    read_results,
+    readme_path,
+    write_card,
+    write_eval_results,
+)
+from ..publish import Publication, push, require_online
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+FORMATS = ("model-index", "eval-results", "both")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "card",
-        help="write sharpness results into a model card (model-index), optionally as a Hub pull request",
-        description="Merge sharpness results into the model-index of MODEL/README.md (or a README.md path): other "
-        "content is preserved and an entry with the same configuration is replaced instead of duplicated.",
+        help="publish sharpness results in a model card (model-index) and/or .eval_results, optionally as a Hub PR",
+        description="Merge sharpness results into MODEL/README.md (model-index) and/or MODEL/.eval_results/ "
+        "(--format): other content is preserved and an entry with the same configuration is replaced.",
     )
     p.add_argument("model", type=Path, help="model folder (its README.md is edited or created) or a README.md path")
     p.add_argument("--results", type=Path, required=True, help="JSON from `geosharp run --json`")
-    p.add_argument("--dataset", help="dataset name for the card (default: the one recorded in the results)")
+    p.add_argument("--format", choices=FORMATS, default="model-index",
+                   help="model-index (README front matter, any data), eval-results (.eval_results/*.yaml, needs "
+                   "--benchmark) or both (default: model-index)")
+    p.add_argument("--benchmark", metavar="DATASET_ID",
+                   help="the Hub benchmark dataset (with an eval.yaml) that the .eval_results entries point at")
+    p.add_argument("--benchmark-revision", help="git revision of the benchmark dataset")
+    p.add_argument("--dataset", help="dataset for the card (default: the one recorded in the results)")
+    p.add_argument("--dataset-revision", help="git revision of the Hub dataset the results were measured on")
+    p.add_argument("--local-data", action="store_true",
+                   help="the data was local (not a Hub dataset) even if its path no longer exists here")
     p.add_argument("--split", help="dataset split (default: the one recorded in the results)")
     p.add_argument("--task-type", help="Hub task type (default: from the model class, e.g. text-classification)")
     p.add_argument("--model-name", help="model name in the model-index (default: the card's, else the folder name)")
+    p.add_argument("--source-url", help="where this run can be seen (a Space, a run log); written as the source")
+    p.add_argument("--base-model", help="base_model for a card that has none")
+    p.add_argument("--license", help="license for a card that has none")
     p.add_argument("--push", metavar="REPO_ID", help="also open a pull request with these entries on this Hub model")
+    p.add_argument("--results-repo", metavar="DATASET_ID",
+                   help="with --push: also commit the run JSON to this results dataset (<org>/<model>/results_*.json)")
     p.add_argument("--token", help="Hub token for --push (default: the one from `hf auth login` / HF_TOKEN)")
     p.set_defaults(func=run)
 
 
+def _prepare(args: argparse.Namespace) -> tuple[list, list, dict]:
+    """All checks and entries, before anything is written."""
+    if args.push:
+        require_online(args.push)  # before anything is written: a failed command changes nothing
+    if args.format != "model-index" and not args.benchmark:
+        raise CardError(f"--format {args.format} needs --benchmark DATASET_ID: .eval_results entries point at a "
+                        "benchmark dataset on the Hub that carries an eval.yaml (template: "
+                        "hf_geosharp/templates/eval.yaml). Use --format model-index for results on any dataset.")
+    if args.results_repo and not args.push:
+        raise CardError("--results-repo needs --push REPO_ID.")
+    results, context = read_results(args.results)
+    dataset = dataset_info(context, name=args.dataset, split=args.split, revision=args.dataset_revision,
+                           local=True if args.local_data else None)
+    task = args.task_type or known_task(context.get("model_class"))
+    if task is None:
+        print(f"note: no Hub task type is known for model class {context.get('model_class')!r}; writing 'other'. "
+              "Pass --task-type to name it.", file=sys.stderr)
+    index = [eval_result(r, dataset, task or "other", url=args.source_url) for r in results] \
+        if args.format != "eval-results" else []
+    entries = [eval_result_entry(r, dataset, args.benchmark, url=args.source_url,
+                                 benchmark_revision=args.benchmark_revision) for r in results] \
+        if args.format != "model-index" else []
+    folder = _folder(args.model)
+    if index and readme_path(args.model).exists():  # a card we cannot read stops us before any write
+        parse_card(readme_path(args.model).read_text(), str(readme_path(args.model)))
+    for path in _existing_eval_files(folder, entries):  # a broken existing file stops us before any write
+        read_entries(path.read_text())
+    meta = model_metadata(folder, base_model=args.base_model, license=args.license)
+    return index, entries, meta
+
+
+def _folder(model: Path) -> Path:
+    return model if model.is_dir() or not model.suffix else model.parent
+
+
+def _existing_eval_files(folder: Path, entries: list) -> list[Path]:
+    return [p for p in (folder / eval_results_file(b) for b in dict.fromkeys(e.dataset_id for e in entries))
+            if p.exists()]
+
+
 def run(args: argparse.Namespace) -> int:
     try:
-        if args.push:
-            require_online(args.push)  # before anything is written: a failed command changes nothing
-        results, context = read_results(args.results)
-        dataset = dataset_info(context, name=args.dataset, split=args.split)
-        task = args.task_type or task_type(context.get("model_class"))
-        entries = [eval_result(r, dataset, task) for r in results]
+        index, entries, meta = _prepare(args)
     except CardError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    path = write_card(args.model, entries, args.model_name)
-    print(card_yaml(entries, ModelCard.load(path).data.model_name))
-    print(f"wrote {len(entries)} eval result(s) into {path}")
+    if index:
+        path = write_card(args.model, index, args.model_name, meta)
+        print(card_yaml(index, ModelCard.load(path).data.model_name))
+        print(f"wrote {len(index)} model-index entr{'y' if len(index) == 1 else 'ies'} into {path}")
+    if entries:
+        paths = write_eval_results(_folder(args.model), entries)
+        print(entries_yaml(entries))
+        print(f"wrote {len(entries)} eval result(s) into {', '.join(map(str, paths))}")
     if args.push:
+        pub = Publication(args.push, index, entries, meta)
         try:
-            url = push_card(args.push, entries, token=args.token)
+            urls = push(pub, token=args.token, results_repo=args.results_repo,
+                        run_json=args.results.read_bytes() if args.results_repo else None)
         except CardError as err:
             print(f"error: {err}", file=sys.stderr)
             return EXIT_FAILED
-        print(f"opened a pull request: {url}")
+        print(f"opened a pull request: {urls['pull_request']}")
+        if "results" in urls:
+            print(f"committed the run JSON: {urls['results']}")
     return EXIT_OK

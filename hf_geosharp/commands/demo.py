@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     if code != EXIT_OK:
         return code
     flattest = ranked(board)[0]["model"]
-    entries = [eval_result(r, dataset_info({"data": {**vars(data), "dataset": "digits"}}), "image-classification")
+    entries = [eval_result(r, dataset_info({"data": vars(data)}, name="digits", local=True), "image-classification")
                for r in board.results[flattest]]
     if not args.quiet:
         print(f"\nmodel-card snippet for the flattest model ({flattest}); `geosharp card` writes such entries "

@@ -1,7 +1,6 @@
 """``geosharp register``: make ``evaluate.load("geodesic_sharpness")`` work from any directory, in any new process.
 
-``import hf_geosharp`` does the same silently; this command is for install scripts and for processes that load the
-measurement without ever importing the package.
+``scripts/install.sh`` runs it; importing the package never registers (importing writes nothing).
 """
 
 from __future__ import annotations

@@ -1,1 +1,0 @@
-../hf_geosharp/geodesic_sharpness/geodesic_sharpness.py
