@@ -311,6 +311,8 @@ HIDE_HOW = {"random symmetry element": None, "adversarial: make it look sharp": 
 def hide_and_seek_tab(space: Space) -> None:
     """The "Hide & seek" tab: reparametrise a zoo model along its attention symmetries (randomly or adversarially,
     with :func:`hf_geosharp.hide`) and show adaptive sharpness move while geodesic sharpness stays."""
+    from matplotlib.figure import Figure
+
     from hf_geosharp.hide import hide, reparametrize_checked
     from hf_geosharp.measures import run_measure
 
@@ -331,7 +333,8 @@ def hide_and_seek_tab(space: Space) -> None:
             before = {k: run_measure(k, model, batches, settings, progress=False).value for k in keys}
             progress(0.5, desc="reparametrising")
             if HIDE_HOW[how] is None:
-                deviation = reparametrize_checked(model, batches, condition=1000.0, seed=int.from_bytes(os.urandom(2), "little"))[1]
+                seed = int.from_bytes(os.urandom(2), "little")  # a new random element on every press
+                deviation = reparametrize_checked(model, batches, condition=1000.0, seed=seed)[1]
             else:
                 deviation = hide(model, batches, target=HIDE_HOW[how], condition=1000.0, settings=settings,
                                  evaluate=False).max_output_deviation
