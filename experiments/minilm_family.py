@@ -400,11 +400,15 @@ def run(config: Config, cache: Path, out_dir: Path, tarball: Path | None = None,
             rec = runner.measure(row, name, config.rho, config.steps)
             row[name] = rec["value"]
         row["clean_loss"] = rec["clean_loss"]
-    if only_trained:  # the rho sweep too (the adversarial stage needs the whole population's median gap)
+    if only_trained:  # the rho sweep, and the adversarial stage once every member (so the median gap) exists
         for rho in config.sweep_rhos if sweep else ():
             for row in rows:
                 for name in ("geodesic_inv", "adaptive_clean"):
                     runner.measure(row, name, rho, config.sweep_steps)
+        if adversarial and len(rows) == config.n_models:
+            median = statistics.median(r["gap_error"] for r in rows)
+            for row in rows:
+                runner.hidden(row, "flat" if row["gap_error"] > median else "sharp")
         return None
     predictors = plan + list(TRIVIAL)
     report: dict[str, Any] = {
