@@ -454,19 +454,28 @@ def run(config: Config, cache: Path, out_dir: Path, tarball: Path | None = None,
     return report
 
 
-def _print(report: dict[str, Any]) -> None:
-    def line(name: str, t: dict[str, float]) -> str:
-        ci = "n/a" if math.isnan(t["ci_low"]) else f"[{t['ci_low']:+.2f}, {t['ci_high']:+.2f}]"
-        return f"  {name:28s} tau {t['tau']:+.3f} {ci}"
+def tables_markdown(report: dict[str, Any]) -> str:
+    """The write-up's tables: taus against both gaps (original and hidden), and the rho sweep."""
+    def cell(t: dict[str, float]) -> str:
+        ci = "" if math.isnan(t["ci_low"]) else f" [{t['ci_low']:+.2f}, {t['ci_high']:+.2f}]"
+        return f"{t['tau']:+.2f}{ci}"
 
-    print(f"{len(report['rows'])} members; Kendall tau against the error gap (bootstrap 95 % CI):")
-    for name, t in report["taus_gap_error"].items():
-        print(line(name, t))
-    for name, t in report.get("adversarial", {}).get("taus_gap_error", {}).items():
-        print(line(name, t))
-    for block in report.get("rho_sweep", {}).values():
-        for name, t in block["taus_gap_error"].items():
-            print(line(name, t))
+    lines = ["| predictor | tau vs error gap [95 % CI] | tau vs loss gap [95 % CI] |", "|---|---|---|"]
+    for name in report["taus_gap_error"]:
+        lines.append(f"| {name} | {cell(report['taus_gap_error'][name])} | {cell(report['taus_gap_loss'][name])} |")
+    adv = report.get("adversarial")
+    if adv:
+        for name in adv["taus_gap_error"]:
+            lines.append(f"| {name} (adversarially hidden) | {cell(adv['taus_gap_error'][name])} | "
+                         f"{cell(adv['taus_gap_loss'][name])} |")
+    sweep = report.get("rho_sweep", {})
+    if sweep:
+        lines += ["", "| rho (steps) | geodesic_inv | adaptive_clean |", "|---|---|---|"]
+        for rho, block in sweep.items():
+            t = block["taus_gap_error"]
+            lines.append(f"| {rho} ({block['steps']}) | {cell(t[f'geodesic_inv@{rho}'])} | "
+                         f"{cell(t[f'adaptive_clean@{rho}'])} |")
+    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
@@ -486,7 +495,7 @@ def main() -> None:
         report = run(config, args.cache or cache_root() / "minilm_family", args.out, sweep=not args.no_sweep,
                      adversarial=not args.no_adversarial, only_trained=args.only_trained)
     if report is not None:
-        _print(report)
+        print(tables_markdown(report))
 
 
 if __name__ == "__main__":

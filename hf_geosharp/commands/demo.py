@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+from tqdm.auto import tqdm
+
 from ..cards import card_yaml, dataset_info, eval_result
 from ..data import DataSpec, load_batches, load_model, load_processor
 from ..durable import OutputPathError, check_writable
@@ -85,8 +87,14 @@ def _hide_and_seek(args: argparse.Namespace, zoo, data: DataSpec, board) -> None
         return record
 
     settings = Settings(rho=args.rho, steps=args.hide_steps, seed=args.seed, epsilon=args.epsilon)
-    report = hide_and_seek(names, load, [gaps[n] for n in names], settings=settings, condition=args.hide_condition,
-                           seed=args.seed, cache=cache)
+    with tqdm(total=len(names), desc="hide & seek", unit="model", disable=args.quiet) as bar:
+        def on_model(name: str) -> None:
+            bar.update(names.index(name) - bar.n)
+            bar.set_postfix(model=name)
+
+        report = hide_and_seek(names, load, [gaps[n] for n in names], settings=settings,
+                               condition=args.hide_condition, seed=args.seed, cache=cache, on_model=on_model)
+        bar.update(len(names) - bar.n)
     plot = args.out / "hide_and_seek.png"
     seek_figure(report, plot)
     if not args.quiet:
