@@ -483,11 +483,14 @@ def seek_lines(report: SeekReport, condition: float) -> list[str]:
              f"{report.max_output_deviation:.0e}", "",
              "(i) a random symmetry element per model: Kendall tau between the original and the transformed ranking"]
     lines += [f"    {k:{width}s}{report.rank_taus[k]:+.2f}" for k in report.measures]
-    lines += ["", "(ii) adversarial: the flattest model by adaptive sharpness pushed sharp, the sharpest pushed flat",
-              f"    {'model':10s}{'target':8s}" + "".join(f"{k:>{width + 18}s}" for k in report.measures)]
-    for case in report.showcase:
-        cells = "".join(f"{case['before'][k]:>{width + 4}.3g} -> {case['after'][k]:<10.3g}" for k in report.measures)
-        lines.append(f"    {case['model']:10s}{case['target']:8s}{cells}")
+    flat_model, sharp_model = report.showcase[0], report.showcase[1]
+    lines += ["", f"(ii) adversarial: {flat_model['model']}, the flattest model by adaptive sharpness, pushed "
+                  f"{flat_model['target']}; {sharp_model['model']}, the sharpest, pushed {sharp_model['target']}",
+              f"    {'measure':{width}s}" + "".join(f"{c['model'] + ' -> ' + c['target']:>26s}"
+                                                for c in report.showcase)]
+    for k in report.measures:
+        cells = "".join(f"{c['before'][k]:>13.3g} -> {c['after'][k]:<9.3g}" for c in report.showcase)
+        lines.append(f"    {k:{width}s}{cells}".rstrip())
     adaptive = report.original["adaptive_sharpness"]
     lines.append(f"    (original adaptive sharpness across the zoo: {min(adaptive):.3g} to {max(adaptive):.3g})")
     lines += ["", "(iii) Kendall tau against the gap: original zoo vs every model pushed against its gap "

