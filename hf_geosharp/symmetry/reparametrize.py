@@ -31,18 +31,19 @@ logger = logging.getLogger(__name__)
 def deferred_interrupts() -> Iterator[list[int]]:
     """Hold SIGINT back for the duration of the block; yields the list of signals received meanwhile.
 
-    Outside the main thread (where Python cannot install handlers) nothing is deferred and the list stays empty;
-    the callers' rollback on exceptions still applies."""
+    Outside the main thread (where Python cannot install handlers), when SIGINT is ignored, or when its handler was
+    not installed from Python, nothing is deferred and the list stays empty; the callers' rollback on exceptions
+    still applies."""
     received: list[int] = []
-    if threading.current_thread() is not threading.main_thread():
+    previous = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
+    if previous is None or previous is signal.SIG_IGN:  # not the main thread, or Ctrl-C is ignored anyway
         yield received
         return
-    previous = signal.getsignal(signal.SIGINT)
     signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
     try:
         yield received
     finally:
-        signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
+        signal.signal(signal.SIGINT, previous)
 
 
 def _copy(param: torch.Tensor, value: torch.Tensor) -> None:
