@@ -119,7 +119,7 @@ class _Proxy:
         for block in smap.blocks:
             in_block[block.G_index.reshape(-1).to(w.device)] = True
             in_block[block.H_index.reshape(-1).to(w.device)] = True
-        self.rho, self.smap = rho, smap
+        self.rho = rho
         self.G = [w[b.G_index.to(w.device)] for b in smap.blocks]
         self.H = [w[b.H_index.to(w.device)] for b in smap.blocks]
         self.rest, self.gG, self.gH = [], [], []
