@@ -73,7 +73,7 @@ class Config:
     steps: int = 3
     sweep_rhos: tuple[float, ...] = (0.025, 0.4)
     sweep_steps: int = 2
-    hide_condition: float = 100.0
+    hide_condition: float = 1000.0
     hide_steps: int = 30
     train_sizes: tuple[int, ...] = (64, 128, 256)
     epochs: tuple[int, ...] = (1, 2, 3, 4)
@@ -319,7 +319,7 @@ class Runner:
         from hf_geosharp.hide import hide
 
         names = ["adaptive_clean", "geodesic_inv"]
-        stage = f"hidden_{target}"
+        stage = f"hidden_{target}_c{self.config.hide_condition:g}"
         hkey = self.key(row, f"hide@{self.config.hide_condition}/{self.config.hide_steps}", self.config.rho, 0, stage)
         done = {n: self.lookup(self.key(row, n, self.config.rho, self.config.steps, stage)) for n in names}
         if all(done.values()) and self.lookup(hkey):
