@@ -1,4 +1,4 @@
-r"""Diagonal-network reproduction of da Silva, Dangel & Oore (ICML 2025), §5.1.1 and Fig. 3 (spec §7.2).
+r"""Diagonal-network reproduction of da Silva, Dangel & Oore (ICML 2025), §5.1.1 and Fig. 3.
 
 Fifty diagonal linear nets :math:`f(x) = x^\top(u \odot v)` are fitted by full-batch gradient descent to the same sparse
 regression problem (``d = 200`` features, ``n = 100 < d`` training points, a 90 %-sparse ground truth ``beta*``) until
@@ -10,9 +10,10 @@ noiseless labels is exactly ``||beta - beta*||^2``.
 
 For each net we measure
 
-* worst-case adaptive sharpness (AS23's ``m_apgd_l2`` variant, through :func:`hf_geosharp.adaptive_sharpness` on a
-  two-parameter ``nn.Module``);
-* worst-case geodesic sharpness for the inv and mix metrics with the **exact** geodesics of spec §2.5
+* worst-case adaptive sharpness (the library's default solver, ``variant="clean"``, through
+  :func:`hf_geosharp.adaptive_sharpness` on a two-parameter ``nn.Module``; ``--adaptive-variant as23`` for AS23's
+  ``m_apgd_l2``);
+* worst-case geodesic sharpness for the inv and mix metrics with the **exact** geodesics of a diagonal net
   (:class:`ExactGeodesicSpace`, solved by the library's :func:`hf_geosharp.solver.apgd`);
 
 and report Kendall's tau against the test loss with a bootstrap 95 % interval, beside trivial predictors. Three
@@ -32,6 +33,7 @@ import logging
 import math
 import platform
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +45,7 @@ import torch
 from torch import Tensor, nn
 
 import hf_geosharp as gs
+from hf_geosharp.durable import atomic_path, write_text
 from hf_geosharp.solver import apgd
 
 logger = logging.getLogger(__name__)
@@ -168,7 +171,7 @@ def train_gd(
 
 # ------------------------------------------------------------------------------------- exact-geodesic geometry
 class ExactGeodesicSpace:
-    r"""Horizontal perturbations of one diagonal net with the exact geodesics of spec §2.5.
+    r"""Horizontal perturbations of one diagonal net with the exact geodesics of a diagonal net.
 
     Points are ``(u, v)`` with ``beta = u * v``; a tangent vector is the flat ``[2d]`` tensor ``(xi_u, xi_v)``. The
     GL(1) action ``(a u, v / a)`` per coordinate has vertical vectors ``(lam * u, -lam * v)``; the horizontal space is
@@ -189,12 +192,12 @@ class ExactGeodesicSpace:
     gradient ascent must measure steps in the geometry of its feasible set to converge to the constrained maximum.
 
     Coordinates with ``|u|`` or ``|v|`` below ``zero_tol`` are frozen (zero allowed perturbation), as the library
-    does for zero weights (spec §2.4): the horizontal space and the mix metric are undefined there.
+    does for zero weights: the horizontal space and the mix metric are undefined there.
 
     Args:
         u, v: ``[d]`` the trained weights (float64).
         metric: which geodesics (and, with ``constraint="metric"``, which norm).
-        constraint: ``"metric"`` (``||xi||_g <= rho``, spec §2.5) or ``"loose"`` (``||b|| <= rho``).
+        constraint: ``"metric"`` (``||xi||_g <= rho``) or ``"loose"`` (``||b|| <= rho``).
         zero_tol: weights smaller than this in magnitude are frozen.
     """
 
@@ -287,7 +290,7 @@ class ExactGeodesicSpace:
 
     # -------------------------------------------------------------------- exact geodesics
     def geodesic(self, xi: Tensor, t: float = 1.0) -> tuple[Tensor, Tensor]:
-        """``(u(t), v(t))`` on the exact geodesic with initial velocity ``horizontal(xi)`` (spec §2.5)."""
+        """``(u(t), v(t))`` on the exact geodesic with initial velocity ``horizontal(xi)``."""
         b = self.b_of(xi)
         scale = torch.exp(b * t) if self.metric == "inv" else torch.clamp(1.0 + 2.0 * b * t, min=0.0).sqrt()
         return self.u * scale, self.v * scale
@@ -353,12 +356,16 @@ def _mse(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
     return (model(batch["x"]) - batch["y"]).square().mean()
 
 
-def adaptive_sharpness(u: Tensor, v: Tensor, problem: Problem, *, rho: float, steps: int) -> float:
-    """AS23 worst-case adaptive sharpness of one net on the full training batch, via the public API."""
+def adaptive_sharpness(
+    u: Tensor, v: Tensor, problem: Problem, *, rho: float, steps: int, variant: str = "clean"
+) -> float:
+    """Worst-case adaptive sharpness of one net on the full training batch, via the public API."""
     batch = {"x": problem.X, "y": problem.y}
-    result = gs.adaptive_sharpness(
-        DiagonalNet(u, v), [batch], rho=rho, steps=steps, variant="as23", loss_fn=_mse, progress=False
-    )
+    with warnings.catch_warnings():  # convergence is reported by the sweep over solver steps, not per net
+        warnings.simplefilter("ignore", UserWarning)
+        result = gs.adaptive_sharpness(
+            DiagonalNet(u, v), [batch], rho=rho, steps=steps, variant=variant, loss_fn=_mse, progress=False
+        )
     return result.value
 
 
@@ -438,7 +445,8 @@ class Experiment:
             values, cut = np.full(len(nets.u), np.nan), np.zeros(len(nets.u), dtype=int)
             for i in np.flatnonzero(nets.converged.numpy()):
                 if measure == "adaptive":
-                    values[i] = adaptive_sharpness(nets.u[i], nets.v[i], problem, rho=setting.rho, steps=steps)
+                    values[i] = adaptive_sharpness(nets.u[i], nets.v[i], problem, rho=setting.rho, steps=steps,
+                                                   variant=self.args.adaptive_variant)
                 else:
                     metric, constraint = GEODESIC_MEASURES[measure]
                     values[i], cut[i] = geodesic_sharpness(
@@ -553,7 +561,7 @@ def sweeps(experiment: Experiment, main: Setting) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------------ reporting
-PANELS = (("adaptive", "adaptive (AS23)"), ("geodesic_inv", "geodesic inv"), ("geodesic_mix", "geodesic mix"))
+PANELS = (("adaptive", "adaptive"), ("geodesic_inv", "geodesic inv"), ("geodesic_mix", "geodesic mix"))
 
 
 def plot_figure(
@@ -581,7 +589,8 @@ def plot_figure(
         ax.grid(alpha=0.3)
     fig.colorbar(points, ax=axes, label=r"$\log_{10}$ init scale $\alpha$")
     fig.suptitle(f"Diagonal linear nets (init {setting.init}, truth {setting.truth}, data seed {setting.data_seed})")
-    fig.savefig(path, dpi=130)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=130, format="png")
     plt.close(fig)
 
 
@@ -624,8 +633,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-steps", type=int, default=200_000, help="GD step cap (nets that hit it are flagged)")
     p.add_argument("--rho", type=float, default=0.1, help="radius of every sharpness ball")
     p.add_argument("--mix-constraint", choices=("metric", "loose"), default="metric",
-                   help="mix ball shown in the figure: metric sqrt(2)||b*beta0|| <= rho (spec) or loose ||b|| <= rho")
-    p.add_argument("--adaptive-steps", type=int, default=AS23_STEPS, help="AS23 solver iterations (AS23 uses 20)")
+                   help="mix ball shown in the figure: metric sqrt(2)||b*beta0|| <= rho or loose ||b|| <= rho")
+    p.add_argument("--adaptive-steps", type=int, default=AS23_STEPS, help="adaptive solver iterations (AS23 uses 20)")
+    p.add_argument("--adaptive-variant", choices=("clean", "as23"), default="clean",
+                   help="adaptive solver: the library's default 'clean' (reaches the maximum) or AS23's 'as23'")
     p.add_argument("--geodesic-steps", type=int, default=AS23_STEPS, help="geodesic APGD iterations")
     p.add_argument("--converged-steps", type=int, default=200, help="iterations of the 'converged' sweep rows")
     p.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples for the tau intervals")
@@ -663,7 +674,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "environment": {"torch": torch.__version__, "hf_geosharp": gs.__version__, "threads": torch.get_num_threads(),
                         "python": platform.python_version(), "machine": platform.machine()},
     }
-    (args.out / "diagonal_networks.json").write_text(json.dumps(report, indent=1))
+    write_text(args.out / "diagonal_networks.json", json.dumps(report, indent=1))
     logger.info("wrote %s/diagonal_networks.{json,png}: %.0f s wall, %.0f s CPU", args.out, runtime, cpu)
     return report
 

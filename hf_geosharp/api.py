@@ -25,13 +25,14 @@ from tqdm.auto import tqdm
 
 from . import __version__
 from .geometry.elementwise import Curvature
-from .solver import SolveResult, StepNormalization, apgd, apgd_as23, average_case
+from .solver import AUTO_MAX_STEPS, CONVERGENCE_TOL, SolveResult, StepNormalization, apgd, apgd_as23, average_case
 from .space import PerturbationSpace, SpaceOptions
 from .symmetry.base import SymmetryMap
 
 logger = logging.getLogger(__name__)
 
 Mode = Literal["worst", "average"]
+Steps = int | Literal["auto"]
 LossFn = Callable[[nn.Module, Any], Tensor]
 
 
@@ -44,8 +45,15 @@ class SharpnessResult:
         per_batch: the value of each batch, in batch order.
         clean_loss: mean clean loss over batches.
         per_batch_clean_loss: the clean loss of each batch.
-        measure: e.g. ``"geodesic_inv_worst"`` or ``"adaptive_as23_worst"``.
+        measure: e.g. ``"geodesic_inv_worst"`` or ``"adaptive_clean_worst"``.
         config: every setting that determines the number (rho, steps, seed, epsilon, ...).
+        stderr: standard error of ``value``: over batches for the worst case (NaN with one batch); over batches
+            and samples for the average case and relative flatness (see :func:`average_stderr`).
+        converged: whether every batch's best value gained at most ``config["tol"]`` (relative) over the last
+            quarter of its steps (always True for the average case, which does not iterate).
+        convergence_gain: the largest such relative gain over the batches (NaN for the average case).
+        steps_used: the most solver steps any batch used (``steps="auto"`` may use more than its first block);
+            ``None`` for measures that do not iterate.
     """
 
     value: float
@@ -54,15 +62,44 @@ class SharpnessResult:
     per_batch_clean_loss: list[float]
     measure: str
     config: dict[str, Any] = field(default_factory=dict)
+    stderr: float = math.nan
+    converged: bool = True
+    convergence_gain: float = math.nan
+    steps_used: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def __str__(self) -> str:
+        error = "" if math.isnan(self.stderr) else f" +- {self.stderr:.2g}"
+        flag = "" if self.converged else f", NOT converged (gain {self.convergence_gain:.2%} in the last quarter)"
         return (
-            f"{self.measure}: {self.value:.6g} (clean loss {self.clean_loss:.6g}, {len(self.per_batch)} batches, "
-            f"rho={self.config.get('rho')})"
+            f"{self.measure}: {self.value:.6g}{error} (clean loss {self.clean_loss:.6g}, "
+            f"{len(self.per_batch)} batches, rho={self.config.get('rho')}{flag})"
         )
+
+
+def _sample_var(xs: list[float]) -> float:
+    n = len(xs)
+    mean = sum(xs) / n
+    return sum((x - mean) ** 2 for x in xs) / (n - 1) if n > 1 else math.nan
+
+
+def batch_stderr(per_batch: list[float]) -> float:
+    """Standard error of the mean over batches (the batches are the random draw); NaN with one batch."""
+    return math.sqrt(_sample_var(per_batch) / len(per_batch)) if len(per_batch) > 1 else math.nan
+
+
+def average_stderr(samples: list[list[float]]) -> float:
+    """Standard error of the mean of batch means for per-batch samples (``samples[b]``: one batch's draws).
+
+    With two or more batches, the spread of the batch means (it contains the sampling noise of each mean as well
+    as the spread between batches; the cluster estimator); with one batch, the spread of its samples over their
+    number. NaN with one sample in all."""
+    if len(samples) > 1:
+        return batch_stderr([sum(s) / len(s) for s in samples])
+    only = samples[0]
+    return math.sqrt(_sample_var(only) / len(only)) if len(only) > 1 else math.nan
 
 
 # ---------------------------------------------------------------------- model safety
@@ -98,7 +135,8 @@ def _flat_parameters(model: nn.Module) -> tuple[list[str], list[Tensor], Tensor]
         if p.is_meta:
             raise ValueError(
                 f"Parameter {name!r} is on the meta device (no data). Load the weights first, e.g. "
-                "`from_pretrained(...)` without `device_map='meta'`, or `model.to_empty(device=...)` and load a state dict."
+                "`from_pretrained(...)` without `device_map='meta'`, or `model.to_empty(device=...)` and load a "
+                "state dict."
             )
         if not p.is_floating_point():
             raise ValueError(f"Parameter {name!r} has dtype {p.dtype}; sharpness needs floating-point weights.")
@@ -118,13 +156,15 @@ def _flat_parameters(model: nn.Module) -> tuple[list[str], list[Tensor], Tensor]
 def _default_loss(model: nn.Module, batch: Any) -> Tensor:
     if not isinstance(batch, Mapping):
         raise TypeError(
-            f"A batch must be a dict of model inputs (labels included) when no loss_fn is given; got {type(batch).__name__}."
+            "A batch must be a dict of model inputs (labels included) when no loss_fn is given; "
+            f"got {type(batch).__name__}."
         )
     outputs = model(**batch)
     loss = outputs.get("loss") if isinstance(outputs, Mapping) else getattr(outputs, "loss", None)
     if loss is None:
         raise ValueError(
-            "The model returned no loss. Include `labels` in each batch, or pass `loss_fn(model, batch) -> scalar tensor`."
+            "The model returned no loss. Include `labels` in each batch, or pass "
+            "`loss_fn(model, batch) -> scalar tensor`."
         )
     return loss
 
@@ -257,14 +297,14 @@ def _refuse_reentrant_checkpointing(loss: Tensor) -> None:
 
 
 # ---------------------------------------------------------------------- runner
-def _check_common(rho: float, mode: str, steps: int, n_samples: int, seed: int) -> None:
+def _check_common(rho: float, mode: str, steps: Steps, n_samples: int, seed: int) -> None:
     # bool is an int subclass: steps=True would silently mean 1 step
     if isinstance(rho, bool) or not isinstance(rho, (int, float)) or not math.isfinite(rho) or rho <= 0:
         raise ValueError(f"rho must be a positive finite number, got {rho!r}.")
     if mode not in ("worst", "average"):
         raise ValueError(f"mode must be 'worst' or 'average', got {mode!r}.")
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be a positive integer, got {steps!r}.")
+    if steps != "auto" and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+        raise ValueError(f"steps must be a positive integer or 'auto', got {steps!r}.")
     if isinstance(n_samples, bool) or not isinstance(n_samples, int) or n_samples < 1:
         raise ValueError(f"n_samples must be a positive integer, got {n_samples!r}.")
     if isinstance(seed, bool) or not isinstance(seed, int):
@@ -389,7 +429,7 @@ def _run(
         objective = _Objective(model, names, params, space, loss_fn, config["rho"], grad_scope)
         n_steps = config["n_samples"] if config["mode"] == "average" else config["steps"]
         mine = list(range(rank, len(batches), world))
-        results: dict[int, tuple[float, float]] = {}
+        results: dict[int, tuple[float, float, list[float] | None, float, int]] = {}
         bar = tqdm(mine, desc=measure, unit="batch", disable=not progress or rank != 0)
         for index in bar:
             objective.batch = _to_device(batches[index], device)
@@ -406,19 +446,27 @@ def _run(
                     keys = ", ".join(map(str, batches[index])) if isinstance(batches[index], Mapping) else "-"
                     err.add_note(f"hf_geosharp: raised while measuring batch {index} (inputs: {keys}) for {measure}.")
                 raise
-            results[index] = (out.sharpness, out.clean_loss)
+            samples = [loss - out.clean_loss for loss in out.losses[1:]] if config["mode"] == "average" else None
+            results[index] = (out.sharpness, out.clean_loss, samples, out.convergence_gain, out.steps_used)
             bar.set_postfix(sharpness=f"{out.sharpness:.4g}")
 
     if world > 1:
         from accelerate.utils import gather_object
 
-        merged: dict[int, tuple[float, float]] = {}
+        merged: dict[int, tuple[float, float, list[float] | None, float, int]] = {}
         for part in gather_object([results]):
             merged.update(part)
         results = merged
-    per_batch = [results[i][0] for i in range(len(batches))]
-    per_clean = [results[i][1] for i in range(len(batches))]
+    ordered = [results[i] for i in range(len(batches))]
+    per_batch, per_clean = [r[0] for r in ordered], [r[1] for r in ordered]
     config = {**config, "n_batches": len(batches), "n_processes": world, "library": f"hf_geosharp {__version__}"}
+    if config["mode"] == "average":
+        stderr, gain, converged, steps_used = average_stderr([r[2] for r in ordered]), math.nan, True, None
+    else:
+        gain = max(r[3] for r in ordered)
+        stderr, converged, steps_used = batch_stderr(per_batch), gain <= config["tol"], max(r[4] for r in ordered)
+        if not converged:
+            _warn_not_converged(measure, config, gain, steps_used)
     return SharpnessResult(
         value=sum(per_batch) / len(per_batch),
         per_batch=per_batch,
@@ -426,7 +474,37 @@ def _run(
         per_batch_clean_loss=per_clean,
         measure=measure,
         config=config,
+        stderr=stderr,
+        converged=converged,
+        convergence_gain=gain,
+        steps_used=steps_used,
     )
+
+
+def _warn_not_converged(measure: str, config: dict[str, Any], gain: float, steps_used: int) -> None:
+    """Say that the worst case is still rising, and how to fix it (logger and ``UserWarning``)."""
+    if config["steps"] == "auto":
+        fix = f"raise the budget (max_steps, now {config['max_steps']}) or lower rho"
+    else:
+        fix = f"pass steps='auto' (or more steps, e.g. steps={max(200, 10 * steps_used)})"
+    message = (
+        f"{measure} at rho={config['rho']} is not converged: the best value still rose by {gain:.2%} over the last "
+        f"quarter of its {steps_used} steps (tolerance {config['tol']:.2%}), so it underestimates the maximum; {fix}."
+    )
+    logger.warning(message)
+    warnings.warn(message, UserWarning, stacklevel=4)
+
+
+def _solver_steps(steps: Steps, max_steps: int) -> tuple[int, int | None]:
+    """``(first block, budget or None)``: ``steps="auto"`` starts with 20 steps and may continue up to ``max_steps``."""
+    return (min(20, max_steps), max_steps) if steps == "auto" else (steps, None)
+
+
+def _check_convergence_args(tol: float, max_steps: int) -> None:
+    if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not math.isfinite(tol) or tol < 0:
+        raise ValueError(f"tol must be a finite number >= 0, got {tol!r}.")
+    if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
+        raise ValueError(f"max_steps must be a positive integer, got {max_steps!r}.")
 
 
 def geodesic_sharpness(
@@ -436,7 +514,7 @@ def geodesic_sharpness(
     rho: float = 0.1,
     metric: Literal["inv", "mix"] = "inv",
     mode: Mode = "worst",
-    steps: int = 20,
+    steps: Steps = 20,
     seed: int = 0,
     epsilon: float = 1e-6,
     loss_fn: LossFn | None = None,
@@ -450,12 +528,15 @@ def geodesic_sharpness(
     horizontal_projection: bool = True,
     elementwise_curvature: Curvature = "none",
     step_normalization: StepNormalization = "riemannian",
+    tol: float = CONVERGENCE_TOL,
+    max_steps: int = AUTO_MAX_STEPS,
 ) -> SharpnessResult:
     """Geodesic sharpness (da Silva, Dangel & Oore, ICML 2025): sharpness on the quotient by the attention symmetries.
 
     Perturbations are horizontal (orthogonal to the GL(h) orbits of every QK and VO head pair), bounded in the
     Riemannian norm ``||xi||_g <= rho`` and applied along second-order geodesics; all other parameters are perturbed
-    as in adaptive sharpness. The number is invariant under ``gs.reparametrize(model)`` (up to ``epsilon``).
+    as in adaptive sharpness. The number is invariant under ``gs.reparametrize(model)``, also with the default
+    ``epsilon`` (the relaxation is built to transform with the group; docs/method.md).
 
     Args:
         model: any ``nn.Module``; restored exactly afterwards (weights, ``requires_grad``, ``.grad``, train/eval mode).
@@ -465,9 +546,11 @@ def geodesic_sharpness(
         rho: radius of the geodesic ball.
         metric: ``"inv"`` (paper Eq. 9) or ``"mix"`` (Eq. 10).
         mode: ``"worst"`` (Auto-PGD, ``steps`` iterations) or ``"average"`` (``n_samples`` Gaussian directions).
-        steps: solver iterations per batch (worst case).
+        steps: solver iterations per batch (worst case), or ``"auto"``: 20, then more in blocks while the best value
+            still gains more than ``tol`` over the last quarter of the steps, up to ``max_steps``.
         seed: seeds the average-case samples (per batch, independent of the process that solves it).
-        epsilon: relaxation ``G^T G + eps I`` for near-singular heads.
+        epsilon: relative, group-covariant rank relaxation of ``G^T G`` and ``H^T H`` (about ``epsilon`` relative
+            to each head's own spectrum); 0 for the exact metric (then rank-deficient heads are refused).
         loss_fn: ``loss_fn(model, batch) -> scalar tensor`` when the model's own loss is not the one wanted.
         accelerator: an ``accelerate.Accelerator``: batches are sharded over its processes and gathered, so every
             process returns the full result. Move the model to ``accelerator.device`` first; do not DDP-wrap it.
@@ -478,8 +561,12 @@ def geodesic_sharpness(
         second_order, riemannian_norm, horizontal_projection: ablation switches (paper App. G).
         elementwise_curvature: geodesic for non-attention parameters (``"none"``: first order, as the paper).
         step_normalization: ``"riemannian"`` (invariant, default), ``"euclidean"`` or ``"none"``.
+        tol: relative gain over the last quarter of the steps under which a worst case counts as converged; a
+            ``UserWarning`` says when it is not (``res.converged``, ``res.convergence_gain``).
+        max_steps: step budget of ``steps="auto"``.
     """
     _check_common(rho, mode, steps, n_samples, seed)
+    _check_convergence_args(tol, max_steps)
     if metric not in ("inv", "mix"):
         raise ValueError(f"metric must be 'inv' or 'mix', got {metric!r}.")
     if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not math.isfinite(epsilon) or epsilon < 0:
@@ -490,13 +577,16 @@ def geodesic_sharpness(
     config = dict(
         rho=rho, metric=metric, mode=mode, steps=steps, seed=seed, epsilon=epsilon, params=params, n_samples=n_samples,
         second_order=second_order, riemannian_norm=riemannian_norm, horizontal_projection=horizontal_projection,
-        elementwise_curvature=elementwise_curvature, step_normalization=step_normalization,
+        elementwise_curvature=elementwise_curvature, step_normalization=step_normalization, tol=tol,
+        max_steps=max_steps,
     )
+    first, budget = _solver_steps(steps, max_steps)
 
     def solve(space, objective, generator, on_step):
         if mode == "average":
             return average_case(space, objective, rho=rho, n_samples=n_samples, generator=generator, on_step=on_step)
-        return apgd(space, objective, rho=rho, steps=steps, step_normalization=step_normalization, on_step=on_step)
+        return apgd(space, objective, rho=rho, steps=first, step_normalization=step_normalization, on_step=on_step,
+                    max_steps=budget, tol=tol)
 
     return _run(
         model, batches, measure=f"geodesic_{metric}_{mode}", options=options, solve=solve, loss_fn=loss_fn,
@@ -511,32 +601,41 @@ def adaptive_sharpness(
     *,
     rho: float = 0.1,
     mode: Mode = "worst",
-    steps: int = 20,
+    steps: Steps = 20,
     seed: int = 0,
-    variant: Literal["as23", "clean"] = "as23",
+    variant: Literal["clean", "as23"] = "clean",
     loss_fn: LossFn | None = None,
     accelerator: Any = None,
     progress: bool = True,
     params: Literal["all", "trainable"] = "all",
     n_samples: int = 20,
+    tol: float = CONVERGENCE_TOL,
+    max_steps: int = AUTO_MAX_STEPS,
 ) -> SharpnessResult:
-    """Adaptive sharpness (Kwon et al. 2021; Andriushchenko et al. 2023): ``max_{||delta / |w| || <= rho} L(w + delta) - L(w)``.
+    """Adaptive sharpness (Kwon et al. 2021; Andriushchenko et al. 2023):
+    ``max_{||delta / |w| || <= rho} L(w + delta) - L(w)``.
 
-    ``variant="as23"`` reproduces the reference code (``m_apgd_l2``, adaptive) quirks included, so numbers are
-    comparable with the literature; ``"clean"`` runs the same solver as :func:`geodesic_sharpness` on the elementwise
-    metric (one forward per step). Arguments as in :func:`geodesic_sharpness`.
+    ``variant="clean"`` (default) runs the same solver as :func:`geodesic_sharpness` on the elementwise metric (one
+    forward per step) and reaches the maximum of the definition. ``"as23"`` reproduces the reference code
+    (``m_apgd_l2``, adaptive) quirks included, for comparison with published numbers; its fixed points are not the
+    maximiser's, so it can stall several percent below the maximum (docs/method.md). Arguments as in
+    :func:`geodesic_sharpness`.
     """
     _check_common(rho, mode, steps, n_samples, seed)
+    _check_convergence_args(tol, max_steps)
     if variant not in ("as23", "clean"):
-        raise ValueError(f"variant must be 'as23' or 'clean', got {variant!r}.")
-    config = dict(rho=rho, mode=mode, steps=steps, seed=seed, variant=variant, params=params, n_samples=n_samples)
+        raise ValueError(f"variant must be 'clean' or 'as23', got {variant!r}.")
+    config = dict(rho=rho, mode=mode, steps=steps, seed=seed, variant=variant, params=params, n_samples=n_samples,
+                  tol=tol, max_steps=max_steps)
+    first, budget = _solver_steps(steps, max_steps)
 
     def solve(space, objective, generator, on_step):
         if mode == "average":
             return average_case(space, objective, rho=rho, n_samples=n_samples, generator=generator, on_step=on_step)
         if variant == "as23":
-            return apgd_as23(space.elementwise.scale, objective, rho=rho, steps=steps, on_step=on_step)
-        return apgd(space, objective, rho=rho, steps=steps, on_step=on_step)
+            return apgd_as23(space.elementwise.scale, objective, rho=rho, steps=first, on_step=on_step,
+                             max_steps=budget, tol=tol)
+        return apgd(space, objective, rho=rho, steps=first, on_step=on_step, max_steps=budget, tol=tol)
 
     measure = f"adaptive_{variant}_{mode}" if mode == "worst" else "adaptive_average"
     return _run(

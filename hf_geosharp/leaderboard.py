@@ -35,13 +35,14 @@ from tqdm.auto import tqdm
 from . import __version__
 from .api import SharpnessResult, adaptive_sharpness, geodesic_sharpness
 from .data import DataError, DataSpec, load_batches, load_model, load_processor, require_task
+from .relative_flatness import relative_flatness
 
 logger = logging.getLogger(__name__)
 
-Kind = Literal["inv", "mix", "adaptive"]
+Kind = Literal["inv", "mix", "adaptive", "relative_flatness"]
 Mode = Literal["worst", "average"]
 GapMetric = Literal["error", "loss"]
-KINDS: tuple[Kind, ...] = ("inv", "mix", "adaptive")
+KINDS: tuple[Kind, ...] = ("inv", "mix", "adaptive", "relative_flatness")
 TRIVIAL = ("param_norm", "clean_loss")  # the baselines every measure must beat
 STORE_FILE = "results.jsonl"
 MIN_MODELS_FOR_CI = 8
@@ -158,7 +159,8 @@ def model_identity(ref: ModelRef) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Measure:
-    """One sharpness measure: geodesic (``inv``/``mix``) or ``adaptive``, worst or average case."""
+    """One measure: geodesic (``inv``/``mix``) or ``adaptive`` sharpness, worst or average case, or
+    ``relative_flatness`` (Petzka et al.; it has no mode)."""
 
     kind: Kind
     mode: Mode = "worst"
@@ -166,8 +168,10 @@ class Measure:
     @property
     def name(self) -> str:
         """The engine's name for it (``SharpnessResult.measure``), also the table's column."""
+        if self.kind == "relative_flatness":
+            return "relative_flatness"
         if self.kind == "adaptive":
-            return "adaptive_as23_worst" if self.mode == "worst" else "adaptive_average"
+            return "adaptive_clean_worst" if self.mode == "worst" else "adaptive_average"
         return f"geodesic_{self.kind}_{self.mode}"
 
 
@@ -239,6 +243,8 @@ def _measure(
 ) -> SharpnessResult:
     common = dict(rho=settings.rho, mode=measure.mode, steps=settings.steps, seed=settings.seed,
                   n_samples=settings.n_samples, progress=False)
+    if measure.kind == "relative_flatness":
+        return relative_flatness(model, batches, n_samples=settings.n_samples, seed=settings.seed)
     if measure.kind == "adaptive":
         return adaptive_sharpness(model, batches, **common)
     return geodesic_sharpness(
@@ -314,7 +320,7 @@ def _compute_missing(
     processor = load_processor(ref.source, model)
     batches = load_batches(model, processor, data)
     smap = None
-    if any(m.kind != "adaptive" and m.name in missing for m in measures):
+    if any(m.kind in ("inv", "mix") and m.name in missing for m in measures):
         from .symmetry import map_symmetries
 
         smap = map_symmetries(model)
@@ -325,7 +331,7 @@ def _compute_missing(
         start = time.perf_counter()
         res = _measure(m, model, batches, settings, smap)
         store.put({"key": keys[m.name], "kind": "measure", "model": ref.name, "source": ref.source,
-                   "measure": res.measure, "value": res.value, "clean_loss": res.clean_loss,
+                   "measure": res.measure, "value": res.value, "stderr": res.stderr, "clean_loss": res.clean_loss,
                    "per_batch": res.per_batch, "config": res.config, "seconds": time.perf_counter() - start})
         bar.update()
     if "stats" in missing:
@@ -350,7 +356,9 @@ def _row(
     gap_table: dict[str, float] | None,
 ) -> dict[str, Any]:
     stats_record = store.get(keys["stats"])
-    row: dict[str, Any] = {"model": ref.name, **{m.name: store.get(keys[m.name])["value"] for m in measures},
+    records = {m.name: store.get(keys[m.name]) for m in measures}
+    row: dict[str, Any] = {"model": ref.name, **{name: r["value"] for name, r in records.items()},
+                           **{f"{name}_stderr": r.get("stderr", math.nan) for name, r in records.items()},
                            "param_norm": stats_record["param_norm"], "clean_loss": stats_record["clean_loss"]}
     if gap is None:
         return row

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .api import SharpnessResult, adaptive_sharpness, geodesic_sharpness
+from .relative_flatness import relative_flatness
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,8 @@ class MeasureSpec:
     Attributes:
         key: public name (evaluate key, card metric type, table column).
         title: what a reader sees (``"Geodesic sharpness (inv)"``).
-        family: ``"geodesic"`` (invariant under the attention symmetries) or a baseline's family.
+        family: ``"geodesic"`` (invariant under the attention symmetries) or a baseline's family (``"adaptive"``,
+            ``"relative_flatness"``).
         metric: the geodesic metric (``"inv"``/``"mix"``), else ``None``.
     """
 
@@ -48,6 +50,7 @@ MEASURES: dict[str, MeasureSpec] = {
         MeasureSpec("geodesic_sharpness_inv", "Geodesic sharpness (inv)", "geodesic", "inv"),
         MeasureSpec("geodesic_sharpness_mix", "Geodesic sharpness (mix)", "geodesic", "mix"),
         MeasureSpec("adaptive_sharpness", "Adaptive sharpness", "adaptive"),
+        MeasureSpec("relative_flatness", "Relative flatness (Petzka et al.)", "relative_flatness"),
     )
 }
 #: What a face computes when the user names no measure: both geodesic metrics and the adaptive baseline.
@@ -61,11 +64,12 @@ class Settings:
     Attributes:
         rho: radius of the perturbation ball.
         mode: ``"worst"`` or ``"average"``.
-        steps: solver iterations per batch (worst case).
-        n_samples: random directions per batch (average case).
+        steps: solver iterations per batch (worst case), or ``"auto"`` (continue while not converged).
+        n_samples: random directions per batch (average case; Hutchinson samples of relative flatness).
         seed: seeds every random draw (per batch, independent of the process that solves it).
         epsilon: relaxation of the geodesic metric's Gram matrices (``None``: the engine's default).
-        adaptive_variant: the adaptive baseline's solver (``None``: the engine's default).
+        adaptive_variant: the adaptive baseline's solver (``None``: the engine's default, ``"clean"``; ``"as23"``
+            reproduces the reference code, which stalls below the maximum).
     """
 
     rho: float = 0.1
@@ -93,7 +97,8 @@ def parse_measures(text: str | Iterable[str] | None) -> list[str]:
     if text is None:
         return list(DEFAULT_MEASURES)
     items = [t.strip() for t in (text.split(",") if isinstance(text, str) else text) if t and t.strip()]
-    short = {"inv": "geodesic_sharpness_inv", "mix": "geodesic_sharpness_mix", "adaptive": "adaptive_sharpness"}
+    short = {"inv": "geodesic_sharpness_inv", "mix": "geodesic_sharpness_mix", "adaptive": "adaptive_sharpness",
+             "relative": "relative_flatness"}
     keys = [short.get(i, i) for i in items]
     for key in keys:
         spec(key)
@@ -111,9 +116,14 @@ def run_measure(
     key: str, model: Any, batches: list, settings: Settings = Settings(), **options: Any
 ) -> SharpnessResult:
     """Run one measure of the bundle with ``settings``; ``options`` go to the engine (``symmetry_map``,
-    ``accelerator``, ``progress``, ``loss_fn``; a ``symmetry_map`` is dropped for measures that do not use one)."""
+    ``accelerator``, ``progress``, ``loss_fn``; a ``symmetry_map`` is dropped for measures that do not use one).
+
+    Relative flatness does not depend on ``rho``, ``mode`` or ``steps``; it uses ``n_samples`` and ``seed``."""
     measure = spec(key)
     kwargs = _engine_kwargs(settings)
+    if measure.family == "relative_flatness":
+        kept = {k: options[k] for k in ("loss_fn",) if k in options}
+        return relative_flatness(model, batches, n_samples=settings.n_samples, seed=settings.seed, **kept)
     if measure.family == "geodesic":
         if settings.epsilon is not None:
             kwargs["epsilon"] = settings.epsilon

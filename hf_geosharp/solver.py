@@ -1,9 +1,9 @@
 """Solvers for worst-case and average-case sharpness over any perturbation space.
 
-The worst case is Auto-PGD as used by Andriushchenko et al. 2023 (AS23) and by the paper's Algorithm 1 (spec §4):
-step-size checkpoints, halving, momentum and best-point tracking. :func:`apgd` is the clean version of spec §4.2
+The worst case is Auto-PGD as used by Andriushchenko et al. 2023 (AS23) and by the paper's Algorithm 1:
+step-size checkpoints, halving, momentum and best-point tracking. :func:`apgd` is the clean version
 (one forward and one backward per step: the loss of an iterate comes from the forward that gives its gradient).
-:func:`apgd_as23` reproduces the reference code's quirks (spec §5.1) so that adaptive-sharpness numbers are comparable
+:func:`apgd_as23` reproduces the reference code's quirks so that adaptive-sharpness numbers are comparable
 with the literature. Both talk to a space only through ``zero``, ``empty``, ``ascent_direction`` and
 ``random_tangent_vector``; the objective is a callable
 ``(xi, need_grad, out=None) -> (loss, euclidean_grad | None)`` that writes the gradient into ``out`` when given.
@@ -16,8 +16,9 @@ on a CPU also spares the page faults of fresh large allocations.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Literal, Protocol
+from typing import Literal, Protocol
 
 import torch
 from torch import Tensor
@@ -45,6 +46,34 @@ class SolveResult:
     @property
     def sharpness(self) -> float:
         return self.max_loss - self.clean_loss
+
+    @property
+    def steps_used(self) -> int:
+        return len(self.losses) - 1
+
+    @property
+    def convergence_gain(self) -> float:
+        """Relative gain of the best value over the last quarter of the steps (worst case); 0 when nothing moved."""
+        return convergence_gain(self.losses)
+
+
+def convergence_gain(losses: list[float]) -> float:
+    """``(best(T) - best(T - ceil(T/4))) / |best(T) - clean|`` for the losses ``[clean, step 1, ..., step T]``."""
+    steps = len(losses) - 1
+    if steps < 1:
+        return 0.0
+    clean, best, running = losses[0], [], losses[0]
+    for loss in losses:
+        running = max(running, loss)
+        best.append(running - clean)
+    final, earlier = best[-1], best[steps - math.ceil(steps / 4)]
+    return (final - earlier) / abs(final) if final != 0 else 0.0
+
+
+#: Default relative tolerance of the convergence check (and of ``steps="auto"``).
+CONVERGENCE_TOL = 1e-3
+#: Default step budget of ``steps="auto"``.
+AUTO_MAX_STEPS = 640
 
 
 class _Pool:
@@ -94,6 +123,14 @@ class _Pool:
         out.addmv_(rows.t(), coefs, beta=scale)
 
 
+def _next_block(total: int, max_steps: int | None, tol: float, losses: list[float]) -> int:
+    """How many steps to add after ``total`` under ``steps="auto"`` (0: stop): as many again as so far (doubling),
+    while the best value still gains more than ``tol`` over the last quarter and the budget allows."""
+    if max_steps is None or total >= max_steps or convergence_gain(losses) <= tol:
+        return 0
+    return min(total, max_steps - total)
+
+
 def as23_checkpoints(n_iters: int) -> list[int]:
     """AS23's step-size checkpoints (``[5, 9, 12, 15, 16, 18, 19, 20]`` for 20 iterations)."""
     p = [0.0, 0.22]
@@ -105,13 +142,17 @@ def as23_checkpoints(n_iters: int) -> list[int]:
 
 
 class _StepSchedule:
-    """Croce & Hein's halving rule at the checkpoints, with AS23's conditions (spec §4.2 d)."""
+    """Croce & Hein's halving rule at the checkpoints, with AS23's conditions."""
 
     def __init__(self, eta: float, steps: int, min_update_ratio: float, clean_loss: float) -> None:
         self.eta = eta
         self.checkpoints = set(as23_checkpoints(steps))
         self.min_update_ratio = min_update_ratio
         self.prev_eta, self.prev_best, self.prev_checkpoint, self.n_updates = eta, clean_loss, 0, 0
+
+    def extend(self, start: int, block: int) -> None:
+        """Continue for ``block`` more iterations after ``start``, with AS23's checkpoints of a ``block``-step run."""
+        self.checkpoints |= {start + c for c in as23_checkpoints(block)}
 
     def halve(self, k: int, best_loss: float) -> bool:
         """Record iteration ``k`` and say whether to halve the step and restart from the best point."""
@@ -136,11 +177,17 @@ def apgd(
     step_normalization: StepNormalization = "riemannian",
     min_update_ratio: float = 0.75,
     on_step: Callable[[int, float], None] | None = None,
+    max_steps: int | None = None,
+    tol: float = CONVERGENCE_TOL,
 ) -> SolveResult:
-    """Worst case ``max_{xi in S} L(Exp(w0; xi)) - L(w0)`` by Auto-PGD (spec §4.2), zero init, ``eta0 = 2 rho``.
+    """Worst case ``max_{xi in S} L(Exp(w0; xi)) - L(w0)`` by Auto-PGD, zero init, ``eta0 = 2 rho``.
 
-    ``steps + 1`` forward passes and ``steps`` backward passes in all. With ``step_normalization="riemannian"``
-    every quantity is g-invariant, so the iterates are equivariant under the model's symmetries.
+    ``steps + 1`` forward passes and ``steps`` backward passes in all. With ``max_steps`` (``steps="auto"``), after
+    the ``steps``-step block the run continues from where it is, in blocks as long as everything so far (each with
+    AS23's checkpoints), while the best value gains more than ``tol`` over the last quarter of the steps, up to
+    ``max_steps``; continuing costs one backward for the gradient the last step of a block skipped. With
+    ``step_normalization="riemannian"`` every quantity is g-invariant, so the iterates are equivariant under the
+    model's symmetries.
 
     How a step stays cheap: the direction ``d`` (the projected Riemannian gradient) and the iterates ``xi``,
     ``xi_prev`` are horizontal, so ``z = P_S(xi + c d)`` and the momentum point ``P_S(a xi + b d + c xi_prev)`` are
@@ -151,8 +198,8 @@ def apgd(
     Memory: five parameter-sized buffers in all (the iterates ``xi``, ``xi_prev``, the best point, its gradient, and
     the next gradient). ``d`` is computed in place of the gradient it comes from, unless that gradient is the best
     point's, which a restart needs again. Nothing parameter-sized is allocated per step. ``best_norm`` comes from the
-    same bookkeeping. With ``epsilon > 0`` the horizontal projection is g-orthogonal only up to ``O(epsilon)``
-    (spec §9), and so are these identities.
+    same bookkeeping. The horizontal projection is exactly g-orthogonal (also with ``epsilon > 0``), so these
+    identities hold exactly.
     """
     pool = _Pool(space.empty(), 5)
     xi = xi_prev = best_xi = pool.free()
@@ -162,7 +209,9 @@ def apgd(
     best_loss, best_egrad = clean_loss, egrad
     schedule = _StepSchedule(2.0 * rho, steps, min_update_ratio, clean_loss)
     losses = [clean_loss]
-    for k in range(steps):
+    total, k = steps, -1
+    while k + 1 < total:
+        k += 1
         if step_normalization == "euclidean":  # read before ascent_direction may consume the gradient
             c = schedule.eta / (math.sqrt(max(float(torch.dot(egrad, egrad)), 0.0)) + 1e-12)
         known = [row for row, sq in ((xi, sq_xi), (xi_prev, sq_prev)) if sq > 0]  # zero rows have zero products
@@ -194,7 +243,7 @@ def apgd(
         pool.combine_into(d, b, [(a if sq_xi > 0 else 0.0, xi), (g if sq_prev > 0 else 0.0, xi_prev)])
         xi_prev, xi = xi, d
         sq_prev, sq_xi, cross = sq_xi, sq_new, new_cross
-        need_grad = k < steps - 1
+        need_grad = k < total - 1
         loss, egrad = objective(xi, need_grad, out=pool.free(xi, xi_prev, best_xi, best_egrad) if need_grad else None)
         losses.append(loss)
         if loss > best_loss:
@@ -206,6 +255,13 @@ def apgd(
             sq_xi = sq_prev = cross = best_sq
         if on_step is not None:
             on_step(k, best_loss - clean_loss)
+        if k == total - 1 and (block := _next_block(total, max_steps, tol, losses)):
+            schedule.extend(total, block)
+            total += block
+            if egrad is None:  # the block's last step skipped its backward; the next step needs it
+                _, egrad = objective(xi, True, out=pool.free(xi, xi_prev, best_xi, best_egrad))
+                if xi is best_xi:
+                    best_egrad = egrad
     return SolveResult(best_loss, clean_loss, losses, math.sqrt(best_sq))
 
 
@@ -228,7 +284,7 @@ def _ellipsoid_norm(delta: Tensor, inv_scale: Tensor, lmbd: float, scratch: tupl
 
 
 def _ellipsoid_projection(delta: Tensor, inv_scale: Tensor, rho: float) -> Tensor:
-    """AS23's Euclidean projection onto ``||delta / |w| || <= rho`` by bisection on lambda (spec §5.1), in place.
+    """AS23's Euclidean projection onto ``||delta / |w| || <= rho`` by bisection on lambda, in place.
 
     The reference evaluates ``||delta / (1 + 2 lambda / w^2) / |w| ||`` from scratch at each bisection step; here each
     evaluation is one blocked pass over ``delta`` and ``1/|w|`` with block-sized scratch. The bisection, its bracket
@@ -269,13 +325,19 @@ def apgd_as23(
     momentum: float = 0.75,
     min_update_ratio: float = 0.75,
     on_step: Callable[[int, float], None] | None = None,
+    max_steps: int | None = None,
+    tol: float = CONVERGENCE_TOL,
 ) -> SolveResult:
-    """AS23's ``m_apgd_l2`` adaptive worst case, quirks included (spec §5.1).
+    """AS23's ``m_apgd_l2`` adaptive worst case, quirks included.
 
     ``scale`` is ``|w|`` (zero on frozen coordinates). Faithful to the reference: the step is ``grad * |w|`` over the
     global Euclidean gradient norm, Euclidean projection onto the ellipsoid by bisection, momentum
     ``0.75 P(z) + 0.25 delta_prev`` without re-projection, an extra no-grad forward per step for the loss, and on
-    halving only the evaluation point (the "model") is reset to the best point, not ``delta``."""
+    halving only the evaluation point (the "model") is reset to the best point, not ``delta``. ``max_steps`` and
+    ``tol`` continue the run in blocks as in :func:`apgd`.
+
+    Its fixed points are not the maximiser's (docs/method.md): it can stall a few percent below the maximum of its
+    own objective at any number of steps, which is why the default adaptive baseline is the clean solver."""
     inv_scale = torch.where(scale > 0, 1.0 / torch.where(scale > 0, scale, torch.ones_like(scale)), 0.0)
     tangents = _Pool(scale, 4)
     gradient = torch.empty_like(scale)
@@ -286,7 +348,9 @@ def apgd_as23(
     best_loss, best_point = clean_loss, delta
     schedule = _StepSchedule(2.0 * rho, steps, min_update_ratio, clean_loss)
     losses = [clean_loss]
-    for k in range(steps):
+    total, k = steps, -1
+    while k + 1 < total:
+        k += 1
         _, egrad = objective(point, True, out=gradient)
         backup = delta
         grad_norm = math.sqrt(max(float(torch.dot(egrad, egrad)), 0.0))
@@ -305,6 +369,9 @@ def apgd_as23(
             point = best_point
         if on_step is not None:
             on_step(k, best_loss - clean_loss)
+        if k == total - 1 and (block := _next_block(total, max_steps, tol, losses)):
+            schedule.extend(total, block)
+            total += block
     return SolveResult(best_loss, clean_loss, losses, float((best_point * inv_scale).square().sum().sqrt()))
 
 

@@ -5,7 +5,7 @@ A tangent vector ``xi`` is a flat tensor laid out like the model's flat paramete
 other coordinates by :class:`ElementwiseGeometry`. Adaptive sharpness is the same space with no pairs and first-order
 steps, so one solver serves both measures.
 
-Performance (DESIGN.md, "Performance"): a solver step must cost one forward and one backward plus little else, and the
+Performance: a solver step must cost one forward and one backward plus little else, and the
 parameter vector is large (1e8 entries), so
 
 * pair blocks of equal shape (every layer of a BERT) are stacked into one group, so each geometric operation is one
@@ -119,7 +119,7 @@ class Factor:
     index: Tensor | None
 
     @classmethod
-    def of(cls, index: Tensor, device: torch.device) -> "Factor":
+    def of(cls, index: Tensor, device: torch.device) -> Factor:
         pieces = _strided_pieces(index)
         return cls(index.shape, pieces, None if pieces is not None else index.reshape(-1).to(device))
 
@@ -163,7 +163,7 @@ class PairGroup:
             return self.g.gather(x), self.h.gather(x)
         return self.g.gather(x, out[0]), self.h.gather(x, out[1])
 
-    def buffers(self, scratch: "_Scratch") -> tuple[Tensor, Tensor]:
+    def buffers(self, scratch: _Scratch) -> tuple[Tensor, Tensor]:
         """Uninitialised ``(G-shaped, H-shaped)`` tensors from ``scratch``."""
         return scratch.take(self.g.shape), scratch.take(self.h.shape)
 
@@ -391,7 +391,7 @@ class PerturbationSpace:
     def project(self, xi: Tensor, rho: float) -> Tensor:
         """Onto the feasible set ``{horizontal, ||xi||_g <= rho}``: horizontal projection, then radial scaling.
 
-        Both steps are g-orthogonal, so their composition is the g-orthogonal projection onto the set (spec §4.2)."""
+        Both steps are g-orthogonal, so their composition is the g-orthogonal projection onto the set."""
         xi = self.horizontal(xi)
         norm = float(self.norm(xi))
         return xi.mul_(rho / norm) if norm > rho else xi

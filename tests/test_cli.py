@@ -57,7 +57,7 @@ def test_run_on_a_csv_prints_a_table_writes_json_and_matches_the_api(files, caps
     assert code == 0
     printed = capsys.readouterr().out
     report = json.loads(out.read_text())
-    measures = ["geodesic_inv_worst", "geodesic_mix_worst", "adaptive_as23_worst"]  # defaults: inv,mix + baseline
+    measures = ["geodesic_inv_worst", "geodesic_mix_worst", "adaptive_clean_worst"]  # defaults: inv,mix + baseline
     assert list(report["results"]) == measures
     for name in measures:
         res = report["results"][name]

@@ -16,7 +16,9 @@ METRICS = ["inv", "mix"]
 
 def _pair(seed=0, k=K, n=N, m=M, h=H):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(k, n, h, generator=g, dtype=torch.float64), torch.randn(k, m, h, generator=g, dtype=torch.float64))
+    return (
+        torch.randn(k, n, h, generator=g, dtype=torch.float64), torch.randn(k, m, h, generator=g, dtype=torch.float64)
+    )
 
 
 def _random_group_element(seed=1, k=K, h=H, condition=10.0):
@@ -149,7 +151,8 @@ def test_second_order_geodesic_error_is_cubic(metric):
         exact = _geodesic_ode(G, Hm, v, metric, 1.0)
         second = geo.exp2(v)
         errors_2.append(float(torch.cat([(second[i] - exact[i]).reshape(-1) for i in range(2)]).norm()))
-        errors_1.append(float(torch.cat([(G + v[0] - exact[0]).reshape(-1), (Hm + v[1] - exact[1]).reshape(-1)]).norm()))
+        first = [(G + v[0] - exact[0]).reshape(-1), (Hm + v[1] - exact[1]).reshape(-1)]
+        errors_1.append(float(torch.cat(first).norm()))
     ratios_2 = [errors_2[i] / errors_2[i + 1] for i in range(2)]
     ratios_1 = [errors_1[i] / errors_1[i + 1] for i in range(2)]
     assert all(6.5 < r < 9.5 for r in ratios_2), ratios_2  # O(t^3)
@@ -201,3 +204,110 @@ def test_elementwise_geometry_matches_adaptive_sharpness_conventions():
 
 def test_as23_checkpoint_schedule():
     assert as23_checkpoints(20) == [5, 9, 12, 15, 16, 18, 19, 20]
+
+
+# ---------------------------------------------------------------------- the covariant relaxation (epsilon > 0)
+EPS = 1e-2  # large, so that an O(epsilon) defect of the projection or of the invariance would show
+
+
+def _singular_pair(seed=0):
+    """Head 0 has a dead column of G, head 1 a dead column of H: only the relaxation keeps them finite."""
+    G, Hm = _pair(seed)
+    G[0, :, 0] = 0.0
+    Hm[1, :, 2] = 0.0
+    return G, Hm
+
+
+@pytest.mark.parametrize("singular", [False, True])
+def test_relaxed_projection_is_exact_idempotent_and_orthogonal(metric, singular):
+    G, Hm = _singular_pair() if singular else _pair()
+    geo = GLQuotient(G, Hm, metric, epsilon=EPS)
+    xi = _pair(seed=5)
+    p = geo.projection(xi)
+    for seed in range(3):
+        lam = torch.randn(K, H, H, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+        v = geo.vertical_vector(lam)
+        scale = float(geo.norm(p).max() * geo.norm(v).max())
+        assert geo.inner_product(p, v).abs().max() < 1e-11 * scale
+        assert geo.inner_product(xi, v).abs().max() > 1e-3 * scale
+    pp = geo.projection(p)
+    assert torch.allclose(pp[0], p[0], atol=1e-11) and torch.allclose(pp[1], p[1], atol=1e-11)
+
+
+def test_relaxed_projection_matches_a_dense_least_squares_reference(metric):
+    """Slow reference: minimise ||xi + vertical(Lam)||_g over Lam by a dense solve of the normal equations."""
+    G, Hm = _pair(k=1)
+    geo = GLQuotient(G, Hm, metric, epsilon=EPS)
+    xi = _pair(seed=3, k=1)
+    basis = _full_basis()
+    V = [geo.vertical_vector(E[None]) for E in basis]
+    gram = torch.stack([torch.stack([geo.inner_product(a, b)[0] for b in V]) for a in V])
+    rhs = torch.stack([geo.inner_product(xi, a)[0] for a in V])
+    coef = torch.linalg.solve(gram, -rhs)
+    lam = torch.einsum("b,bij->ij", coef, basis)[None]
+    assert torch.allclose(geo._projection_lambda(xi), lam, atol=1e-10)
+
+
+def _covariance_checks(geo, geo_A, A, G, Hm, sampler=True):
+    a, b = _pair(seed=3), _pair(seed=4)
+    assert torch.allclose(geo.inner_product(a, b), geo_A.inner_product(_act(A, a), _act(A, b)), rtol=1e-9)
+    pa, pa_A = _act(A, geo.projection(a)), geo_A.projection(_act(A, a))
+    assert torch.allclose(pa[0], pa_A[0], atol=1e-8) and torch.allclose(pa[1], pa_A[1], atol=1e-8)
+    xi = geo.projection(_pair(seed=8))
+    w1, w2 = geo.exp2(xi), geo_A.exp2(_act(A, xi))
+    assert torch.allclose(w1[0] @ w1[1].mT, w2[0] @ w2[1].mT, atol=1e-8)
+    if sampler:  # the probe root needs full-rank factors
+        z = geo.random_tangent_vector(torch.Generator().manual_seed(0))
+        z_A, expected = geo_A.random_tangent_vector(torch.Generator().manual_seed(0)), _act(A, z)
+        assert torch.allclose(z_A[0], expected[0], atol=1e-7) and torch.allclose(z_A[1], expected[1], atol=1e-7)
+
+
+def test_relaxed_metric_projection_exp2_and_sampler_are_covariant(metric):
+    """General GL(h) elements: exact while both Gram matrices have condition number <= 1/epsilon."""
+    G, Hm = _pair()
+    A = 10.0 * _random_group_element(condition=10.0)
+    probe = lambda: torch.Generator().manual_seed(0)  # noqa: E731
+    geo = GLQuotient(G, Hm, metric, 1e-3, probe_generator=probe())
+    geo_A = GLQuotient(*_act(A, (G, Hm)), metric, 1e-3, probe_generator=probe())
+    assert (geo._P64 - G.mT @ G).norm() > 1e-5 * (G.mT @ G).norm()  # the relaxation is really there
+    _covariance_checks(geo, geo_A, A, G, Hm)
+
+
+def test_relaxation_of_singular_heads_is_covariant_under_per_head_rescaling(metric):
+    G, Hm = _singular_pair()
+    c = torch.tensor([1e-2, 3.0, 1e2], dtype=torch.float64)
+    A = c[:, None, None] * torch.eye(H, dtype=torch.float64)
+    geo, geo_A = GLQuotient(G, Hm, metric, EPS), GLQuotient(*_act(A, (G, Hm)), metric, EPS)
+    _covariance_checks(geo, geo_A, A, G, Hm, sampler=False)
+
+
+def test_relaxation_is_relative_and_the_old_absolute_one_is_not_invariant():
+    """Per-head rescaling A = c I leaves the relaxed metric exactly invariant, for c from 1e-2 to 1e2; the absolute
+    relaxation G^T G + eps I (the former default) is not, which is the defect the relative one removes."""
+    G, Hm = _pair()
+    a, b = _pair(seed=3), _pair(seed=4)
+    ref = GLQuotient(G, Hm, "inv", 1e-6).inner_product(a, b)
+    for c in (1e-2, 1e2):
+        A = c * torch.eye(H, dtype=torch.float64).expand(K, H, H)
+        moved = GLQuotient(*_act(A, (G, Hm)), "inv", 1e-6).inner_product(_act(A, a), _act(A, b))
+        assert torch.allclose(moved, ref, rtol=1e-12)
+    P, Q = GLQuotient.relaxed_grams(G.mT @ G, Hm.mT @ Hm, 1e-6)
+    rel = (P - G.mT @ G).norm() / (G.mT @ G).norm()
+    assert 1e-8 < rel < 1e-5  # relative to the spectrum: about epsilon
+    Gs = G * 1e-3
+    absolute = (Gs.mT @ Gs + 1e-6 * torch.eye(H)) - Gs.mT @ Gs
+    assert absolute.norm() / (Gs.mT @ Gs).norm() > 1e-3  # the absolute relaxation is 1e5 x larger here
+
+
+def test_reduced_group_relaxed_projection_is_orthogonal(metric):
+    basis = _full_basis()[[0, 4, 8]]
+    G, Hm = _singular_pair()
+    geo = GLQuotient(G, Hm, metric, epsilon=EPS, lie_basis=basis)
+    full = GLQuotient(G, Hm, metric, epsilon=EPS, lie_basis=_full_basis())
+    closed = GLQuotient(G, Hm, metric, epsilon=EPS)
+    xi = _pair(seed=2)
+    p = geo.projection(xi)
+    for E in basis:
+        assert geo.inner_product(p, geo.vertical_vector(E.expand(K, H, H))).abs().max() < 1e-10
+    a, b = full.projection(xi), closed.projection(xi)
+    assert torch.allclose(a[0], b[0], atol=1e-9) and torch.allclose(a[1], b[1], atol=1e-9)

@@ -164,7 +164,7 @@ def test_killed_leaderboard_resumes_to_the_same_table_without_recomputing(zoo, t
     assert proc.wait(timeout=30) == -signal.SIGKILL
     before = store.read_bytes()
     finished = before[: before.rfind(b"\n") + 1].decode().splitlines()
-    total = 4 * (3 + 2)  # models x (measures + stats + split metrics)
+    total = 4 * (4 + 2)  # models x (measures + stats + split metrics)
     assert 3 <= len(finished) < total, "the run was not killed midway"
 
     assert cli.main(_leaderboard_args(zoo, out)) == 0
@@ -255,8 +255,8 @@ def test_gap_from_a_file_and_adaptive_only(zoo, tmp_path):
     board = run_leaderboard(models, data, [Measure("adaptive")], store, settings=Settings(steps=1),
                             gap=GapSpec(file=gap_file), progress=False)
     assert [r["gap"] for r in board.rows] == [0.0, 0.1, 0.2, 0.3]
-    assert board.measures == ["adaptive_as23_worst"] and set(board.taus) == {"adaptive_as23_worst", *TRIVIAL}
-    assert all(r["adaptive_as23_worst"] >= 0 and r["param_norm"] > 0 for r in board.rows)
+    assert board.measures == ["adaptive_clean_worst"] and set(board.taus) == {"adaptive_clean_worst", *TRIVIAL}
+    assert all(r["adaptive_clean_worst"] >= 0 and r["param_norm"] > 0 for r in board.rows)
 
     lines = (tmp_path / STORE_FILE).read_text().count("\n")
     weights = Path(models[2].source) / "model.safetensors"
@@ -290,7 +290,9 @@ def test_demo_prints_table_taus_plot_and_card_and_reuses_the_cache(zoo, tmp_path
             "--no-hide-seek"]  # the hide & seek section is tested in tests/test_hide.py
     assert cli.main(args) == 0
     out = capsys.readouterr().out
-    assert "| rank | model | geodesic_inv_worst | geodesic_mix_worst | adaptive_as23_worst |" in out
+    header = ("| rank | model | geodesic_inv_worst | geodesic_mix_worst | adaptive_clean_worst | relative_flatness | "
+              "geodesic_inv_worst_stderr |")
+    assert header in out
     assert "Kendall tau" in out and str(tmp_path / "scatter.png") in out
     assert "model-index:" in out and "type: geodesic_sharpness" in out
     stored = (tmp_path / STORE_FILE).read_bytes()

@@ -98,7 +98,22 @@ EXPECTED = {
     "falcon_classic_alibi": _orbit(1, 4, 4, 8, None),
     "bloom_alibi": _orbit(1, 2, 2, 8, None),
     "mha": _orbit(1, 2, 2, 8, None),
+    "gpt_bigcode_mqa": _orbit(1, 4, 1, 8, None),  # fused c_attn [all Q heads | 1 K head | 1 V head]
+    "gpt_bigcode_mha": _orbit(1, 4, 4, 8, None),
+    "deberta_v2_shared": _orbit(1, 2, 2, 8, None),  # position terms reuse W_q, W_k
+    "deberta_v2_separate": _orbit(1, 2, 2, 8, None),  # pos_query_proj in G, pos_key_proj in H
+    "deberta": _orbit(1, 2, 2, 8, None),
 }
+
+# rows of one QK pair's G and H (weights + bias rows), read off the layouts: position projections add rows
+QK_ROWS = {"gpt_bigcode_mqa": (4 * 33, 33), "deberta_v2_shared": (17, 17), "deberta_v2_separate": (34, 34),
+           "deberta": (34, 32)}  # DeBERTa v1: q_bias + pos_q_proj bias on G; no key or pos_proj bias on H
+
+
+@pytest.mark.parametrize("arch", sorted(QK_ROWS))
+def test_qk_pair_rows(arch):
+    qk = next(b for b in map_symmetries(build(arch).model).blocks if b.kind == "qk")
+    assert (qk.G_index.shape[1], qk.H_index.shape[1]) == QK_ROWS[arch]
 
 
 @pytest.mark.parametrize("arch", sorted(EXPECTED))
@@ -151,23 +166,52 @@ def test_include_bias_false_leaves_biases_out_and_says_so():
     assert any("include_bias=False" in n for n in without.notes)
 
 
-def _deberta() -> torch.nn.Module:
-    config = tf.DebertaV2Config(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                                intermediate_size=32, max_position_embeddings=32, relative_attention=True,
-                                pos_att_type=["p2c", "c2p"])
-    return tf.DebertaV2Model(config)
+def _talking_heads_deberta() -> torch.nn.Module:
+    config = tf.DebertaConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                              intermediate_size=32, max_position_embeddings=32, relative_attention=True,
+                              pos_att_type=["p2c", "c2p"], talking_head=True)
+    return tf.DebertaModel(config)
+
+
+class _OddAttention(torch.nn.Module):
+    """An attention-like module no adapter knows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix = torch.nn.Linear(8, 24)
 
 
 def test_unmappable_attention_is_a_fallback_or_a_clear_strict_error():
-    model = _deberta()
+    model = _talking_heads_deberta()
     smap = map_symmetries(model)
     assert not smap.blocks
     assert [f.module for f in smap.fallbacks] == ["encoder.layer.0.attention"]
-    assert "DebertaV2Attention" in smap.fallbacks[0].reason
+    assert "DebertaAttention" in smap.fallbacks[0].reason and "talking heads" in smap.fallbacks[0].reason
     with pytest.raises(ValueError) as err:
         map_symmetries(model, strict=True)
     message = str(err.value)
     assert "encoder.layer.0.attention" in message and "strict=False" in message and "adapter" in message
+    odd = torch.nn.Sequential(_OddAttention())
+    assert [f.module for f in map_symmetries(odd).fallbacks] == ["0"]
+
+
+def test_adapter_order_respects_every_declared_precedence():
+    from hf_geosharp.symmetry.layouts import ADAPTERS, PRECEDES, order_adapters
+
+    assert set(ADAPTERS) == set(PRECEDES)
+    for first, later in PRECEDES.items():
+        assert all(ADAPTERS.index(first) < ADAPTERS.index(b) for b in later), first.__name__
+    reversed_order = order_adapters(dict(reversed(list(PRECEDES.items()))))
+    for first, later in PRECEDES.items():
+        assert all(reversed_order.index(first) < reversed_order.index(b) for b in later), first.__name__
+    a, b = list(PRECEDES)[:2]
+    with pytest.raises(ValueError, match="cycle"):
+        order_adapters({a: (b,), b: (a,)})
+
+
+def test_falcon_is_mapped_by_its_own_adapter_not_as_interleaved_qkv():
+    for arch, layout in (("falcon_grouped", "Falcon grouped"), ("falcon_multiquery", "Falcon multi-query")):
+        assert all(b.note.startswith(layout) for b in map_symmetries(build(arch).model).blocks), arch
 
 
 def test_reparametrize_refuses_a_map_of_another_model():
@@ -193,3 +237,34 @@ def test_real_minilm_weights():
     with torch.no_grad():
         out1 = model(**batch).last_hidden_state
     assert (out1 - out0).norm() / out0.norm() < 1e-8
+
+
+def _drop_position_rows(smap) -> None:
+    """The naive DeBERTa map: QK pairs of the content projections only (first E+1 rows of each factor)."""
+    for b in smap.blocks:
+        if b.kind == "qk":
+            b.G_index, b.H_index = b.G_index[:, :17], b.H_index[:, :16 + ("v2" in b.note)]
+
+
+def _swap_key_and_value(smap) -> None:
+    """MQA read as if the shared head after the queries were the value, not the key."""
+    qk, vo = (next(b for b in smap.blocks if b.kind == kind) for kind in ("qk", "vo"))
+    qk.H_index, vo.G_index = vo.G_index.clone(), qk.H_index.clone()
+
+
+@pytest.mark.parametrize("arch,breaks", [("gpt_bigcode_mqa", _swap_key_and_value),
+                                         ("gpt_bigcode_mha", _swap_key_and_value),
+                                         ("deberta_v2_separate", _drop_position_rows),
+                                         ("deberta", _drop_position_rows),
+                                         ("deberta_v2_shared", None)])
+def test_the_probe_catches_a_wrong_map_of_each_new_layout(arch, breaks):
+    """Negative controls: a plausible wrong map of the layout changes the outputs (the probe has power here)."""
+    tiny = build(arch)
+    out0 = _outputs(tiny.model, tiny.batch)
+    if breaks is None:  # shared position keys: leaving the bias rows out is the wrong map
+        smap = map_symmetries(tiny.model, include_bias=False)
+    else:
+        smap = map_symmetries(tiny.model)
+        breaks(smap)
+    reparametrize(tiny.model, seed=1, condition=100.0, smap=smap)
+    assert ((_outputs(tiny.model, tiny.batch) - out0).norm() / out0.norm()) > 1e-3

@@ -100,10 +100,10 @@ def test_cli_offline_hub_id_is_a_clear_error(capsys, monkeypatch):
 
 
 def test_cli_strict_fails_on_unmappable_attention(tmp_path, capsys):
-    config = tf.DebertaV2Config(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                                intermediate_size=16, max_position_embeddings=16, relative_attention=True,
-                                pos_att_type=["p2c", "c2p"])
-    path = _save(tf.DebertaV2Model(config), tmp_path / "deberta")
+    config = tf.DebertaConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                              intermediate_size=16, max_position_embeddings=16, relative_attention=True,
+                              pos_att_type=["p2c", "c2p"], talking_head=True)  # talking heads mix the heads
+    path = _save(tf.DebertaModel(config), tmp_path / "deberta")
     assert _cli(path) == 0
     assert "fallbacks" in capsys.readouterr().out
     assert _cli(path, "--strict") == 1
@@ -129,3 +129,55 @@ def test_cli_audit_refuses_a_big_model(tmp_path, capsys):
     path = _save(tf.BertModel(config), tmp_path / "big")
     assert _cli(path, "--audit") == 2
     assert "tiny models" in capsys.readouterr().err
+
+
+def test_cli_block_audit_passes_on_a_tiny_bert_and_writes_json(tmp_path, capsys):
+    config = tf.BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                           intermediate_size=16, max_position_embeddings=16)
+    path = _save(tf.BertModel(config), tmp_path / "bert")
+    out_json = tmp_path / "audit.json"
+    assert _cli(path, "--audit", "--layers", "1", "--json", str(out_json)) == 0
+    printed = capsys.readouterr().out
+    assert "estimated" in printed and "verdict: PASS" in printed and "encoder.layer.1.attention" in printed
+    (block,) = json.loads(out_json.read_text())["audit_blocks"]
+    assert block["verdict"] == "PASS" and block["rank"] == block["predicted_rank"]
+    assert block["module"] == "encoder.layer.1.attention" and block["scope"] == "whole block"
+
+
+def test_cli_layers_needs_audit_and_valid_indices(tmp_path, capsys):
+    config = tf.BertConfig(vocab_size=32, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+                           intermediate_size=8, max_position_embeddings=16)
+    path = _save(tf.BertModel(config), tmp_path / "bert")
+    assert _cli(path, "--layers", "0") == 2
+    assert "--audit" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        _cli(path, "--audit", "--layers", "zero")
+    assert exc.value.code == 2
+    assert _cli(path, "--audit", "--layers", "7") == 2
+    assert "mapped layers: [0]" in capsys.readouterr().err
+
+
+def test_symmetry_modules_import_without_cycles():
+    """Module-level relative imports of hf_geosharp.symmetry form a DAG (TYPE_CHECKING imports excluded)."""
+    import ast
+    from pathlib import Path
+
+    import hf_geosharp.symmetry as pkg
+
+    graph = {}
+    for f in Path(pkg.__file__).parent.glob("*.py"):
+        body = ast.parse(f.read_text()).body
+        graph[f.stem] = {n.module for n in body if isinstance(n, ast.ImportFrom) and n.level == 1 and n.module}
+    state: dict[str, int] = {}
+
+    def visit(node: str, path: tuple[str, ...]) -> None:
+        assert state.get(node) != 1, f"import cycle: {' -> '.join(path + (node,))}"
+        if state.get(node) == 2:
+            return
+        state[node] = 1
+        for dep in graph.get(node, ()):
+            visit(dep, path + (node,))
+        state[node] = 2
+
+    for node in graph:
+        visit(node, ())

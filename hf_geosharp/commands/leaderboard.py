@@ -13,8 +13,19 @@ import sys
 from pathlib import Path
 
 from ..data import DataError, DataSpec
-from ..leaderboard import KINDS, STORE_FILE, GapSpec, Leaderboard, Measure, ResultStore, Settings, resolve_models
-from ..leaderboard import markdown, run_leaderboard, write_outputs
+from ..leaderboard import (
+    KINDS,
+    STORE_FILE,
+    GapSpec,
+    Leaderboard,
+    Measure,
+    ResultStore,
+    Settings,
+    markdown,
+    resolve_models,
+    run_leaderboard,
+    write_outputs,
+)
 from .run import _quiet_libraries
 
 logger = logging.getLogger(__name__)
@@ -51,7 +62,8 @@ def add_data_arguments(p: argparse.ArgumentParser, n_examples: int, batch_size: 
     """Data options shared with ``geosharp demo`` (which fills the dataset in itself)."""
     p.add_argument("--n-examples", type=int, default=n_examples, help=f"examples to measure on (default: {n_examples})")
     p.add_argument("--batch-size", type=int, default=batch_size, help=f"examples per batch (default: {batch_size})")
-    p.add_argument("--measures", type=_choices(KINDS), default=list(KINDS), help="inv, mix, adaptive (default: all)")
+    p.add_argument("--measures", type=_choices(KINDS), default=list(KINDS),
+                   help="inv, mix, adaptive, relative_flatness (default: all)")
     p.add_argument("--mode", type=_choices(("worst", "average")), default=["worst"], help="worst and/or average")
     p.add_argument("--rho", type=float, default=0.1, help="perturbation radius (default: 0.1)")
     p.add_argument("--steps", type=int, default=20, help="solver steps per batch, worst case (default: 20)")
@@ -91,7 +103,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def measures_of(args: argparse.Namespace) -> list[Measure]:
-    return [Measure(kind, mode) for mode in args.mode for kind in args.measures]
+    measures = [Measure(kind, mode) for mode in args.mode for kind in args.measures]
+    return list({m.name: m for m in measures}.values())  # relative flatness has no mode: once
 
 
 def settings_of(args: argparse.Namespace) -> Settings:

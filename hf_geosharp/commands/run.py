@@ -78,7 +78,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--baseline",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="also measure adaptive sharpness, the AS23 baseline (default: on)",
+        help="also measure adaptive sharpness, the baseline (default: on)",
     )
     p.add_argument("--mode", choices=("worst", "average"), default="worst", help="worst or average case")
     p.add_argument("--rho", type=_positive(float), default=0.1, help="perturbation radius (default: 0.1)")

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 from pathlib import Path
 
 from ..data import DataError, load_model
+from ..durable import OutputPathError, check_writable, write_json
 from ..symmetry import map_symmetries
 from ..symmetry.audit import MAX_AUDIT_PARAMS, jacobian_rank_audit
+from ..symmetry.block_audit import block_audit
 from ..symmetry.report import format_report
 
 logger = logging.getLogger(__name__)
@@ -24,20 +25,44 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="show the attention symmetries of a model (GL(h) pairs, orbit and quotient dimensions, conditioning)",
         description="Map a model onto its attention (and LoRA) symmetry group and print the symmetry report: pairs "
         "per kind, orbit and quotient dimensions, unmapped modules, and the conditioning of every head.",
-        epilog="exit codes: 0 success; 1 --strict found unmapped attention; 2 bad input (model cannot be loaded, "
-        "--audit on a model that is too big).",
+        epilog="exit codes: 0 success; 1 --strict found unmapped attention, or an audit verdict FAIL; 2 bad input "
+        "(model cannot be loaded, --audit of a whole model that is too big: use --layers).",
     )
     p.add_argument("model", metavar="MODEL", help="saved model folder or Hub id")
     p.add_argument("--json", type=Path, metavar="PATH", help="also write the report as JSON")
     p.add_argument("--audit", action="store_true",
-                   help="also measure the rank of the parameter-to-output Jacobian (tiny models only)")
+                   help="also measure the rank of the parameter-to-output Jacobian against the predicted dimension: "
+                   "of the whole model (tiny models), or with --layers of those attention blocks (any size)")
+    p.add_argument("--layers", type=_layers, metavar="L[,L...]",
+                   help="with --audit: audit the attention blocks of these layer indices (e.g. 0 or 0,3), the rest "
+                   "frozen, matrix-free; prints predicted and measured rank and 'verdict: PASS' or 'verdict: FAIL'")
     p.add_argument("--strict", action="store_true", help="fail if any attention module cannot be mapped")
     p.add_argument("--params", choices=("all", "trainable"), default="all",
                    help="map all pairs, or only pairs of trainable parameters (default: all)")
     p.set_defaults(func=run)
 
 
+def _layers(text: str) -> list[int]:
+    try:
+        layers = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--layers takes comma-separated layer indices such as 0 or 0,3; got "
+                                         f"{text!r}") from None
+    if any(i < 0 for i in layers):
+        raise argparse.ArgumentTypeError(f"layer indices are >= 0; got {text!r}")
+    return layers
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.layers and not args.audit:
+        print("geosharp symmetry: --layers selects the blocks of --audit; add --audit", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        if args.json:
+            check_writable(args.json, what="--json")
+    except OutputPathError as err:
+        print(f"geosharp symmetry: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     try:
         model = load_model(args.model)
     except DataError as err:
@@ -50,25 +75,32 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_FAILED
     report = smap.summary(model)
     print(format_report(report))
+    code = EXIT_OK
     if args.audit:
-        if smap.n_params > MAX_AUDIT_PARAMS:
-            print(f"geosharp symmetry --audit: the dimension audit is for tiny models ({smap.n_params:,} parameters > "
-                  f"{MAX_AUDIT_PARAMS:,}); save a 1-layer, hidden-16 config of the same architecture and audit that.",
+        if not args.layers and smap.n_params > MAX_AUDIT_PARAMS:
+            print(f"geosharp symmetry --audit: the whole-model audit is for tiny models ({smap.n_params:,} parameters "
+                  f"> {MAX_AUDIT_PARAMS:,}); audit chosen attention blocks instead, e.g. --audit --layers 0.",
                   file=sys.stderr)
             return EXIT_BAD_INPUT
-        model = model.double()  # numerical rank needs float64
+        model = model.double()  # numerical rank needs float64 (the model was loaded here, not handed over)
         if hasattr(model, "set_attn_implementation"):
             model.set_attn_implementation("eager")  # plain matmul + softmax: vmap-friendly for the Jacobian
+        print()
         try:
-            audit = jacobian_rank_audit(model, smap)
+            if args.layers:
+                results = block_audit(model, args.layers, log=lambda line: print(line, flush=True))
+                for result in results:
+                    print(result.format())
+                report["audit_blocks"] = [r.to_dict() for r in results]
+                code = EXIT_OK if all(r.verdict == "PASS" for r in results) else EXIT_FAILED
+            else:
+                audit = jacobian_rank_audit(model, smap)
+                print(audit.format())
+                report["audit"] = audit.to_dict()
         except ValueError as err:
             print(f"geosharp symmetry --audit: {err}", file=sys.stderr)
             return EXIT_BAD_INPUT
-        print()
-        print(audit.format())
-        report["audit"] = audit.to_dict()
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
+        write_json(args.json, report)
         logger.info("wrote %s", args.json)
-    return EXIT_OK
+    return code

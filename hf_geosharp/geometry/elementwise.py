@@ -4,12 +4,12 @@ Points and tangent vectors are flat tensors. The metric is :math:`g(\xi, \eta) =
 :math:`\|\xi\|_g = \|\xi \oslash |w|\|_2` (da Silva et al., App. F, Eq. 37). Its exact geodesic is
 :math:`w_i \exp(\xi_i / w_i)`; dropping the curvature term gives AS23's adaptive sharpness with ``c = |w|``
 (App. F, Eqs. 38-39). Coordinates with ``|w_i| < zero_tol`` (and coordinates excluded by ``mask``) get zero allowed
-perturbation instead of a division by zero (spec §2.4).
+perturbation instead of a division by zero.
 
 Only ``w^2`` (zero where frozen) is stored: it is the one factor the solver's hot path needs (the Riemannian gradient),
 and it also says which coordinates move (``w^2 > 0``), so no mask is kept. ``scale = |w|`` is derived from it on demand;
 the weights themselves are kept only for a curved geodesic (the ablation ``curvature != "none"``), because every
-stored parameter-sized vector counts against the memory budget of a run (spec §4.4).
+stored parameter-sized vector counts against the memory budget of a run.
 """
 
 from __future__ import annotations

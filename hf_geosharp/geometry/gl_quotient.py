@@ -2,17 +2,20 @@ r"""Quotient geometry of GL(h)-symmetric pairs ``(G, H) -> G H^T``, batched over
 
 Points and tangent vectors are pairs of tensors ``G: [k, n, h]`` and ``H: [k, m, h]`` (``k`` heads stacked). The group
 acts as :math:`(G, H) \mapsto (G A^{-1}, H A^T)`; tangent vectors transform the same way. Formulas follow da Silva,
-Dangel & Oore (ICML 2025), Eqs. (9)-(12), with the corrections of the project spec (``spec/geodesic_sharpness.md``):
+Dangel & Oore (ICML 2025), Eqs. (9)-(12), with the corrections written up in ``docs/method.md``:
 
 * inv metric  :math:`\langle\eta,\zeta\rangle = tr(P^{-1}\eta_G^T\zeta_G) + tr(Q^{-1}\eta_H^T\zeta_H)`,
 * mix metric  :math:`\langle\eta,\zeta\rangle = tr(Q\,\eta_G^T\zeta_G) + tr(P\,\eta_H^T\zeta_H)`,
 
-with :math:`P = G^TG + \epsilon I`, :math:`Q = H^TH + \epsilon I` evaluated once at the base point (the relaxation
-:math:`\epsilon` is applied consistently everywhere P and Q appear). The inv horizontal projection solves
-:math:`A X + X A = B`, :math:`X = \Lambda^T` (spec §1.5; the paper's printed form is a typo) through cached
-Cholesky/eigh factors. A reduced group (e.g. the commutant of RoPE rotations) is given by a Lie-algebra basis; its
-projection is a small cached linear solve over that basis. Every ``h x h`` factor is computed in float64; products with
-the ``n x h`` blocks run in the working dtype.
+with :math:`P`, :math:`Q` the relaxed Gram matrices of :meth:`GLQuotient.relaxed_grams` (they transform like
+:math:`G^TG`, :math:`H^TH`, so the relaxation keeps the invariance), evaluated once at the base point and used
+everywhere the metric appears. The vertical vectors :math:`(G\Lambda, -H\Lambda^T)` use the unrelaxed factors, so the
+exact g-orthogonal projection solves a two-sided Sylvester equation :math:`\mathcal A\Lambda + \Lambda\mathcal B = C`
+(inv: :math:`\mathcal A = Q G^TG`, :math:`\mathcal B = H^TH P`; mix: :math:`\mathcal A = P^{-1}G^TG`,
+:math:`\mathcal B = H^TH Q^{-1}`), both sides diagonalised once per base point (Cholesky + eigh). A reduced group
+(e.g. the commutant of RoPE rotations) is given by a Lie-algebra basis; its projection is a small cached linear solve
+over that basis. Every ``h x h`` factor is computed in float64; products with the ``n x h`` blocks run in the working
+dtype.
 
 The vocabulary follows pymanopt's manifolds: ``inner_product``, ``norm``, ``projection``,
 ``euclidean_to_riemannian_gradient``, ``exp2_correction`` (the second-order geodesic term ``-1/2 Gamma(xi, xi)``)
@@ -53,6 +56,21 @@ def _inv_factor(
     return c, pullback
 
 
+def _sylvester_factors(L: Tensor, X: Tensor, side: str) -> tuple[Tensor, Tensor, Tensor]:
+    """Eigen-factors ``(V, d, V^{-1})`` of one side of a two-sided Sylvester operator, from ``S = L L^T`` (SPD,
+    Cholesky factor ``L``) and a PSD ``X``, all ``[k, h, h]`` float64.
+
+    ``side`` names the product: ``"SX"``, ``"XS"``, ``"S^-1X"`` or ``"XS^-1"``. Each is similar to a symmetric PSD
+    matrix (``L^T X L`` or ``L^{-1} X L^{-T}``), so it is diagonalisable with real eigenvalues ``d >= 0``."""
+    eye = torch.eye(L.shape[-1], dtype=L.dtype, device=L.device).expand_as(L)
+    L_inv = torch.linalg.solve_triangular(L, eye, upper=False)
+    if side in ("SX", "XS"):
+        d, U = torch.linalg.eigh(L.mT @ X @ L)  # S X = L (L^T X L) L^-1,  X S = L^-T (L^T X L) L^T
+        return (L @ U, d, U.mT @ L_inv) if side == "SX" else (L_inv.mT @ U, d, U.mT @ L.mT)
+    d, U = torch.linalg.eigh(L_inv @ X @ L_inv.mT)  # S^-1 X = L^-T (.) L^T,  X S^-1 = L (.) L^-1
+    return (L_inv.mT @ U, d, U.mT @ L.mT) if side == "S^-1X" else (L @ U, d, U.mT @ L_inv)
+
+
 class GLQuotient:
     """Riemannian geometry of ``k`` stacked GL(h) pairs at a fixed base point ``(G, H)``.
 
@@ -60,7 +78,7 @@ class GLQuotient:
         G: ``[k, n, h]`` base point (the trained weights, any float dtype).
         H: ``[k, m, h]`` base point.
         metric: ``"inv"`` (paper Eq. 9) or ``"mix"`` (Eq. 10).
-        epsilon: relaxation ``G^T G + eps I`` (paper App. H.2); keeps near-singular heads finite.
+        epsilon: relative, group-covariant rank relaxation (see :meth:`relaxed_grams`); 0 for the exact metric.
         lie_basis: ``None`` for the full group GL(h), else a ``[b, h, h]`` basis of the subgroup's Lie algebra.
         probe_generator: generator for the fixed probe used by the equivariant sampler (only its shape-dependent
             draws matter; the same seed gives the same probe for every point of an orbit).
@@ -81,18 +99,17 @@ class GLQuotient:
             raise ValueError(f"epsilon must be >= 0, got {epsilon}.")
         self.metric, self.epsilon, self.dtype = metric, float(epsilon), G.dtype
         self.G, self.H = G.detach(), H.detach()
-        k, _, h = G.shape
         G64, H64 = self.G.double(), self.H.double()
-        eye = torch.eye(h, dtype=torch.float64, device=G.device)
-        P = G64.mT @ G64 + self.epsilon * eye
-        Q = H64.mT @ H64 + self.epsilon * eye
+        self._GtG, self._HtH = G64.mT @ G64, H64.mT @ H64  # unrelaxed: the vertical vectors use G and H themselves
+        P, Q = self.relaxed_grams(self._GtG, self._HtH, self.epsilon)
         try:
             L_P = torch.linalg.cholesky(P)
             L_Q = torch.linalg.cholesky(Q)
         except torch.linalg.LinAlgError as err:
             raise ValueError(
-                "A head's G^T G or H^T H is singular (the paper's Assumption 5.1 of full column rank fails). "
-                "Pass a larger epsilon (e.g. epsilon=1e-4) or check the symmetry report for rank-deficient heads."
+                "A head's G^T G or H^T H is singular (the paper's Assumption 5.1 of full column rank fails) and the "
+                "relaxation cannot fill it (epsilon=0, or both factors of the head are zero). Pass epsilon > 0 (the "
+                "default 1e-6 is relative and keeps the invariance) or check the symmetry report for dead heads."
             ) from err
         P_inv, Q_inv = torch.cholesky_inverse(L_P), torch.cholesky_inverse(L_Q)
         self._P64, self._Q64, self._P_inv64, self._Q_inv64 = P, Q, P_inv, Q_inv
@@ -100,23 +117,59 @@ class GLQuotient:
         self.P, self.Q, self.P_inv, self.Q_inv = cast(P), cast(Q), cast(P_inv), cast(Q_inv)
 
         self.lie_basis = None if lie_basis is None else lie_basis.to(device=G.device, dtype=torch.float64)
-        if self.lie_basis is None and metric == "inv":
-            # A = P Q = V diag(d) V^{-1} with V = L_P U, S = L_P^T Q L_P = U diag(d) U^T (spec §1.5).
-            d, U = torch.linalg.eigh(L_P.mT @ Q @ L_P)
-            self._V = L_P @ U
-            self._V_inv = U.mT @ torch.linalg.solve_triangular(L_P, eye.expand(k, h, h), upper=False)
-            self._sylvester_denominator = d.unsqueeze(-1) + d.unsqueeze(-2)
-        elif self.lie_basis is not None:
-            # Gram matrix K_ij = <E_i, A(E_j)> of the vertical directions in the metric (cached Cholesky).
+        if self.lie_basis is None:
+            # The projection solves A Lam + Lam B = C (module docstring); A and B are cached as V diag(d) V^-1.
+            if metric == "inv":  # A = Q_eps G^T G, B = H^T H P_eps
+                a, b = _sylvester_factors(L_Q, self._GtG, "SX"), _sylvester_factors(L_P, self._HtH, "XS")
+            else:  # A = P_eps^-1 G^T G, B = H^T H Q_eps^-1
+                a, b = _sylvester_factors(L_P, self._GtG, "S^-1X"), _sylvester_factors(L_Q, self._HtH, "XS^-1")
+            (self._VA, dA, self._VA_inv), (self._VB, dB, self._VB_inv) = a, b
+            denominator = dA.clamp_min(0).unsqueeze(-1) + dB.clamp_min(0).unsqueeze(-2)
+            # zero only where G Lam = 0 and H Lam^T = 0 (a dead direction of both factors): no vertical vector there
+            self._sylvester_inv = torch.where(denominator > 0, 1.0 / denominator.clamp_min(1e-300), 0.0)
+        else:
+            # Gram matrix K_ij = <vertical(E_i), vertical(E_j)>_g, inverted on its range (cached eigh).
             E = self.lie_basis
             AE = self._vertical_operator(E.unsqueeze(0))  # [k, b, h, h]
             K = torch.einsum("bij,kcij->kbc", E, AE)
-            self._K_chol = torch.linalg.cholesky(K)
+            d, U = torch.linalg.eigh(0.5 * (K + K.mT))
+            keep = d > 1e-13 * d.amax(-1, keepdim=True).clamp_min(1e-300)
+            self._K_pinv = (U * torch.where(keep, 1.0 / d.clamp_min(1e-300), 0.0).unsqueeze(-2)) @ U.mT
 
         # Equivariant square roots of the metric for sampling (R^T R = P, R -> R A^{-1} under the action), made on
         # first use: a worst-case run never samples, and the probe is as large as the pair itself.
         self._probe_generator = probe_generator
         self._roots: tuple[Tensor, Tensor] | None = None
+
+    @staticmethod
+    def relaxed_grams(GtG: Tensor, HtH: Tensor, epsilon: float) -> tuple[Tensor, Tensor]:
+        r"""The metric's Gram matrices ``P_eps``, ``Q_eps`` (float64 ``[k, h, h]``), covariant under the group.
+
+        :math:`P_\epsilon = G^TG + \epsilon\,\tau\,\lfloor H^TH\rfloor^{-1}`,
+        :math:`Q_\epsilon = H^TH + \epsilon\,\tau\,\lfloor G^TG\rfloor^{-1}`, :math:`\tau = \|GH^T\|_F^2 / h`.
+        Under ``(G, H) -> (G A^-1, H A^T)``, ``tau`` is invariant and ``(H^T H)^-1`` maps to ``A^-T (H^T H)^-1 A^-1``
+        exactly as ``G^T G`` does, so ``P_eps`` transforms like ``G^T G`` and the metric stays invariant for every
+        ``A``; the relaxation is about ``epsilon`` relative to the head's own spectrum. :math:`\lfloor S\rfloor`
+        floors the eigenvalues of ``S`` at ``epsilon * lambda_max(S)``: inactive (so exactly covariant) while
+        ``cond(S) <= 1/epsilon``, and where a factor is singular it caps the relaxation of the other at about the
+        typical eigenvalue of its own Gram matrix. A head with ``G H^T = 0`` uses
+        ``tau = ((tr G^T G + tr H^T H) / 2h)^2`` instead (its function is zero; nothing to be invariant about)."""
+        if epsilon == 0:
+            return GtG, HtH
+        h = GtG.shape[-1]
+        trP, trQ = GtG.diagonal(0, -2, -1).sum(-1), HtH.diagonal(0, -2, -1).sum(-1)
+        tau = (GtG * HtH).sum((-2, -1)) / h  # tr(G^T G H^T H) / h = ||G H^T||_F^2 / h
+        tau = torch.where(tau > 0, tau, ((trP + trQ) / (2 * h)).square())[:, None, None]
+
+        def floored_inverse(S: Tensor, fallback: Tensor) -> Tensor:
+            d, U = torch.linalg.eigh(S)
+            top = d[..., -1:]
+            floor = epsilon * torch.where(top > 0, top, fallback[:, None])
+            return (U / torch.maximum(d, floor).clamp_min(1e-300).unsqueeze(-2)) @ U.mT
+
+        P = GtG + epsilon * tau * floored_inverse(HtH, trP / h)
+        Q = HtH + epsilon * tau * floored_inverse(GtG, trQ / h)
+        return 0.5 * (P + P.mT), 0.5 * (Q + Q.mT)
 
     # ------------------------------------------------------------------ metric
     def inner_product(self, a: Pair, b: Pair) -> Tensor:
@@ -132,7 +185,7 @@ class GLQuotient:
         return self.inner_product(xi, xi).clamp_min(0).sqrt()
 
     def euclidean_to_riemannian_gradient(self, egrad: Pair, out: Pair | None = None) -> Pair:
-        """The vector ``r`` with ``<r, eta>_g = <egrad, eta>_F`` for all ``eta`` (spec §1.6); into ``out`` if given."""
+        """The vector ``r`` with ``<r, eta>_g = <egrad, eta>_F`` for all ``eta``; into ``out`` if given."""
         eG, eH = egrad
         fG, fH = (self.P, self.Q) if self.metric == "inv" else (self.Q_inv, self.P_inv)
         if out is None:
@@ -157,31 +210,35 @@ class GLQuotient:
         xG, xH = xi
         GtX = (self.G.mT @ xG).double()  # G^T xi_G
         XtH = (xH.mT @ self.H).double()  # xi_H^T H
+        # <vertical(E), xi>_g = <E, Y>_F
+        if self.metric == "inv":
+            Y = GtX @ self._P_inv64 - self._Q_inv64 @ XtH
+        else:
+            Y = GtX @ self._Q64 - self._P64 @ XtH
         if self.lie_basis is not None:
-            # <vertical(E_i), xi>_g = <E_i, Y> and <vertical(E_i), vertical(E_j)>_g = K_ij.
-            if self.metric == "inv":
-                Y = GtX @ self._P_inv64 - self._Q_inv64 @ XtH
-            else:
-                Y = GtX @ self._Q64 - self._P64 @ XtH
             y = torch.einsum("bij,kij->kb", self.lie_basis, Y)
-            c = torch.cholesky_solve(-y.unsqueeze(-1), self._K_chol).squeeze(-1)
+            c = (self._K_pinv @ -y.unsqueeze(-1)).squeeze(-1)
             return torch.einsum("kb,bij->kij", c, self.lie_basis)
-        if self.metric == "mix":
-            return 0.5 * (XtH @ self._Q_inv64 - self._P_inv64 @ GtX)
-        B = self._P64 @ XtH.mT - GtX.mT @ self._Q64  # P H^T xi_H - xi_G^T G Q
-        X = self._V @ ((self._V_inv @ B @ self._V) / self._sylvester_denominator) @ self._V_inv
-        return X.mT
+        # vertical_operator(Lam) = -Y, multiplied out to A Lam + Lam B = C
+        if self.metric == "inv":
+            C = XtH @ self._P64 - self._Q64 @ GtX  # Q_eps (-Y) P_eps
+        else:
+            C = XtH @ self._Q_inv64 - self._P_inv64 @ GtX  # P_eps^-1 (-Y) Q_eps^-1
+        return self._VA @ ((self._VA_inv @ C @ self._VB) * self._sylvester_inv) @ self._VB_inv
 
     def _vertical_operator(self, Lam: Tensor) -> Tensor:
-        """``Lam -> Y(vertical_vector(Lam))`` in float64 (the Gram operator of the vertical space)."""
-        P, Q, P_inv, Q_inv = (t.unsqueeze(1) for t in (self._P64, self._Q64, self._P_inv64, self._Q_inv64))
+        """``Lam -> Y(vertical_vector(Lam))`` in float64 (the Gram operator of the vertical space): the vertical
+        vectors are built from the unrelaxed ``G``, ``H``, the metric from the relaxed ``P_eps``, ``Q_eps``."""
+        GtG, HtH, P, Q, P_inv, Q_inv = (
+            t.unsqueeze(1) for t in (self._GtG, self._HtH, self._P64, self._Q64, self._P_inv64, self._Q_inv64)
+        )
         if self.metric == "inv":
-            return P @ Lam @ P_inv + Q_inv @ Lam @ Q
-        return 2.0 * P @ Lam @ Q
+            return GtG @ Lam @ P_inv + Q_inv @ Lam @ HtH
+        return GtG @ Lam @ Q + P @ Lam @ HtH
 
     # ------------------------------------------------------------------ geodesics
     def exp2_correction(self, xi: Pair) -> Pair:
-        r"""The second-order geodesic term :math:`-\tfrac12\Gamma(\xi,\xi)` (spec §2.2, §2.3); differentiable."""
+        r"""The second-order geodesic term :math:`-\tfrac12\Gamma(\xi,\xi)`; differentiable."""
         xG, xH = xi
         G, H = self.G, self.H
         if self.metric == "inv":
@@ -255,7 +312,7 @@ class GLQuotient:
     def random_tangent_vector(self, generator: torch.Generator | None = None) -> Pair:
         """A metric-isotropic Gaussian tangent vector (not yet projected), equivariant for a fixed generator state.
 
-        Rows of ``z_G`` have covariance ``P`` (inv) or ``Q^{-1}`` (mix) (spec §3.2)."""
+        Rows of ``z_G`` have covariance ``P`` (inv) or ``Q^{-1}`` (mix)."""
         if self._roots is None:
             self._roots = (
                 self._equivariant_root(self.G.double(), self._P_inv64, self._probe_generator),

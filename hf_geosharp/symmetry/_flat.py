@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
-from .base import SymmetryMap
+if TYPE_CHECKING:  # base imports the report, which imports this module: no runtime import back
+    from .base import SymmetryMap
 
 
 def parameters_in_order(model: nn.Module, smap: SymmetryMap) -> list[nn.Parameter]:

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 from torch import nn
-from torch.func import functional_call, jacrev
+from torch.func import functional_call, vjp, vmap
 
 from ._flat import flat_vector, parameters_in_order
 from .base import SymmetryMap
@@ -69,14 +70,15 @@ class AuditResult:
         return "\n".join(lines)
 
 
-def random_inputs(model: nn.Module) -> InputFn:
-    """Random inputs for a ``transformers`` model from its config (token ids, or pixels for vision models)."""
+def random_inputs(model: nn.Module, seq_len: int = 8) -> InputFn:
+    """Random inputs for a ``transformers`` model from its config (token ids in sequences of up to ``seq_len``, or
+    pixels for vision models)."""
     config = getattr(model, "config", None)
     main = getattr(model, "main_input_name", None)
     if config is None or main not in ("input_ids", "pixel_values"):
         raise ValueError(f"cannot draw random inputs for {type(model).__name__}; pass inputs=... to the audit.")
     if main == "input_ids":
-        seq = min(8, getattr(config, "max_position_embeddings", None) or 8)
+        seq = min(seq_len, getattr(config, "max_position_embeddings", None) or seq_len)
 
         def text(gen: torch.Generator, n_tokens: int) -> dict[str, Any]:
             shape = (math.ceil(n_tokens / seq), seq)
@@ -153,6 +155,43 @@ def known_redundancies(smap: SymmetryMap) -> dict[str, torch.Tensor]:
     return out
 
 
+SKETCH_OVERSAMPLE = 16  # extra random probes: the sketch's rank then equals the Jacobian's with probability ~1
+VJP_CHUNK = 32  # cotangents per vmap call: bounds the memory to ~32 backward passes at once
+
+
+def sketch_jacobian(f: Callable[[torch.Tensor], torch.Tensor], theta: torch.Tensor, *,
+                    generator: torch.Generator, oversample: int = SKETCH_OVERSAMPLE, chunk: int = VJP_CHUNK,
+                    on_first_chunk: Callable[[float, int], None] | None = None) -> tuple[torch.Tensor, int]:
+    """``Psi^T J`` for the Jacobian ``J`` of ``f`` at ``theta`` and a Gaussian ``Psi`` (outputs x (n + oversample)).
+
+    Matrix-free: one forward pass, then vector-Jacobian products in chunks, so the memory is the sketch
+    (``(n + oversample) x n`` float64) plus ``chunk`` backward passes, never outputs x parameters. A Gaussian
+    sketch keeps the rank: ``rank(Psi^T J) = rank(J)`` with probability 1 when ``Psi`` has at least ``rank(J)``
+    columns. ``on_first_chunk(seconds, n_chunks)`` is called after the first chunk (for a time estimate).
+    Returns the sketch and the number of outputs.
+    """
+    out, pullback = vjp(f, theta)
+    n, rows = theta.numel(), out.numel()
+    m = n + oversample
+    sketch = torch.empty(m, n, dtype=torch.float64)
+    batched = vmap(pullback)
+    n_chunks = -(-m // chunk)
+    for i, start in enumerate(range(0, m, chunk)):
+        t0 = time.perf_counter()
+        size = min(chunk, m - start)
+        psi = torch.randn(size, rows, generator=generator, dtype=out.dtype).view(size, *out.shape)
+        (grads,) = batched(psi)
+        sketch[start:start + size] = grads.reshape(size, n).to(torch.float64)
+        if i == 0 and on_first_chunk is not None:
+            on_first_chunk(time.perf_counter() - t0, n_chunks)
+    return sketch, rows
+
+
+def numerical_rank(sv: torch.Tensor, rtol: float) -> int:
+    """Number of singular values above ``rtol`` times the largest."""
+    return int((sv > rtol * sv[0]).sum()) if sv.numel() and sv[0] > 0 else 0
+
+
 def jacobian_rank_audit(
     model: nn.Module,
     smap: SymmetryMap | None = None,
@@ -168,7 +207,7 @@ def jacobian_rank_audit(
     """Numerical rank of d(output)/d(parameters) on random inputs, against the map's predicted dimension.
 
     Args:
-        model: a tiny model (the Jacobian is dense: outputs x parameters, in float64).
+        model: a tiny model (the sketch of the Jacobian is dense: about n_params x n_params, in float64).
         smap: its symmetry map; default ``map_symmetries(model)``.
         inputs: ``inputs(generator, n_tokens) -> kwargs`` for ``model(**kwargs)``; default :func:`random_inputs`.
         output: picks the tensor to differentiate from the model's outputs (default: the first tensor).
@@ -203,12 +242,12 @@ def jacobian_rank_audit(
             tensors = {n: t.view(s) for n, t, s in zip(names, flat.split(sizes), shapes)}
             return output(functional_call(model, tensors, args=(), kwargs=kwargs)).reshape(-1)
 
-        jac = jacrev(f)(theta).to(torch.float64)
-        col_norms = jac.norm(dim=0)
+        sketch, n_outputs = sketch_jacobian(f, theta, generator=generator)
+        col_norms = sketch.norm(dim=0)
         active |= col_norms > 1e-12 * col_norms.max()
-        sv = torch.linalg.svdvals(jac)
-        ranks.append(int((sv > rtol * sv[0]).sum()))
-        logger.debug("audit draw: Jacobian %s, rank %d", tuple(jac.shape), ranks[-1])
+        sv = torch.linalg.svdvals(sketch)
+        ranks.append(numerical_rank(sv, rtol))
+        logger.debug("audit draw: sketch %s of %d outputs, rank %d", tuple(sketch.shape), n_outputs, ranks[-1])
     redundancies = known_redundancies(smap)
     explained = torch.zeros(n_params, dtype=torch.bool)
     for coords in redundancies.values():
@@ -218,6 +257,6 @@ def jacobian_rank_audit(
     dims = {name: int(coords.numel()) for name, coords in redundancies.items()}
     predicted = n_params - int(inactive.numel()) - orbit_dim - sum(dims.values())
     rank = max(ranks)
-    return AuditResult(n_params, jac.shape[0], ranks, rank, int(inactive.numel()),
+    return AuditResult(n_params, n_outputs, ranks, rank, int(inactive.numel()),
                        sorted(_owners(smap, inactive)) if inactive.numel() else [], orbit_dim, n_params - orbit_dim,
                        dims, predicted, predicted - rank)

@@ -15,6 +15,8 @@ from typing import Literal
 
 import torch
 
+from .report import symmetry_report
+
 PairKind = Literal["qk", "vo", "lora", "linear"]
 
 
@@ -117,7 +119,7 @@ class SymmetryMap:
         return sum(int(torch.Size(s).numel()) for s in self.param_shapes)
 
     @classmethod
-    def empty(cls, model: torch.nn.Module) -> "SymmetryMap":
+    def empty(cls, model: torch.nn.Module) -> SymmetryMap:
         """A map with no pairs: every parameter is elementwise (adaptive sharpness)."""
         named = list(model.named_parameters())
         return cls([n for n, _ in named], [p.shape for _, p in named])
@@ -133,6 +135,4 @@ class SymmetryMap:
 
         See :func:`hf_geosharp.symmetry.report.symmetry_report`.
         """
-        from .report import symmetry_report  # the report needs the weights' linear algebra; keep base light
-
         return symmetry_report(self, model)

@@ -10,6 +10,7 @@ recognises the layout but cannot map it safely. Turning a layout into GL(h) pair
 from __future__ import annotations
 
 import inspect
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,7 +54,9 @@ class AttentionLayout:
     KV head ``g`` owns k and v rows ``[g*d, (g+1)*d)`` and serves query heads ``g*H/KV ... (g+1)*H/KV - 1``
     (``repeat_kv`` order). ``rope`` is ``(rotary_dim, interleaved)``; ``rope_on_values`` says that values are
     rotated too (RoFormer ``rotary_value``). ``k_extra``/``v_extra`` are learned extra key/value tokens
-    (``add_bias_kv``); their ``weight`` is a vector ``[KV*d]``.
+    (``add_bias_kv``); their ``weight`` is a vector ``[KV*d]``. ``q_more``/``k_more`` are further projections whose
+    head slices meet the keys/queries in a score term (DeBERTa's relative-position projections): their rows are
+    stacked onto the QK pair's ``G``/``H``. ``key_bias_visible`` says why the key bias is seen (``None``: it is not).
     """
 
     module: str
@@ -70,6 +73,9 @@ class AttentionLayout:
     qk_norm: str | None = None
     k_extra: Proj | None = None
     v_extra: Proj | None = None
+    q_more: tuple[Proj, ...] = ()
+    k_more: tuple[Proj, ...] = ()
+    key_bias_visible: str | None = None
 
     def validate(self) -> None:
         h, kv, d = self.n_heads, self.n_kv, self.head_dim
@@ -77,6 +83,8 @@ class AttentionLayout:
             raise Unmappable(f"inconsistent head counts: {h} query heads, {kv} KV heads, head_dim {d}")
         expected = {"q": (self.q.out_features, h * d), "k": (self.k.out_features, kv * d),
                     "v": (self.v.out_features, kv * d), "o input": (self.o.weight.shape[1], h * d)}
+        expected |= {f"extra q {i}": (p.out_features, h * d) for i, p in enumerate(self.q_more)}
+        expected |= {f"extra k {i}": (p.out_features, kv * d) for i, p in enumerate(self.k_more)}
         for what, (got, want) in expected.items():
             if got != want:
                 raise Unmappable(f"{what} has {got} units but {h} heads x {kv} KV heads x head_dim {d} need {want}")
@@ -138,7 +146,14 @@ def is_lora_layer(module: nn.Module) -> bool:
 # ---------------------------------------------------------------------------------------------------------------
 
 _HEAD_DIM_ATTRS = ("head_dim", "attention_head_size", "head_size", "key_value_proj_dim")
-_QK_NORM_NAMES = ("q_norm", "k_norm", "q_layernorm", "k_layernorm", "query_layernorm", "key_layernorm", "q_ln", "k_ln")
+_QK_NORM_NAMES = ("q_norm", "k_norm", "q_layernorm", "k_layernorm", "query_layernorm", "key_layernorm", "q_ln", "k_ln",
+                  "qk_norm")
+# parameters inside an attention module that provably leave the GL action alone: they add to the scores
+# independently of q and k (relative-position buckets) or to the softmax normaliser (attention sinks)
+# (Swin's bias table likewise); a residual LayerNorm named ``LayerNorm`` (ALBERT) acts after the output projection
+_SAFE_EXTRAS = {"relative_attention_bias": "relative-position score bias", "sinks": "attention sinks",
+                "relative_position_bias_table": "relative-position score bias table",
+                "LayerNorm": "residual LayerNorm after the output projection (ALBERT)"}
 _ROPE_WORDS = ("rotary", "rotate_half", "rotate_every_two", "apply_rope")
 
 
@@ -182,14 +197,29 @@ def _rope(holders: list[nn.Module], config: object, head_dim: int) -> tuple[int,
     if not any(word in _source(cls.forward) for cls in classes for word in _ROPE_WORDS):
         return None
     rotary_dim = _rotary_dim(holders, config, head_dim)
-    interleaved = False  # pairs (2j, 2j+1) instead of rotate_half's (j, j + r/2): GPT-J, RoFormer, Cohere
-    for cls in classes:
-        namespace = vars(sys.modules[cls.__module__])
-        sources = [_source(cls)] + [_source(namespace.get(fn)) for fn in ("apply_rotary_pos_emb", "rotate_half")]
-        interleaved = interleaved or any("rotate_every_two" in src or "::2]" in src for src in sources)
+    # pairs (2j, 2j+1) instead of rotate_half's (j, j + r/2): GPT-J, RoFormer, Cohere, gpt-oss, SAM3's 2-D RoPE
+    sources = [src for cls in classes for src in [_source(cls), *_rotary_helpers(cls)]]
+    interleaved = any(word in src for src in sources for word in ("rotate_every_two", "rotate_pairwise", "::2]"))
     if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > head_dim:
         raise Unmappable(f"rotary dimension {rotary_dim} is not even and within head_dim {head_dim}")
     return rotary_dim, interleaved
+
+
+def _rotary_helpers(cls: type, depth: int = 3) -> list[str]:
+    """Sources of the rotary helpers the class's forward calls, followed through the helpers they call.
+
+    Only functions whose name mentions rot/rope are followed, so a file that holds a second RoPE style for another
+    module (a vision tower) does not leak into this module's pairing.
+    """
+    namespace = vars(sys.modules[cls.__module__])
+    seen: dict[str, str] = {}
+    frontier = [_source(cls.forward)]
+    for _ in range(depth):
+        called = {n for src in frontier for n in re.findall(r"\b([A-Za-z_]\w*)\s*\(", src)}
+        new = [n for n in called if n not in seen and ("rot" in n.lower() or "rope" in n.lower())
+               and inspect.isfunction(namespace.get(n))]
+        frontier = [seen.setdefault(n, _source(namespace[n])) for n in new]
+    return list(seen.values())
 
 
 def _rotary_dim(holders: list[nn.Module], config: object, head_dim: int) -> int:
@@ -209,6 +239,9 @@ def _rotary_dim(holders: list[nn.Module], config: object, head_dim: int) -> int:
 
 def _qk_norm(holders: list[nn.Module], head_dim: int) -> str | None:
     """Why QK is not GL-symmetric when q/k are normalised, or ``None`` without qk-norm."""
+    if any(re.search(r"\bnormalize\(", _source(type(h).forward)) for h in holders):
+        raise Unmappable("the forward calls normalize(...) on q/k or on the heads' output (cosine attention, "
+                         "YOSO); a parameter-free normalisation breaks GL(h), so nothing is mapped")
     for holder in holders:
         for name in _QK_NORM_NAMES:
             norm = getattr(holder, name, None)
@@ -228,7 +261,7 @@ def _qk_norm(holders: list[nn.Module], head_dim: int) -> str | None:
 
 
 def _finish(name: str, layout: str, holders: list[nn.Module], ctx: LayoutContext,
-            q: Proj, k: Proj, v: Proj, o: Proj, head_dim: int, **extra: Proj | None) -> AttentionLayout:
+            q: Proj, k: Proj, v: Proj, o: Proj, head_dim: int, **extra: object) -> AttentionLayout:
     config = _config_of(holders, ctx)
     n_heads = o.weight.shape[1] // head_dim
     n_kv = k.out_features // head_dim
@@ -237,7 +270,30 @@ def _finish(name: str, layout: str, holders: list[nn.Module], ctx: LayoutContext
     result.rope = _rope(holders, config, head_dim)
     result.rope_on_values = result.rope is not None and any(getattr(h, "rotary_value", False) for h in holders)
     result.qk_norm = _qk_norm(holders, head_dim)
+    _check_accounted(holders[-1], result)
     return result
+
+
+def _check_accounted(holder: nn.Module, lay: AttentionLayout) -> None:
+    """Refuse a layout whose attention module has parameters that no projection explains.
+
+    Such parameters (a norm on the heads' output, a gate, differential-attention lambdas, a dynamic mask computed
+    from the values) may act between the projections and break the group action; a fallback is safe, a wrong map
+    is not. QK norms are handled by :func:`_qk_norm`, and :data:`_SAFE_EXTRAS` are known to leave the action alone.
+    """
+    known = {id(p) for proj in (lay.q, lay.k, lay.v, lay.o, lay.k_extra, lay.v_extra, *lay.q_more, *lay.k_more)
+             if proj is not None for p in proj.params}
+    for name in _QK_NORM_NAMES:
+        norm = getattr(holder, name, None)
+        if isinstance(norm, nn.Module):
+            known |= {id(p) for p in norm.parameters()}
+    unknown = [n for n, p in holder.named_parameters() if id(p) not in known
+               and n.split(".")[0] not in _SAFE_EXTRAS
+               and not any(part == "base_layer" or part.startswith("lora_") for part in n.split("."))]  # PEFT
+    if unknown:
+        shown = ", ".join(unknown[:4]) + (", ..." if len(unknown) > 4 else "")
+        raise Unmappable(f"parameters no projection explains ({shown}) may act between q/k/v and the output "
+                         "(a norm, a gate, a mask from the values), so the group action is not proven; not mapped")
 
 
 def _child(module: nn.Module, path: str) -> nn.Module | None:
@@ -370,11 +426,115 @@ def multihead_attention(name: str, module: nn.Module, ctx: LayoutContext) -> Att
                    module.head_dim, **extras)
 
 
-ADAPTERS: tuple[Callable[[str, nn.Module, LayoutContext], AttentionLayout | None], ...] = (
-    multihead_attention,
-    gpt2_conv1d,
-    falcon,
-    interleaved_qkv,
-    fused_blocks,
-    separate_qkv,
-)
+def gpt_bigcode(name: str, module: nn.Module, ctx: LayoutContext) -> AttentionLayout | None:
+    """GPTBigCode (StarCoder) ``c_attn`` ``nn.Linear``: multi-query ``[Q (H*d) | K (d) | V (d)]``, else per head
+    ``[H, 3, d]``. Read from the live module's ``multi_query`` flag."""
+    c_attn, c_proj = getattr(module, "c_attn", None), getattr(module, "c_proj", None)
+    if c_attn is None or c_proj is None or not hasattr(module, "multi_query") or not hasattr(module, "kv_heads"):
+        return None
+    if getattr(module, "is_cross_attention", False):
+        raise Unmappable("GPTBigCode cross-attention splits c_attn into one head's key and value; not mapped")
+    d, n_heads = _head_dim([module], ctx.config), int(module.num_heads)
+    fused = ctx.proj(c_attn)
+    if module.multi_query:
+        e, kv = n_heads * d, int(module.kv_heads) * d
+        q, k, v = fused.select(slice(0, e)), fused.select(slice(e, e + kv)), fused.select(slice(e + kv, e + 2 * kv))
+        layout = "GPTBigCode multi-query [Q | K | V]"
+    else:
+        rows = torch.arange(fused.out_features).view(n_heads, 3, d)
+        q, k, v = (fused.select(rows[:, i].reshape(-1)) for i in range(3))
+        layout = "GPTBigCode per-head [H, 3, d]"
+    return _finish(name, layout, [module], ctx, q, k, v, ctx.proj(c_proj), d)
+
+
+def _positions(attn: nn.Module) -> set[str]:
+    """DeBERTa's relative-position score terms in use (``c2p``: query x position key, ``p2c``: key x position
+    query); none without ``relative_attention``."""
+    return set(attn.pos_att_type or ()) & {"c2p", "p2c"} if getattr(attn, "relative_attention", False) else set()
+
+
+def deberta_v2(name: str, module: nn.Module, ctx: LayoutContext) -> AttentionLayout | None:
+    """DeBERTa-v2/v3 disentangled attention: ``self.{query,key,value}_proj`` and ``output.dense``.
+
+    The position terms are ``q_c . (W_pk r + b_pk)`` (c2p) and ``k_c . (W_pq r + b_pq)`` (p2c) with ``r`` a relative
+    position embedding; with ``share_att_key`` the position projections are ``W_q``/``W_k`` themselves. Every term
+    is ``[u, 1] G H^T [u', 1]^T`` once the position query projection is stacked onto ``G`` and the position key
+    projection onto ``H``, so GL(d) still acts per head. p2c makes the key bias visible (``b_k . q_r`` depends on the
+    relative position).
+    """
+    attn, out = getattr(module, "self", None), getattr(module, "output", None)
+    if attn is None or out is None or not all(hasattr(attn, a) for a in ("query_proj", "key_proj", "value_proj",
+                                                                           "pos_att_type")):
+        return None
+    d = _head_dim([attn], ctx.config)
+    q, k, v, o = (ctx.proj(m) for m in (attn.query_proj, attn.key_proj, attn.value_proj, out.dense))
+    terms = _positions(attn)
+    q_more, k_more = [], []
+    if terms and not getattr(attn, "share_att_key", False):
+        if "p2c" in terms:
+            q_more.append(ctx.proj(attn.pos_query_proj))
+        if "c2p" in terms:
+            k_more.append(ctx.proj(attn.pos_key_proj))
+    layout = "DeBERTa-v2 disentangled" + (f" ({'+'.join(sorted(terms))}"
+                                          f"{', shared keys' if getattr(attn, 'share_att_key', False) else ''})"
+                                          if terms else "")
+    visible = "p2c multiplies b_k by the position query" if "p2c" in terms else None
+    return _finish(name, layout, [module, attn], ctx, q, k, v, o, d, q_more=tuple(q_more), k_more=tuple(k_more),
+                   key_bias_visible=visible)
+
+
+def deberta(name: str, module: nn.Module, ctx: LayoutContext) -> AttentionLayout | None:
+    """DeBERTa (v1): per head ``[H, 3, d]`` in ``self.in_proj`` (no bias), separate ``q_bias``/``v_bias``, position
+    projections ``pos_proj`` (keys, c2p) and ``pos_q_proj`` (queries, p2c). Talking heads mix the heads' scores, so
+    no per-head group survives."""
+    attn, out = getattr(module, "self", None), getattr(module, "output", None)
+    if attn is None or out is None or not all(hasattr(attn, a) for a in ("in_proj", "q_bias", "v_bias")):
+        return None
+    if getattr(attn, "head_logits_proj", None) is not None or getattr(attn, "head_weights_proj", None) is not None:
+        raise Unmappable("talking heads (head_logits_proj/head_weights_proj) mix the heads' scores and "
+                         "probabilities; no per-head GL(d) acts")
+    d = _head_dim([attn], ctx.config)
+    fused = ctx.proj(attn.in_proj)
+    rows = torch.arange(fused.out_features).view(-1, 3, d)
+    q, k, v = (fused.select(rows[:, i].reshape(-1)) for i in range(3))
+    q = Proj(q.weight, ctx.index(attn.q_bias), (attn.in_proj.weight, attn.q_bias), q.lora)
+    v = Proj(v.weight, ctx.index(attn.v_bias), (attn.in_proj.weight, attn.v_bias), v.lora)
+    terms = _positions(attn)
+    q_more = (ctx.proj(attn.pos_q_proj),) if "p2c" in terms else ()
+    k_more = (ctx.proj(attn.pos_proj),) if "c2p" in terms else ()
+    layout = "DeBERTa in_proj [H, 3, d]" + (f" ({'+'.join(sorted(terms))})" if terms else "")
+    return _finish(name, layout, [module, attn], ctx, q, k, v, ctx.proj(out.dense), d, q_more=q_more, k_more=k_more)
+
+
+Adapter = Callable[[str, nn.Module, LayoutContext], "AttentionLayout | None"]
+
+# adapter -> the adapters it must be tried before, because it recognises a special case of their layout (the known
+# overlaps; tests/test_symmetry_mapping.py checks them); order_adapters() derives the order, dict order otherwise
+PRECEDES: dict[Adapter, tuple[Adapter, ...]] = {
+    multihead_attention: (),
+    gpt2_conv1d: (),
+    gpt_bigcode: (gpt2_conv1d,),  # both read c_attn/c_proj; the flags multi_query/kv_heads are BigCode's only
+    falcon: (interleaved_qkv,),  # Falcon's query_key_value is also recognised, wrongly, as [H, 3, d]
+    interleaved_qkv: (),
+    fused_blocks: (),
+    deberta_v2: (separate_qkv,),
+    deberta: (),
+    separate_qkv: (),
+}
+
+
+def order_adapters(precedes: dict[Adapter, tuple[Adapter, ...]]) -> tuple[Adapter, ...]:
+    """A stable topological order of ``precedes`` (dict order where no constraint applies)."""
+    order: list[Adapter] = []
+    remaining = list(precedes)
+    while remaining:
+        blocked = {later for a in remaining for later in precedes[a]}
+        ready = [a for a in remaining if a not in blocked]
+        if not ready:
+            raise ValueError(f"adapter order has a cycle among {[a.__name__ for a in remaining]}")
+        order.append(ready[0])
+        remaining.remove(ready[0])
+    return tuple(order)
+
+
+ADAPTERS: tuple[Adapter, ...] = order_adapters(PRECEDES)

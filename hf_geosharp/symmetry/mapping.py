@@ -188,8 +188,11 @@ class _PairBuilder:
             self._note("LoRA on q/k: the QK pair is left unmapped because a LoRA factor cannot belong to two groups; "
                        "the adapters' (B, A) pairs are mapped instead", lay.module)
         else:
-            g_index = torch.stack([torch.cat([self._rows(lay.q, i, d, None) for i in grp]) for grp in groups])
-            h_index = torch.stack([self._rows(lay.k, g, d, lay.k_extra) for g in range(lay.n_kv)])
+            g_index = torch.stack([torch.cat([self._rows(p, i, d, None) for i in grp for p in (lay.q, *lay.q_more)])
+                                   for grp in groups])
+            h_index = torch.stack([torch.cat([self._rows(lay.k, g, d, lay.k_extra)]
+                                             + [self._rows(p, g, d, None) for p in lay.k_more])
+                                   for g in range(lay.n_kv)])
             basis, note = None, f"{lay.layout}; GL({d})"
             if lay.rope is not None:
                 rotary_dim, interleaved = lay.rope
@@ -197,11 +200,15 @@ class _PairBuilder:
                 pairing = "(2j, 2j+1)" if interleaved else "(j, j+r/2)"
                 note = (f"{lay.layout}; RoPE on {rotary_dim} of {d} dims, pairs {pairing}: GL({d}) reduced to the "
                         f"commutant of the rotations (dim {basis.shape[0]})")
-            if self.include_bias and lay.k.bias is not None and lay.rope is None:  # RoPE rotates b_k per key
+            if lay.q_more or lay.k_more:
+                note += "; relative-position projections stacked onto G (queries) and H (keys)"
+            if lay.key_bias_visible:
+                note += f"; key bias visible ({lay.key_bias_visible})"
+            elif self.include_bias and lay.k.bias is not None and lay.rope is None:  # RoPE rotates b_k per key
                 self._note("key bias is invisible to softmax (q.b_k is the same for every key): its coordinates are "
                            "redundant beyond the GL orbit", lay.module)
             self._add(PairBlock("qk", lay.module, g_index, h_index, basis, labels, note),
-                      self._params(lay.q, lay.k, lay.k_extra))
+                      self._params(lay.q, *lay.q_more, lay.k, lay.k_extra, *lay.k_more))
         if lay.v.lora or lay.o.lora:
             self._note("LoRA on v/o: the VO pair is left unmapped because a LoRA factor cannot belong to two groups; "
                        "the adapters' (B, A) pairs are mapped instead", lay.module)

@@ -7,11 +7,15 @@ the geometry lean on ``eps``; the report names such heads and suggests an ``eps`
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from ._flat import flat_vector, parameters_in_order
-from .base import SymmetryMap
+
+if TYPE_CHECKING:  # SymmetryMap.summary() calls into this module: no runtime import back into base
+    from .base import SymmetryMap
 
 NEAR_SINGULAR_RTOL = 1e-3  # smallest / largest singular value below this: cond(G^T G) above 1e6
 

@@ -156,6 +156,18 @@ _BUILDERS: dict[str, tuple[Callable[[], nn.Module], Callable[[torch.Generator], 
     "falcon_classic_alibi": (lambda: _hf(tf.FalconForCausalLM, tf.FalconConfig(
         vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, multi_query=False,
         new_decoder_architecture=False, alibi=True, bias=True)), _causal),
+    "gpt_bigcode_mqa": (lambda: _hf(tf.GPTBigCodeForCausalLM, tf.GPTBigCodeConfig(
+        vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4, n_positions=32, multi_query=True)), _causal),
+    "gpt_bigcode_mha": (lambda: _hf(tf.GPTBigCodeForCausalLM, tf.GPTBigCodeConfig(
+        vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4, n_positions=32, multi_query=False)), _causal),
+    "deberta_v2_shared": (lambda: _hf(tf.DebertaV2ForSequenceClassification, tf.DebertaV2Config(
+        **_ENC, relative_attention=True, pos_att_type=["p2c", "c2p"], share_att_key=True, position_buckets=8,
+        max_relative_positions=16)), _text_cls),
+    "deberta_v2_separate": (lambda: _hf(tf.DebertaV2ForSequenceClassification, tf.DebertaV2Config(
+        **_ENC, relative_attention=True, pos_att_type=["p2c", "c2p"], share_att_key=False,
+        max_relative_positions=16)), _text_cls),
+    "deberta": (lambda: _hf(tf.DebertaForSequenceClassification, tf.DebertaConfig(
+        **_ENC, relative_attention=True, pos_att_type=["p2c", "c2p"], max_relative_positions=16)), _text_cls),
     "mha": (lambda: MHAClassifier(add_bias_kv=True), _mha),
     "mha_kdim": (lambda: MHAClassifier(kdim=12), _mha),
 }

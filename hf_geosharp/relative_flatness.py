@@ -1,0 +1,135 @@
+r"""Relative flatness (Petzka et al., NeurIPS 2021, "Relative Flatness and Generalization"), trace version.
+
+For the weight matrix ``W`` (``m x d``, rows ``w_s``) of the layer that maps the features to the outputs,
+
+    kappa_Tr(W) = sum_{s, s'} <w_s, w_s'> Tr(H_{s,s'}),   H_{s,s'} = d^2 L / (d w_s d w_s')   (d x d blocks).
+
+Hutchinson estimate: for ``V = c u^T`` with ``c = W z``, ``z ~ N(0, I_d)`` (so ``E[c c^T] = W W^T``) and ``u``
+Rademacher in ``R^d`` (so ``E[u u^T] = I``), ``E[vec(V)^T H vec(V)] = sum_{s,s'} (W W^T)_{s s'} Tr(H_{s,s'})``: one
+Hessian-vector product per sample. The Hessian-vector products are double backward passes through a stateless call
+(the layer's weight is swapped for a leaf for the duration of one call), so the model is never written to.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.nn.utils.stateless import _reparametrize_module
+
+from . import __version__
+from .api import (
+    LossFn,
+    SharpnessResult,
+    _batch_seed,
+    _check_batch,
+    _default_loss,
+    _to_device,
+    average_stderr,
+    preserved_model_state,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def feature_layer(model: nn.Module, layer: str | nn.Linear | None = None) -> tuple[str, nn.Linear]:
+    """``(name, module)`` of the layer whose weight relative flatness looks at: ``layer`` (a module name or the
+    module itself), or by default the model's last ``nn.Linear`` (the classification head of a ``...ForSequence``/
+    ``...ForImageClassification`` model, which reads the features)."""
+    named = dict(model.named_modules())
+    if isinstance(layer, str):
+        if layer not in named:
+            raise ValueError(f"layer {layer!r} is not a module of the model; pass e.g. 'classifier'.")
+        module = named[layer]
+        name = layer
+    elif isinstance(layer, nn.Module):
+        name = next((n for n, m in named.items() if m is layer), None)
+        if name is None:
+            raise ValueError("layer is not a module of this model.")
+        module = layer
+    elif layer is None:
+        linears = [(n, m) for n, m in named.items() if isinstance(m, nn.Linear)]
+        if not linears:
+            raise ValueError(
+                "The model has no nn.Linear layer; pass layer='<name of the layer that reads the features>'."
+            )
+        name, module = linears[-1]
+    else:
+        raise TypeError(f"layer must be a module name, an nn.Linear or None, got {type(layer).__name__}.")
+    if not isinstance(module, nn.Linear):
+        raise ValueError(f"layer {name!r} is a {type(module).__name__}; relative flatness needs an nn.Linear.")
+    return name, module
+
+
+def relative_flatness(
+    model: nn.Module,
+    batches: Iterable[Any],
+    *,
+    layer: str | nn.Linear | None = None,
+    n_samples: int = 20,
+    seed: int = 0,
+    loss_fn: LossFn | None = None,
+) -> SharpnessResult:
+    """Relative flatness ``kappa_Tr`` of the feature layer (Petzka et al. 2021), Hutchinson-estimated per batch.
+
+    Args:
+        model: any ``nn.Module``; restored exactly afterwards (it runs in eval mode).
+        batches: as for :func:`hf_geosharp.geodesic_sharpness`; the value is the mean over batches.
+        layer: the ``nn.Linear`` that reads the features (name or module); default: the model's last one.
+        n_samples: Hutchinson samples per batch (one Hessian-vector product each).
+        seed: seeds the samples (per batch).
+        loss_fn: ``loss_fn(model, batch) -> scalar tensor`` when the model's own loss is not the one wanted.
+
+    Returns:
+        ``SharpnessResult(measure="relative_flatness")``; ``stderr`` over batches and samples.
+    """
+    if isinstance(n_samples, bool) or not isinstance(n_samples, int) or n_samples < 1:
+        raise ValueError(f"n_samples must be a positive integer, got {n_samples!r}.")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed must be an integer, got {seed!r}.")
+    batches = list(batches)
+    if not batches:
+        raise ValueError("No batches were given; pass a non-empty list of batches (dicts of model inputs with labels).")
+    for i, batch in enumerate(batches):
+        _check_batch(model, batch, i)
+    name, module = feature_layer(model, layer)
+    key = f"{name}.weight" if name else "weight"
+    loss_fn = loss_fn or _default_loss
+    per_batch, per_clean, samples = [], [], []
+    with preserved_model_state(model):
+        W = module.weight.detach()
+        compute = torch.promote_types(W.dtype, torch.float32)
+        for index, batch in enumerate(batches):
+            batch = _to_device(batch, W.device)
+            leaf = W.clone().requires_grad_(True)
+            with torch.enable_grad(), _reparametrize_module(model, {key: leaf}):
+                loss = loss_fn(model, batch)
+                (grad,) = torch.autograd.grad(loss, leaf, create_graph=True)
+                generator = torch.Generator().manual_seed(_batch_seed(seed, index))
+                draws = []
+                for _ in range(n_samples):
+                    z = torch.randn(W.shape[1], generator=generator, dtype=torch.float64)
+                    u = torch.randint(0, 2, (W.shape[1],), generator=generator, dtype=torch.float64) * 2 - 1
+                    V = torch.outer(W.double() @ z.to(W.device), u.to(W.device)).to(W.dtype)
+                    (hv,) = torch.autograd.grad(grad, leaf, V, retain_graph=True)
+                    draws.append(float((V.to(compute) * hv.to(compute)).sum()))
+            del grad, loss
+            per_batch.append(sum(draws) / n_samples)
+            per_clean.append(float(_clean_loss(model, batch, loss_fn)))
+            samples.append(draws)
+    logger.info("relative_flatness: layer %s (%d x %d), %d batches", name, *W.shape, len(batches))
+    config = dict(layer=name, n_samples=n_samples, seed=seed, mode="average", n_batches=len(batches),
+                  library=f"hf_geosharp {__version__}")
+    return SharpnessResult(
+        value=sum(per_batch) / len(per_batch), per_batch=per_batch, clean_loss=sum(per_clean) / len(per_clean),
+        per_batch_clean_loss=per_clean, measure="relative_flatness", config=config, stderr=average_stderr(samples),
+        converged=True, convergence_gain=float("nan"), steps_used=None,
+    )
+
+
+@torch.no_grad()
+def _clean_loss(model: nn.Module, batch: Any, loss_fn: LossFn) -> Tensor:
+    return loss_fn(model, batch).detach()
