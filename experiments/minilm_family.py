@@ -71,6 +71,7 @@ class Config:
     n_test: int = 384
     rho: float = 0.1
     steps: int = 3
+    rf_samples: int = 8  # Hutchinson samples per batch of relative flatness
     sweep_rhos: tuple[float, ...] = (0.025, 0.4)
     sweep_steps: int = 2
     hide_condition: float = 1000.0
@@ -302,7 +303,7 @@ class Runner:
         if (record := self.lookup(key)) is not None:
             return record
         bundle_key, variant = measure_plan()[name]
-        settings = Settings(rho=rho, steps=steps, seed=0, adaptive_variant=variant)
+        settings = Settings(rho=rho, steps=steps, seed=0, adaptive_variant=variant, n_samples=self.config.rf_samples)
         start = time.perf_counter()
         res = run_measure(bundle_key, self.model(row) if model is None else model, self.batches, settings,
                           progress=False)
