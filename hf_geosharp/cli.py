@@ -13,7 +13,7 @@ import sys
 
 from . import __version__
 
-COMMANDS = ("run", "symmetry", "register", "leaderboard", "card", "demo", "export_space")
+COMMANDS = ("run", "symmetry", "register", "leaderboard", "card", "demo", "export_space", "reparametrize")
 
 
 def build_parser() -> argparse.ArgumentParser:
