@@ -36,7 +36,7 @@ class ToyAttention(nn.Module):
 
 
 def toy_symmetry_map(model: ToyAttention) -> SymmetryMap:
-    """QK and VO pairs per head, with the q/k/v biases appended as a row (spec §4.3)."""
+    """QK and VO pairs per head, with the q/k/v biases appended as a row (docs/spec.md §4.3)."""
     smap = SymmetryMap.empty(model)
     h = model.h
 

@@ -1,4 +1,4 @@
-"""The quotient geometry against the mathematical properties of spec §9 (float64, tiny shapes)."""
+"""The quotient geometry against the mathematical properties of docs/spec.md §9 (float64, tiny shapes)."""
 
 import numpy as np
 import pytest
@@ -57,7 +57,7 @@ def test_projection_is_orthogonal_to_vertical_space_and_idempotent(metric):
 
 
 def test_paper_literal_inv_projection_is_not_horizontal():
-    """The printed `A Lam + Lam A^T = B` fails (spec §1.5): our corrected solve is the one that works."""
+    """The printed `A Lam + Lam A^T = B` fails (docs/spec.md §1.5): our corrected solve is the one that works."""
     G, Hm = _pair()
     geo = GLQuotient(G, Hm, "inv", epsilon=0.0)
     xi = _pair(seed=5)
