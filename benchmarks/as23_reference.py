@@ -40,7 +40,7 @@ def _ellipsoid_projection(
     ``1/|w|`` is formed once per call (zero weights get 0 instead of the reference's division by zero), so the
     bisection itself costs what the reference's does: one pass over every parameter per try."""
     inv_w = {}
-    for name, d in delta.items():
+    for name in delta:
         w = orig[name].abs()
         inv_w[name] = torch.where(w > 0, 1.0 / torch.where(w > 0, w, torch.ones_like(w)), 0.0)
     norm = _weighted_norm(delta, inv_w)
