@@ -15,7 +15,7 @@ import sys
 from . import __version__
 from .commands.common import invoke
 
-COMMANDS = ("run", "symmetry", "register", "leaderboard", "card", "demo", "export_space")
+COMMANDS = ("run", "symmetry", "register", "leaderboard", "card", "demo", "export_space", "reparametrize")
 
 
 def build_parser() -> argparse.ArgumentParser:
