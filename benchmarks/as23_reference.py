@@ -1,6 +1,6 @@
 """The per-step work of the AS23 reference code (Andriushchenko et al. 2023, ``m_apgd_l2`` adaptive), re-implemented.
 
-Written from the project spec §5.1, not from the reference source, as the "peer" in the benchmarks: how fast is a
+Written from docs/spec.md §5.1, not from the reference source, as the "peer" in the benchmarks: how fast is a
 solver loop built the way the reference builds it, on the same model, batch and number of steps? Its habits are
 reproduced on purpose, because they are what costs time:
 
@@ -10,7 +10,7 @@ reproduced on purpose, because they are what costs time:
 * each step takes a forward+backward at the current point and then an extra no-grad forward for the new point's loss;
 * the ellipsoid projection bisects on lambda, re-evaluating the weighted norm over all parameters at every try.
 
-The arithmetic is that of spec §5.1 (step ``eta / ||g|| * g * |w|``, ellipsoid projection, momentum
+The arithmetic is that of docs/spec.md §5.1 (step ``eta / ||g|| * g * |w|``, ellipsoid projection, momentum
 ``0.75 P(z) + 0.25 delta_prev`` without re-projection, halving at the AS23 checkpoints with the model reloaded to the
 best state). It is a benchmark fixture, not part of the library: :func:`hf_geosharp.adaptive_sharpness` with
 ``variant="as23"`` is the library's faithful and efficient version of the same algorithm.
@@ -40,7 +40,7 @@ def _ellipsoid_projection(
     ``1/|w|`` is formed once per call (zero weights get 0 instead of the reference's division by zero), so the
     bisection itself costs what the reference's does: one pass over every parameter per try."""
     inv_w = {}
-    for name, d in delta.items():
+    for name in delta:
         w = orig[name].abs()
         inv_w[name] = torch.where(w > 0, 1.0 / torch.where(w > 0, w, torch.ones_like(w)), 0.0)
     norm = _weighted_norm(delta, inv_w)

@@ -1,7 +1,7 @@
 """Floor suite: the share of a solver run spent outside the model's forward and backward passes.
 
-The physical floor of a worst-case run is ``(steps + 1) x batches x (forward + backward)`` (DESIGN.md); the plain
-forward+backward is timed in the same process, interleaved with the solver runs. The non-model share
+The physical floor of a worst-case run is ``(steps + 1) x batches x (forward + backward)`` (docs/spec.md §4.2);
+the plain forward+backward is timed in the same process, interleaved with the solver runs. The non-model share
 ``1 - floor / total`` covers everything else: building the space (Gram factors, Sylvester eigen-factors), writing the
 perturbed weights, the geometry of each step, bookkeeping. Target: <= 5 %. Since that work scales with the number of
 parameters and the model's with the number of tokens, the suite measures more than one batch size.

@@ -1,6 +1,6 @@
 """Memory suite: peak memory of a solver run / peak of a plain forward+backward on the same model and batch.
 
-Target (DESIGN.md): <= 1.5. Every case runs in a fresh subprocess so that no allocator cache or earlier peak leaks
+Target (docs/benchmarks.md): <= 1.5. Each case runs in a fresh subprocess so that no allocator cache or old peak leaks
 from one case into the next. On CUDA the peak is ``torch.cuda.max_memory_allocated``; on the CPU it is the process's
 peak resident set size (``VmHWM``, reset right before the measured call): what the operating system has to provide.
 Two numbers per case:

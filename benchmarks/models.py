@@ -1,9 +1,9 @@
 """Benchmark workloads: randomly initialised BERT classifiers, their batches and their symmetry maps.
 
 Random init is enough for timing and memory: the cost of a solver step does not depend on the weights' values. The
-symmetry map comes from ``gs.map_symmetries`` when the symmetry room provides it; until then (and as a cross-check of
+symmetry map comes from ``gs.map_symmetries`` (the library's mapper); as a cross-check of
 what is being timed) :func:`bert_symmetry_map` builds the same QK and VO pairs by hand, as index maps into the flat
-parameter vector (spec §4.3), exactly like ``tests/_toy.py`` does for the toy model.
+parameter vector (docs/spec.md §4.3), exactly like ``tests/_toy.py`` does for the toy model.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def bert_batches(
 
 
 def bert_symmetry_map(model: BertForSequenceClassification) -> SymmetryMap:
-    """QK and VO pairs of every layer, q/k/v biases appended as a row (spec §4.3); a block per pair kind and layer."""
+    """QK and VO pairs of every layer, q/k/v biases as an extra row (docs/spec.md §4.3); a block per kind and layer."""
     smap = SymmetryMap.empty(model)
     heads = model.config.num_attention_heads
     h = model.config.hidden_size // heads
@@ -96,7 +96,7 @@ def bert_symmetry_map(model: BertForSequenceClassification) -> SymmetryMap:
 
 
 def symmetry_map(model: BertForSequenceClassification) -> tuple[SymmetryMap, str]:
-    """The library's map when the symmetry room ships one, else :func:`bert_symmetry_map`; and which one was used."""
+    """The library's map when it maps the model, else :func:`bert_symmetry_map`; and which one was used."""
     try:
         from hf_geosharp.symmetry import map_symmetries  # type: ignore[attr-defined]
     except ImportError:

@@ -1,8 +1,8 @@
 """Overhead suite: geodesic sharpness (inv, mix) time / adaptive sharpness time, at equal steps and batches.
 
-Target (DESIGN.md): geodesic / adaptive <= 1.05. The fair denominator is the *clean* adaptive variant, which runs the
-same solver with the same one forward and one backward per step; AS23 (an extra forward per step, ellipsoid bisection)
-is reported next to it. Worst case, 20 steps, random-init BERT classifiers of MiniLM and BERT-base shape.
+Target (docs/benchmarks.md): geodesic / adaptive <= 1.05. The fair denominator is the *clean* adaptive variant, which
+runs the same solver with the same one forward and one backward per step; AS23 (an extra forward per step, ellipsoid
+bisection) is reported next to it. Worst case, 20 steps, random-init BERT classifiers of MiniLM and BERT-base shape.
 """
 
 from __future__ import annotations

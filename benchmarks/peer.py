@@ -1,10 +1,11 @@
 """Peer suite: our adaptive sharpness against an AS23-style solver loop, same model, batch and number of steps.
 
-Target (DESIGN.md): ours >= 1.4 x faster. "Ours" is ``gs.adaptive_sharpness(variant="clean")`` (one forward and one
-backward per step, the model never mutated). The peer is :mod:`benchmarks.as23_reference`, the reference code's per-step
-work rebuilt from spec §5.1 (deep copies of the state dict, per-parameter Python loops, an extra forward per step,
-ellipsoid bisection). The library's own faithful variant, ``variant="as23"``, is timed alongside: same algorithm as the
-peer, so its value should agree with the peer's, and the gap in time is what the engineering buys.
+Target (docs/benchmarks.md): ours >= 1.4 x faster. "Ours" is ``gs.adaptive_sharpness(variant="clean")`` (one forward
+and one backward per step, the model never mutated). The peer is :mod:`benchmarks.as23_reference`, the reference code's
+per-step work rebuilt from docs/spec.md §5.1 (deep copies of the state dict, per-parameter Python loops, an extra
+forward per step, ellipsoid bisection). The library's own faithful variant, ``variant="as23"``, is timed alongside:
+same algorithm as the peer, so its value should agree with the peer's, and the gap in time is what the engineering
+buys.
 """
 
 from __future__ import annotations

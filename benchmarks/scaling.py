@@ -2,7 +2,7 @@
 
 * ``geometry``: the per-step work of the quotient geometry alone (Riemannian gradient with horizontal projection,
   ``Exp2`` written into a buffer, its vector-Jacobian product, three gradient inner products) for one attention layer,
-  ``k`` heads of size ``h`` with ``d = k h`` (BERT layout: QK and VO pairs, biases appended). Spec §6 predicts
+  ``k`` heads of size ``h`` with ``d = k h`` (BERT layout: QK and VO pairs, biases appended). docs/spec.md §6 predicts
   ``O(k (d + 1) h^2)`` flops per layer for ``~4 k (d + 1) h`` parameters: the cost *per parameter* should grow like
   ``h`` and not depend on ``k`` (plus the ``O(k h^3)`` small solves, which matter only for tiny ``d``).
 * ``sequence``: that same geometry on the whole MiniLM-sized model against one forward+backward as the sequence grows:

@@ -113,7 +113,6 @@ def main() -> None:
         path, num_labels=2, id2label={0: "ham", 1: "spam"}, label2id={"ham": 0, "spam": 1}
     ).eval()
     x_train = pooled_features(model, tokenizer, [texts[i] for i in train])
-    x_test = pooled_features(model, tokenizer, [texts[i] for i in test])
     y_train, y_test = np.array([labels[i] for i in train]), np.array([labels[i] for i in test])
     clf = LogisticRegression(C=1.0, max_iter=2000).fit(x_train, y_train)
 

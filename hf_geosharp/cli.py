@@ -20,7 +20,7 @@ import warnings
 from . import __version__
 from .commands.common import invoke, quiet_libraries
 
-COMMANDS = ("run", "symmetry", "register", "leaderboard", "card", "demo", "export_space")
+COMMANDS = ("run", "symmetry", "register", "leaderboard", "card", "demo", "export_space", "reparametrize")
 LEVELS = ("error", "warning", "info", "debug")
 
 

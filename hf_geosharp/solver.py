@@ -384,7 +384,8 @@ def average_case(
     generator: torch.Generator,
     on_step: Callable[[int, float], None] | None = None,
 ) -> SolveResult:
-    """Average case ``E_xi L(Exp(w0; xi)) - L(w0)`` with ``xi = rho * horizontal(z)``, ``z`` metric-isotropic (§3.2)."""
+    """Average case ``E_xi L(Exp(w0; xi)) - L(w0)`` with ``xi = rho * horizontal(z)``, ``z`` metric-isotropic
+    (docs/spec.md §3.2)."""
     clean_loss, _ = objective(space.zero(), False)
     losses = []
     for s in range(n_samples):

@@ -307,6 +307,72 @@ def _per_batch_plot(results: dict) -> Figure:
     return fig
 
 
+HIDE_HOW = {"random symmetry element": None, "adversarial: make it look sharp": "sharp",
+            "adversarial: make it look flat": "flat"}
+
+
+def hide_and_seek_tab(space: Space) -> None:
+    """The "Hide & seek" tab: reparametrise a zoo model along its attention symmetries (randomly or adversarially,
+    with :func:`hf_geosharp.hide`) and show adaptive sharpness move while geodesic sharpness stays."""
+    from matplotlib.figure import Figure
+
+    from hf_geosharp.hide import hide, reparametrize_checked
+    from hf_geosharp.measures import run_measure
+
+    keys = ("geodesic_sharpness_inv", "adaptive_sharpness")
+
+    def run(choice: str, how: str, progress=gr.Progress()):  # noqa: B008 - how gradio injects progress
+        if choice not in space.zoo_names or how not in HIDE_HOW:
+            raise gr.Error("Pick a zoo model and a kind of reparametrisation.")
+        progress(0.05, desc=f"training {choice} (first use only)")
+        with torch_threads(1):
+            zoo = build_zoo(space.zoo_size, space.cache_dir, progress=False, names=[choice])
+            source = str(zoo.root / choice)
+            model = load_model(source).double()  # float64: round-off must not blur the invariance on show
+            spec = DataSpec(dataset=str(zoo.data_dir), split="train", n_examples=64, batch_size=32)
+            batches = [{k: v.double() if v.is_floating_point() else v for k, v in b.items()}
+                       for b in load_batches(model, load_processor(source, model), spec)]
+            settings = Settings(steps=5)
+            before = {k: run_measure(k, model, batches, settings, progress=False).value for k in keys}
+            progress(0.5, desc="reparametrising")
+            if HIDE_HOW[how] is None:
+                seed = int.from_bytes(os.urandom(2), "little")  # a new random element on every press
+                deviation = reparametrize_checked(model, batches, condition=1000.0, seed=seed)[1]
+            else:
+                deviation = hide(model, batches, target=HIDE_HOW[how], condition=1000.0, settings=settings,
+                                 evaluate=False).max_output_deviation
+            after = {k: run_measure(k, model, batches, settings, progress=False).value for k in keys}
+        fig = Figure(figsize=(6, 3))
+        ax = fig.subplots()
+        x = range(len(keys))
+        ax.bar([i - 0.2 for i in x], [before[k] for k in keys], width=0.4, label="before", color="#4c72b0")
+        ax.bar([i + 0.2 for i in x], [after[k] for k in keys], width=0.4, label="after", color="#dd8452")
+        ax.set_xticks(list(x), ["geodesic (inv)", "adaptive"])
+        ax.set_yscale("log")
+        ax.set_ylabel("sharpness")
+        ax.legend(fontsize=8)
+        ax.set_title(f"{choice}: {how}", fontsize=9)
+        fig.tight_layout()
+        status = (f"{choice}, {how}: the outputs moved by {deviation:.1e} (relative; the function is the same). "
+                  f"Geodesic sharpness {before[keys[0]]:.4g} -> {after[keys[0]]:.4g}; adaptive sharpness "
+                  f"{before[keys[1]]:.4g} -> {after[keys[1]]:.4g} (x{after[keys[1]] / before[keys[1]]:.3g}).")
+        return fig, status
+
+    gr.Markdown(
+        "Attention computes with `W_Q W_K^T` and `W_V W_O`, so replacing `W_Q -> W_Q A^-1`, `W_K -> W_K A^T` (any "
+        "invertible `A` per head) gives the same model with different weights: adaptive sharpness, which looks "
+        "at the weights, moves, and an adversarial `A` can make a model look as sharp or as flat as one likes. "
+        "Geodesic sharpness measures on the quotient by these symmetries, so it cannot move."
+    )
+    with gr.Row():
+        model_in = gr.Dropdown(space.zoo_names, value=space.zoo_names[0], label="zoo model", elem_id="hide-model")
+        how_in = gr.Radio(list(HIDE_HOW), value=list(HIDE_HOW)[1], label="reparametrisation")
+    go = gr.Button("Reparametrise", variant="primary", elem_id="hide-btn")
+    status_out = gr.Markdown(elem_id="hide-status")
+    plot_out = gr.Plot(label="before and after", elem_id="hide-plot")
+    go.click(run, [model_in, how_in], [plot_out, status_out], api_name="hide_and_seek")
+
+
 def _measure_tab(space: Space) -> None:
     choices = space.model_choices()
     with gr.Row():
@@ -348,7 +414,7 @@ def _zoo_tab(space: Space) -> None:
 
 
 #: The app's tabs, in order: (title, function that builds the tab's components from the shared ``Space``).
-TABS = [("Measure a model", _measure_tab), ("Rank the zoo", _zoo_tab)]
+TABS = [("Measure a model", _measure_tab), ("Rank the zoo", _zoo_tab), ("Hide & seek", hide_and_seek_tab)]
 
 
 def build_demo(zoo_size: str | int | None = None, cache_dir: str | Path | None = None,

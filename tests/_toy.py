@@ -36,13 +36,14 @@ class ToyAttention(nn.Module):
 
 
 def toy_symmetry_map(model: ToyAttention) -> SymmetryMap:
-    """QK and VO pairs per head, with the q/k/v biases appended as a row (spec §4.3)."""
+    """QK and VO pairs per head, with the q/k/v biases appended as a row (docs/spec.md §4.3)."""
     smap = SymmetryMap.empty(model)
     h = model.h
 
     def factor(name):  # [heads, d + 1, h]: W_torch row-slices transposed, bias appended
         W, b = smap.index_of(f"{name}.weight"), smap.index_of(f"{name}.bias")
-        return torch.stack([torch.cat([W[i * h : (i + 1) * h].T, b[None, i * h : (i + 1) * h]]) for i in range(model.heads)])
+        rows = [torch.cat([W[i * h : (i + 1) * h].T, b[None, i * h : (i + 1) * h]]) for i in range(model.heads)]
+        return torch.stack(rows)
 
     W_o = smap.index_of("out.weight")
     O = torch.stack([W_o[:, i * h : (i + 1) * h] for i in range(model.heads)])
@@ -53,7 +54,8 @@ def toy_symmetry_map(model: ToyAttention) -> SymmetryMap:
 def toy_batches(n_batches=2, batch=6, seq=5, classes=3, seed=0, dtype=torch.float64):
     g = torch.Generator().manual_seed(seed)
     return [
-        {"x": torch.randn(batch, seq, 4, generator=g, dtype=dtype), "labels": torch.randint(0, classes, (batch,), generator=g)}
+        {"x": torch.randn(batch, seq, 4, generator=g, dtype=dtype),
+         "labels": torch.randint(0, classes, (batch,), generator=g)}
         for _ in range(n_batches)
     ]
 

@@ -1,4 +1,5 @@
-"""The diagonal-network reproduction: exact-geodesic geometry (spec §2.5), closed forms, training, statistics, CLI."""
+"""The diagonal-network reproduction: exact-geodesic geometry (docs/spec.md §2.5), closed forms,
+ training, statistics, CLI."""
 
 import json
 import math
@@ -77,7 +78,7 @@ def test_random_tangent_vectors_are_horizontal_and_metric_isotropic(metric, cons
     assert mean_sq == pytest.approx(D, rel=0.03)
 
 
-def test_norm_identities_of_spec_2_5():
+def test_norm_identities_of_the_diagonal_network_metrics():
     u, v = _point(2)
     b = _rand(D, 4)
     for metric, constraint, expected in [
@@ -144,7 +145,7 @@ def _orthonormal_problem(d, n, beta_star, seed=0):
 
 @pytest.mark.parametrize("rho", [0.01, 0.1, 0.5])
 def test_mix_sharpness_matches_its_closed_form_when_the_gram_matrix_is_the_identity(rho):
-    """Spec §2.5 [DERIVED exact]: S_mix = 2 sqrt(2) rho ||beta0 - beta*|| + 2 rho^2, for the loss ||X beta - y||^2
+    """docs/spec.md §2.5 (derived): S_mix = 2 sqrt(2) rho ||beta0 - beta*|| + 2 rho^2, for the loss ||X beta - y||^2
     with X^T X = I (here: the MSE with X^T X = n I). It holds while no geodesic is cut at beta_i = 0."""
     u, v = _point(4, d=8)
     beta_star = _rand(8, 6)

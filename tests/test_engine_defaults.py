@@ -79,6 +79,29 @@ def test_fig7_protocol_at_the_default_settings_geodesic_is_invariant_and_adaptiv
     assert min(adaptive_moves) > 1e-3, adaptive_moves
 
 
+@pytest.mark.parametrize("metric", ["inv", "mix"])
+def test_default_relaxation_is_invariant_under_badly_conditioned_group_elements(metric):
+    """Condition-1000 elements (what the hide & seek demo applies) square the Gram matrices' condition numbers' growth:
+    the relaxation's eigenvalue guard must stay inactive there, so the default number does not move."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    config = BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                        vocab_size=100, attn_implementation="eager")
+    model = BertForSequenceClassification(config).double().eval()
+    with torch.no_grad():  # larger weights than the 0.02 init: heads with a spread spectrum
+        for p in model.parameters():
+            p.mul_(10.0)
+    moved = copy.deepcopy(model)
+    gs.reparametrize(moved, seed=3, condition=1000.0)
+    batches = _batches(rows=8, seq=16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        before = gs.geodesic_sharpness(model, batches, metric=metric, progress=False).value
+        after = gs.geodesic_sharpness(moved, batches, metric=metric, progress=False).value
+    assert abs(after - before) <= 1e-4 * abs(before), (before, after)
+
+
 def test_default_adaptive_variant_is_clean_and_as23_stalls_below_it():
     model, batches = _noisy_bert(0.1), _batches(n=1)
     assert gs.adaptive_sharpness(model, batches, progress=False).config["variant"] == "clean"

@@ -1,4 +1,4 @@
-"""The quotient geometry against the mathematical properties of spec §9 (float64, tiny shapes)."""
+"""The quotient geometry against the mathematical properties of docs/spec.md §9 (float64, tiny shapes)."""
 
 import numpy as np
 import pytest
@@ -57,7 +57,7 @@ def test_projection_is_orthogonal_to_vertical_space_and_idempotent(metric):
 
 
 def test_paper_literal_inv_projection_is_not_horizontal():
-    """The printed `A Lam + Lam A^T = B` fails (spec §1.5): our corrected solve is the one that works."""
+    """The printed `A Lam + Lam A^T = B` fails (docs/spec.md §1.5): our corrected solve is the one that works."""
     G, Hm = _pair()
     geo = GLQuotient(G, Hm, "inv", epsilon=0.0)
     xi = _pair(seed=5)
@@ -310,4 +310,8 @@ def test_reduced_group_relaxed_projection_is_orthogonal(metric):
     for E in basis:
         assert geo.inner_product(p, geo.vertical_vector(E.expand(K, H, H))).abs().max() < 1e-10
     a, b = full.projection(xi), closed.projection(xi)
-    assert torch.allclose(a[0], b[0], atol=1e-9) and torch.allclose(a[1], b[1], atol=1e-9)
+    # Two backward-stable solvers of the same linear system agree to O(unit roundoff * condition number); the dead
+    # columns make the relaxed Gram matrices ill-conditioned (about 1e8 here), so the tolerance scales with it.
+    cond = max(float(torch.linalg.cond(closed._P64).max()), float(torch.linalg.cond(closed._Q64).max()))
+    tol = max(1e-9, 1e-13 * cond)
+    assert torch.allclose(a[0], b[0], atol=tol) and torch.allclose(a[1], b[1], atol=tol)

@@ -285,7 +285,8 @@ def test_leaderboard_cli_rejects_bad_input(zoo, tmp_path, capsys):
 
 
 def test_demo_prints_table_taus_plot_and_card_and_reuses_the_cache(zoo, tmp_path, capsys):
-    args = ["demo", "--size", "mini", "--cache-dir", str(zoo.root), "--out", str(tmp_path), *FAST]
+    args = ["demo", "--size", "mini", "--cache-dir", str(zoo.root), "--out", str(tmp_path), *FAST,
+            "--no-hide-seek"]  # the hide & seek section is tested in tests/test_hide.py
     assert cli.main(args) == 0
     out = capsys.readouterr().out
     header = ("| rank | model | geodesic_inv_worst | geodesic_mix_worst | adaptive_clean_worst | relative_flatness | "

@@ -310,3 +310,34 @@ def test_export_space_command_refuses_a_folder_with_files(tmp_path, capsys):
     assert cli.main(["export-space", str(tmp_path)]) == 2
     assert "not an empty folder" in capsys.readouterr().err
     assert [p.name for p in tmp_path.iterdir()] == ["mine.txt"] and (tmp_path / "mine.txt").read_text() == "keep me"
+
+
+def test_hide_and_seek_through_gradio_client(app, url):
+    from gradio_client import Client
+
+    plot, status = Client(url, verbose=False).predict("mini-01", "adversarial: make it look sharp",
+                                                      api_name="/hide_and_seek")
+    assert plot["type"] == "matplotlib"
+    geodesic, adaptive = status.split("Geodesic sharpness ")[1].split(";")[0], status.split("adaptive sharpness ")[1]
+    g0, g1 = (float(v) for v in geodesic.split(" -> "))
+    a0, a1 = (float(v.split(" ")[0]) for v in adaptive.split(" -> "))
+    assert g1 == pytest.approx(g0, rel=1e-3) and a1 > 2 * a0
+
+
+@pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium: "
+                    "apt-get install -y --no-install-recommends chromium fonts-dejavu-core")
+def test_browser_hide_and_seek_tab_shows_the_chart(url):
+    playwright = pytest.importorskip("playwright.sync_api", reason="needs the playwright package (pip)")
+
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True,
+                                    args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 1400})
+            page.goto(url, wait_until="networkidle", timeout=60_000)
+            page.get_by_role("tab", name="Hide & seek").click()
+            page.locator("#hide-btn").click()
+            playwright.expect(page.locator("#hide-status")).to_contain_text("adaptive sharpness", timeout=120_000)
+            playwright.expect(page.locator("#hide-plot img, #hide-plot svg, #hide-plot canvas").first).to_be_visible()
+        finally:
+            browser.close()

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
     """One torch thread: on a shared two-core machine, spinning OpenMP threads make tiny models 10x slower."""

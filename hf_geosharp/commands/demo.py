@@ -2,20 +2,30 @@
 
 Trains (or reuses from the cache) the embedded zoo of small ViTs on scikit-learn's digits, ranks them with the
 leaderboard (geodesic inv and mix, adaptive; gap = test minus train error), and prints the table, the Kendall taus,
-the plot's path and a model-card snippet for the flattest model. A second run reuses the cached zoo and results.
+the plot's path and a model-card snippet for the flattest model. Then the hide & seek section
+(:func:`hf_geosharp.hide.hide_and_seek`): every model moved along its symmetry group, randomly and adversarially,
+with the function unchanged; geodesic sharpness does not move, adaptive sharpness does. A second run reuses the
+cached zoo and results.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
+from tqdm.auto import tqdm
+
 from ..cards import card_yaml, dataset_info, eval_result
-from ..data import DataSpec
+from ..data import DataSpec, load_batches, load_model, load_processor
+from ..durable import OutputPathError, check_writable
+from ..hide import hide_and_seek, seek_figure, seek_lines
 from ..leaderboard import GapSpec, ranked
+from ..measures import Settings
+from ..store import ResultStore, fingerprint, model_identity
 from ..zoo import build_zoo, cache_root, torch_threads
-from .common import EXIT_OK
+from .common import EXIT_BAD_INPUT, EXIT_OK
 from .leaderboard import add_data_arguments, execute
 
 
@@ -40,10 +50,74 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, default=Path("outputs/demo"), help="output folder (default: outputs/demo)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default: 1; tiny models gain nothing more)")
     add_data_arguments(p, n_examples=256, batch_size=64)
+    p.add_argument("--no-hide-seek", action="store_true", help="skip the hide & seek section")
+    p.add_argument("--hide-steps", type=int, default=HIDE_STEPS,
+                   help=f"solver steps of the hide & seek measurements (default: {HIDE_STEPS})")
+    p.add_argument("--hide-condition", type=float, default=HIDE_CONDITION,
+                   help=f"largest condition number of the group elements (default: {HIDE_CONDITION:g})")
     p.set_defaults(func=run)
 
 
+HIDE_STEPS = 10
+HIDE_CONDITION = 1000.0  # measured in float64 (hide_and_seek), where this is far from round-off
+HIDE_EXAMPLES = 128  # the first two of the leaderboard's batches
+
+
+def _hide_and_seek(args: argparse.Namespace, zoo, data: DataSpec, board) -> None:
+    """Section (i)-(iii) on the zoo, resumable through a result store next to the leaderboard's; prints it and
+    writes its figure."""
+    gaps = {row["model"]: row["gap"] for row in board.rows}
+    sources = {d.name: str(d) for d in zoo.model_dirs}
+    names = [d.name for d in zoo.model_dirs if d.name in gaps]
+    spec = DataSpec(**{**vars(data), "n_examples": min(HIDE_EXAMPLES, data.n_examples)})
+    batches: dict[str, list] = {}
+
+    def load(name: str):
+        model = load_model(sources[name])
+        if name not in batches:
+            batches[name] = load_batches(model, load_processor(sources[name], model), spec)
+        return model, batches[name]
+
+    store = ResultStore(args.out / "hide_and_seek.jsonl")
+
+    def cache(name: str, key: str, compute):
+        full = fingerprint(kind="hide_and_seek", model=model_identity(sources[name]),
+                           data=vars(spec), stage=key)
+        if (record := store.get(full)) is None:
+            record = {"key": full, **compute()}
+            store.put(record)
+        return record
+
+    # the default settings (the default relaxation is invariant, also under condition-1000 elements)
+    settings = Settings(rho=args.rho, steps=args.hide_steps, seed=args.seed)
+    with tqdm(total=len(names), desc="hide & seek", unit="model", disable=args.quiet) as bar:
+        def on_model(name: str) -> None:
+            bar.update(names.index(name) - bar.n)
+            bar.set_postfix(model=name)
+
+        report = hide_and_seek(names, load, [gaps[n] for n in names], settings=settings,
+                               condition=args.hide_condition, seed=args.seed, cache=cache, on_model=on_model)
+        bar.update(len(names) - bar.n)
+    plot = args.out / "hide_and_seek.png"
+    seek_figure(report, plot)
+    if not args.quiet:
+        print("\n" + "\n".join(seek_lines(report, args.hide_condition)))
+        print(f"\nhide & seek figure: {plot}  (float64, default settings, {spec.n_examples} training examples, "
+              f"{args.hide_steps} solver steps; rounded to the digits that agree across machines)")
+
+
 def run(args: argparse.Namespace) -> int:
+    problem = "--hide-steps must be at least 1" if args.hide_steps < 1 else None
+    if not problem and not args.hide_condition >= 1.0:
+        problem = "--hide-condition must be >= 1"
+    if not problem:
+        try:
+            check_writable(args.out / "hide_and_seek.png", what="demo output")
+        except OutputPathError as err:
+            problem = str(err)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     start = time.perf_counter()
     with torch_threads(args.threads):
         zoo = build_zoo(args.size, args.cache_dir, progress=not args.quiet)
@@ -60,6 +134,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"\nmodel-card snippet for the flattest model ({flattest}); `geosharp card` writes such entries "
               "into a README.md:\n")
         print("---\n" + card_yaml(entries, flattest) + "\n---")
+    ranked_at = time.perf_counter()
+    if not args.no_hide_seek:
+        with torch_threads(args.threads):
+            _hide_and_seek(args, zoo, data, board)
+    if not args.quiet:
         print(f"\nzoo: {len(zoo.members)} models in {zoo.root} ({trained - start:.0f} s); "
-              f"leaderboard: {time.perf_counter() - trained:.0f} s")
+              f"leaderboard: {ranked_at - trained:.0f} s; hide & seek: {time.perf_counter() - ranked_at:.0f} s")
     return EXIT_OK

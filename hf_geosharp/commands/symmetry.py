@@ -59,13 +59,9 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
     try:
         if args.json:
-            check_writable(args.json, what="--json")
-    except OutputPathError as err:
-        print(f"geosharp symmetry: {err}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    try:
+            check_writable(args.json, what="--json")  # before the work, which a bad path would otherwise lose
         model = load_model(args.model, trust_remote_code=args.trust_remote_code)
-    except DataError as err:
+    except (DataError, OutputPathError) as err:
         print(f"geosharp symmetry: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:

@@ -32,6 +32,11 @@ from torch import Tensor
 
 Metric = Literal["inv", "mix"]
 Pair = tuple[Tensor, Tensor]
+#: Eigenvalue floor (relative to the largest) of the Gram matrices inverted inside the relaxation: a numerical guard
+#: for singular factors only. It is independent of ``epsilon`` so that the relaxation stays exactly covariant for
+#: every head whose Gram matrices are resolvable in float64 (condition <= 1e10), also after a badly conditioned
+#: group element (a floor at ``epsilon * lambda_max`` broke invariance for condition-1000 elements).
+GRAM_FLOOR = 1e-10
 
 
 def _sym_inv_sqrt(S: Tensor) -> Tensor:
@@ -150,9 +155,8 @@ class GLQuotient:
         Under ``(G, H) -> (G A^-1, H A^T)``, ``tau`` is invariant and ``(H^T H)^-1`` maps to ``A^-T (H^T H)^-1 A^-1``
         exactly as ``G^T G`` does, so ``P_eps`` transforms like ``G^T G`` and the metric stays invariant for every
         ``A``; the relaxation is about ``epsilon`` relative to the head's own spectrum. :math:`\lfloor S\rfloor`
-        floors the eigenvalues of ``S`` at ``epsilon * lambda_max(S)``: inactive (so exactly covariant) while
-        ``cond(S) <= 1/epsilon``, and where a factor is singular it caps the relaxation of the other at about the
-        typical eigenvalue of its own Gram matrix. A head with ``G H^T = 0`` uses
+        floors the eigenvalues of ``S`` at ``GRAM_FLOOR * lambda_max(S)``: inactive (so exactly covariant) while
+        ``cond(S) <= 1/GRAM_FLOOR``, a guard for singular factors only. A head with ``G H^T = 0`` uses
         ``tau = ((tr G^T G + tr H^T H) / 2h)^2`` instead (its function is zero; nothing to be invariant about)."""
         if epsilon == 0:
             return GtG, HtH
@@ -164,7 +168,7 @@ class GLQuotient:
         def floored_inverse(S: Tensor, fallback: Tensor) -> Tensor:
             d, U = torch.linalg.eigh(S)
             top = d[..., -1:]
-            floor = epsilon * torch.where(top > 0, top, fallback[:, None])
+            floor = GRAM_FLOOR * torch.where(top > 0, top, fallback[:, None])
             return (U / torch.maximum(d, floor).clamp_min(1e-300).unsqueeze(-2)) @ U.mT
 
         P = GtG + epsilon * tau * floored_inverse(HtH, trP / h)

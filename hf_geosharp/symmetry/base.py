@@ -1,6 +1,6 @@
 """Data structures that describe where a model's continuous symmetries live.
 
-A :class:`SymmetryMap` is the contract between the symmetry room (which knows ``transformers`` modules) and the
+A :class:`SymmetryMap` is the contract between the symmetry mapper (which knows ``transformers`` modules) and the
 perturbation space (which knows geometry only). Every parameter of the model is a slice of one *flat parameter
 vector*: ``torch.cat([p.reshape(-1) for _, p in named_parameters])`` in ``model.named_parameters()`` order (tied
 weights appear once). A GL(h) pair is then just two integer index tensors into that vector, built by slicing

@@ -1,7 +1,7 @@
 """``map_symmetries``: walk a live model and describe where its GL(h) pairs live (the :class:`SymmetryMap`).
 
 Adapters in :mod:`hf_geosharp.symmetry.layouts` turn each attention module into q/k/v/o projections; this module
-turns those into pairs in the spec's orientation (§4.3): per KV group a QK pair ``G`` = the group's query heads
+turns those into pairs in the orientation of docs/spec.md §4.3: per KV group a QK pair ``G`` = the group's query heads
 ``[W_q^{(i)T}; b_q^{(i)T}]`` stacked by rows, ``H = [W_k^{(g)T}; b_k^{(g)T}]``, and a VO pair ``G = [W_v^{(g)T};
 b_v^{(g)T}]``, ``H`` = the group's ``W_O`` column slices stacked by rows. PEFT LoRA adapters add ``(B, A^T)`` pairs.
 """
@@ -39,7 +39,7 @@ def map_symmetries(
             ``smap.fallbacks`` and treating its parameters elementwise.
         params: ``"all"``, or ``"trainable"`` to map only pairs whose parameters all require grad (e.g. LoRA
             adapters on a frozen base).
-        include_bias: append q/k/v biases to their pairs as an extra row (spec §4.3). Without it, biased q/k/v
+        include_bias: append q/k/v biases to their pairs as an extra row (docs/spec.md §4.3). Without it, biased q/k/v
             are left out of the pairs and the group action is no longer an exact symmetry of the model.
 
     Returns:

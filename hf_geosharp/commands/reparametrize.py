@@ -1,0 +1,166 @@
+"""``geosharp reparametrize MODEL OUT``: save a copy of a model moved along its symmetry group (same function).
+
+A random group element by default, or with ``--hide flat|sharp`` the element that makes adaptive sharpness as small or
+as large as :func:`hf_geosharp.hide` finds. The copy is written with ``save_pretrained`` (with the model's tokenizer or
+image processor) into a temporary folder next to ``OUT`` and renamed into place; ``MODEL`` is never written. The
+function check (the largest output change on the probe batches, relative to the largest output) is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import durable
+from ..data import DataError, DataSpec, load_batches, load_model, load_processor
+from ..hide import FunctionChangedError, hide, reparametrize_checked
+from ..measures import Settings
+from .run import _quiet_libraries
+
+logger = logging.getLogger(__name__)
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+RECORD = "geosharp_reparametrize.json"
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "reparametrize",
+        help="save a copy of a model moved along its attention symmetries (same function), optionally adversarially",
+        description="Apply an element of the model's symmetry group (a random one, or with --hide the one that "
+        "makes adaptive sharpness look flat or sharp), check that the outputs did not change, and save the copy "
+        "to OUT with save_pretrained. MODEL itself is never written.",
+        epilog="exit codes: 0 success; 1 the function check failed (nothing written); 2 bad input.",
+    )
+    p.add_argument("model", metavar="MODEL", help="saved model folder or Hub id")
+    p.add_argument("out", metavar="OUT", type=Path, help="folder for the transformed copy (new or empty)")
+    p.add_argument("--hide", choices=("flat", "sharp"), help="search for the element that makes adaptive sharpness "
+                   "look flat or sharp (needs --dataset: the search uses the loss's gradients)")
+    p.add_argument("--condition", type=float, default=100.0, help="largest condition number of each head's "
+                   "group element (default: 100)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the group element or of the search")
+    p.add_argument("--dataset", help="dataset for the probe and --hide (default without --hide: random inputs)")
+    p.add_argument("--split", default="train", help="split of --dataset (default: train)")
+    p.add_argument("--n-examples", type=int, default=32, help="examples of --dataset (default: 32)")
+    p.add_argument("--batch-size", type=int, default=16, help="examples per batch (default: 16)")
+    p.add_argument("--rho", type=float, default=0.1, help="with --hide: the radius of adaptive sharpness")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
+    p.set_defaults(func=run)
+
+
+def _problem(args: argparse.Namespace) -> str | None:
+    """The usage error, if any (checked before anything is loaded)."""
+    if args.hide and not args.dataset:
+        return "--hide needs --dataset: the search follows the loss's gradients on real examples."
+    if not args.condition >= 1.0:
+        return f"--condition must be >= 1 (got {args.condition})."
+    if args.n_examples < 1 or args.batch_size < 1:
+        return "--n-examples and --batch-size must be at least 1."
+    out = args.out.resolve()
+    source = Path(args.model).resolve()
+    if Path(args.model).exists() and (out == source or source in out.parents):
+        return f"OUT {str(args.out)!r} is (inside) MODEL; choose a new folder: MODEL is never written."
+    if out.exists() and not out.is_dir():
+        return f"OUT {str(args.out)!r} is a file; choose a folder."
+    if out.is_dir() and any(out.iterdir()) and not args.overwrite:
+        return f"OUT {str(args.out)!r} is not empty; choose a new folder or pass --overwrite."
+    durable.check_writable(out / RECORD, what="OUT")
+    return None
+
+
+def _random_batches(model: torch.nn.Module, seed: int) -> list[dict[str, torch.Tensor]]:
+    """Random probe inputs from the config alone (tokens, or images): enough to see a changed function."""
+    config, generator = model.config, torch.Generator().manual_seed(seed)
+    if getattr(model, "main_input_name", "input_ids") == "pixel_values":
+        size = getattr(config, "image_size", 224)
+        size = (size, size) if isinstance(size, int) else tuple(size)
+        shape = (4, getattr(config, "num_channels", 3), *size)
+        return [{"pixel_values": torch.randn(shape, generator=generator).to(model.dtype)}]
+    if getattr(config, "vocab_size", None) is None:
+        raise DataError("cannot make random inputs for this model; pass --dataset.")
+    length = min(16, getattr(config, "max_position_embeddings", 16) or 16)
+    return [{"input_ids": torch.randint(0, config.vocab_size, (4, length), generator=generator)}]
+
+
+def _install(tmp: Path, out: Path) -> None:
+    """Rename the finished ``tmp`` to ``out``; an old ``out`` (empty, or ``--overwrite``) is moved aside first and
+    removed only once the new one is in place."""
+    old = None
+    if out.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}-old-", dir=out.parent))
+        os.replace(out, old / out.name)
+    os.replace(tmp, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        problem = _problem(args)
+    except durable.OutputPathError as err:
+        problem = str(err)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    _quiet_libraries()
+    try:
+        model = load_model(args.model)
+        processor = _processor(args.model, model)
+        if args.dataset:
+            spec = DataSpec(dataset=args.dataset, split=args.split, n_examples=args.n_examples,
+                            batch_size=args.batch_size, seed=args.seed)
+            batches = load_batches(model, processor, spec)
+        else:
+            batches = _random_batches(model, args.seed)
+    except DataError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    record: dict[str, Any] = {"source": args.model, "seed": args.seed, "condition": args.condition,
+                              "hide": args.hide}
+    try:
+        if args.hide:
+            result = hide(model, batches, target=args.hide, condition=args.condition, seed=args.seed,
+                          settings=Settings(rho=args.rho, seed=args.seed))
+            record |= result.to_dict()
+        else:
+            _, deviation = reparametrize_checked(model, batches, seed=args.seed, condition=args.condition)
+            record["max_output_deviation"] = deviation
+    except (FunctionChangedError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_FAILED if isinstance(err, FunctionChangedError) else EXIT_BAD_INPUT
+    out = args.out.resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        model.save_pretrained(tmp)
+        if processor is not None:
+            processor.save_pretrained(tmp)
+        durable.write_json(tmp / RECORD, record)
+        _install(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    what = f"hide={args.hide}" if args.hide else "a random element"
+    print(f"reparametrized {args.model} with {what} (condition <= {args.condition:g}, seed {args.seed}) -> {args.out}")
+    print(f"function check: max |output change| / max |output| = {record['max_output_deviation']:.3g} "
+          f"on {sum(len(next(iter(b.values()))) for b in batches)} probe inputs")
+    if args.hide:
+        print(f"adaptive sharpness: {record['value_before']:.6g} -> {record['value_after']:.6g} "
+              f"(x{record['factor']:.3g}); geodesic sharpness is unchanged by construction")
+    return EXIT_OK
+
+
+def _processor(model_id: str, model: torch.nn.Module) -> Any:
+    """The tokenizer or image processor saved with the model, or ``None`` (the copy is then weights only)."""
+    try:
+        return load_processor(model_id, model)
+    except DataError:
+        logger.warning("no tokenizer or image processor found with %s; the copy holds the model only", model_id)
+        return None
