@@ -23,7 +23,7 @@ from .. import durable
 from ..data import DataError, DataSpec, load_batches, load_model, load_processor
 from ..hide import FunctionChangedError, hide, reparametrize_checked
 from ..measures import Settings
-from .run import _quiet_libraries
+from .common import quiet_libraries
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    _quiet_libraries()
+    quiet_libraries()
     try:
         model = load_model(args.model)
         processor = _processor(args.model, model)
