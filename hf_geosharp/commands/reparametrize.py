@@ -23,11 +23,10 @@ from .. import durable
 from ..data import DataError, DataSpec, load_batches, load_model, load_processor
 from ..hide import FunctionChangedError, hide, reparametrize_checked
 from ..measures import Settings
-from .common import quiet_libraries
+from .common import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, add_trust_remote_code, quiet_libraries
 
 logger = logging.getLogger(__name__)
 
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 RECORD = "geosharp_reparametrize.json"
 
 
@@ -53,6 +52,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=int, default=16, help="examples per batch (default: 16)")
     p.add_argument("--rho", type=float, default=0.1, help="with --hide: the radius of adaptive sharpness")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
+    add_trust_remote_code(p)
     p.set_defaults(func=run)
 
 
@@ -112,8 +112,8 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
     quiet_libraries()
     try:
-        model = load_model(args.model)
-        processor = _processor(args.model, model)
+        model = load_model(args.model, trust_remote_code=args.trust_remote_code)
+        processor = _processor(args.model, model, args.trust_remote_code)
         if args.dataset:
             spec = DataSpec(dataset=args.dataset, split=args.split, n_examples=args.n_examples,
                             batch_size=args.batch_size, seed=args.seed)
@@ -157,10 +157,10 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _processor(model_id: str, model: torch.nn.Module) -> Any:
+def _processor(model_id: str, model: torch.nn.Module, trust_remote_code: bool) -> Any:
     """The tokenizer or image processor saved with the model, or ``None`` (the copy is then weights only)."""
     try:
-        return load_processor(model_id, model)
+        return load_processor(model_id, model, trust_remote_code=trust_remote_code)
     except DataError:
         logger.warning("no tokenizer or image processor found with %s; the copy holds the model only", model_id)
         return None
