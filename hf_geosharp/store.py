@@ -29,7 +29,8 @@ logger = logging.getLogger(__name__)
 
 STORE_FILE = "results.jsonl"
 LOCK_FILE = "leaderboard.lock"
-# What each kind of record must hold to be used; anything else on a line is damage, skipped and recomputed.
+# What each kind of leaderboard record must hold to be used; a line without them is damage, skipped and recomputed.
+# Records of other kinds (other users of the store, e.g. the hide & seek demo) need only their key.
 REQUIRED = {
     "measure": ("value", "clean_loss"),
     "stats": ("param_norm", "clean_loss"),
@@ -112,7 +113,7 @@ def _parse(line: bytes) -> tuple[dict[str, Any] | None, str]:
         return None, "not JSON"
     if not isinstance(record, dict) or not isinstance(record.get("key"), str):
         return None, "no 'key'"
-    missing = [k for k in REQUIRED.get(record.get("kind"), ("value",)) if k not in record]
+    missing = [k for k in REQUIRED.get(record.get("kind"), ()) if k not in record]  # other users store other kinds
     if missing:
         return None, f"no {', '.join(repr(k) for k in missing)}"
     return record, ""
