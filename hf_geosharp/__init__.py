@@ -8,12 +8,12 @@ __version__ = "0.2.0"
 
 import os as _os  # noqa: E402
 
-from .api import SharpnessResult, adaptive_sharpness, geodesic_sharpness  # noqa: E402
+from .api import NotConvergedWarning, SharpnessResult, adaptive_sharpness, geodesic_sharpness  # noqa: E402
 from .hide import HideResult, hide  # noqa: E402
 from .relative_flatness import relative_flatness  # noqa: E402
 from .symmetry import SymmetryMap, map_symmetries, reparametrize  # noqa: E402
 
-__all__ = ["HideResult", "SharpnessResult", "SymmetryMap", "adaptive_sharpness", "geodesic_sharpness", "hide",
+__all__ = ["HideResult", "NotConvergedWarning", "SharpnessResult", "SymmetryMap", "adaptive_sharpness", "geodesic_sharpness", "hide",
            "map_symmetries", "relative_flatness", "reparametrize", "EVALUATE_MODULE_DIR", "__version__"]
 
 EVALUATE_MODULE_DIR = _os.path.join(_os.path.dirname(__file__), "geodesic_sharpness")

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from ..api import collected_convergence_notes
 from ..cards import card_yaml, dataset_info, eval_result
 from ..data import DataSpec, load_batches, load_model, load_processor
 from ..durable import OutputPathError, check_writable
@@ -98,8 +99,9 @@ def _hide_and_seek(args: argparse.Namespace, zoo, data: DataSpec, board) -> None
             bar.update(names.index(name) - bar.n)
             bar.set_postfix(model=name)
 
-        report = hide_and_seek(names, load, [gaps[n] for n in names], settings=settings,
-                               condition=args.hide_condition, seed=args.seed, cache=cache, on_model=on_model)
+        with collected_convergence_notes():  # few steps on purpose: the section compares values, not maxima
+            report = hide_and_seek(names, load, [gaps[n] for n in names], settings=settings,
+                                   condition=args.hide_condition, seed=args.seed, cache=cache, on_model=on_model)
         bar.update(len(names) - bar.n)
     plot = args.out / "hide_and_seek.png"
     seek_figure(report, plot)
