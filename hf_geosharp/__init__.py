@@ -13,8 +13,9 @@ from .hide import HideResult, hide  # noqa: E402
 from .relative_flatness import relative_flatness  # noqa: E402
 from .symmetry import SymmetryMap, map_symmetries, reparametrize  # noqa: E402
 
-__all__ = ["HideResult", "NotConvergedWarning", "SharpnessResult", "SymmetryMap", "adaptive_sharpness", "geodesic_sharpness", "hide",
-           "map_symmetries", "relative_flatness", "reparametrize", "EVALUATE_MODULE_DIR", "__version__"]
+__all__ = ["HideResult", "NotConvergedWarning", "SharpnessResult", "SymmetryMap", "adaptive_sharpness",
+           "geodesic_sharpness", "hide", "map_symmetries", "relative_flatness", "reparametrize",
+           "EVALUATE_MODULE_DIR", "__version__"]
 
 EVALUATE_MODULE_DIR = _os.path.join(_os.path.dirname(__file__), "geodesic_sharpness")
 """The evaluate module's one folder (loading script and measurement card): ``evaluate.load(EVALUATE_MODULE_DIR)``."""
