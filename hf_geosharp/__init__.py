@@ -4,17 +4,18 @@ Importing the package writes nothing and starts nothing: the evaluate module is 
 ``geosharp register`` (which ``scripts/install.sh`` runs), never as a side effect of ``import hf_geosharp``.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 import os as _os  # noqa: E402
 
-from .api import SharpnessResult, adaptive_sharpness, geodesic_sharpness  # noqa: E402
+from .api import NotConvergedWarning, SharpnessResult, adaptive_sharpness, geodesic_sharpness  # noqa: E402
 from .hide import HideResult, hide  # noqa: E402
 from .relative_flatness import relative_flatness  # noqa: E402
 from .symmetry import SymmetryMap, map_symmetries, reparametrize  # noqa: E402
 
-__all__ = ["HideResult", "SharpnessResult", "SymmetryMap", "adaptive_sharpness", "geodesic_sharpness", "hide",
-           "map_symmetries", "relative_flatness", "reparametrize", "EVALUATE_MODULE_DIR", "__version__"]
+__all__ = ["HideResult", "NotConvergedWarning", "SharpnessResult", "SymmetryMap", "adaptive_sharpness",
+           "geodesic_sharpness", "hide", "map_symmetries", "relative_flatness", "reparametrize",
+           "EVALUATE_MODULE_DIR", "__version__"]
 
 EVALUATE_MODULE_DIR = _os.path.join(_os.path.dirname(__file__), "geodesic_sharpness")
 """The evaluate module's one folder (loading script and measurement card): ``evaluate.load(EVALUATE_MODULE_DIR)``."""

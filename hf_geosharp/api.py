@@ -600,8 +600,29 @@ def _run(
     )
 
 
+class NotConvergedWarning(UserWarning):
+    """A worst-case value was still rising when the solver stopped (``SharpnessResult.converged`` is False)."""
+
+
+_collectors: list[list[str]] = []
+
+
+@contextlib.contextmanager
+def collected_convergence_notes() -> Iterator[list[str]]:
+    """Collect the not-converged notes of every measurement inside the block instead of warning once per call.
+
+    For faces that run many measurements (leaderboards, the demo): they report one summary line instead of a
+    warning per model and measure; each result still carries ``converged`` and ``convergence_gain``."""
+    notes: list[str] = []
+    _collectors.append(notes)
+    try:
+        yield notes
+    finally:
+        _collectors.remove(notes)
+
+
 def _warn_not_converged(measure: str, config: dict[str, Any], gain: float, steps_used: int) -> None:
-    """Say that the worst case is still rising, and how to fix it (logger and ``UserWarning``)."""
+    """Say that the worst case is still rising, and how to fix it (logger and :class:`NotConvergedWarning`)."""
     if config["steps"] == "auto":
         fix = f"raise the budget (max_steps, now {config['max_steps']}) or lower rho"
     else:
@@ -610,8 +631,11 @@ def _warn_not_converged(measure: str, config: dict[str, Any], gain: float, steps
         f"{measure} at rho={config['rho']} is not converged: the best value still rose by {gain:.2%} over the last "
         f"quarter of its {steps_used} steps (tolerance {config['tol']:.2%}), so it underestimates the maximum; {fix}."
     )
+    if _collectors:
+        _collectors[-1].append(message)
+        return
     logger.warning(message)
-    warnings.warn(message, UserWarning, stacklevel=4)
+    warnings.warn(message, NotConvergedWarning, stacklevel=4)
 
 
 def _solver_steps(steps: Steps, max_steps: int) -> tuple[int, int | None]:

@@ -31,7 +31,7 @@ import torch
 from scipy import stats
 from tqdm.auto import tqdm
 
-from .api import SharpnessResult, adaptive_sharpness, geodesic_sharpness
+from .api import SharpnessResult, adaptive_sharpness, collected_convergence_notes, geodesic_sharpness
 from .data import DataError, DataSpec, load_batches, load_model, load_processor, load_split, require_task
 from .durable import atomic_path, write_json, write_text
 from .relative_flatness import relative_flatness
@@ -243,6 +243,7 @@ def run_leaderboard(
     rows, results = [], {}
     todo = len(models) * (len(measures) + 1 + (gap is not None and gap_table is None))
     bar = tqdm(total=todo, desc="leaderboard", unit="result", disable=not progress)
+    not_converged = 0
     for ref in models:
         model = model_identity(ref.source)
         keys = {m.name: fingerprint(kind="measure", model=model, measure=m.name, data=data_key, **asdict(settings))
@@ -254,10 +255,16 @@ def run_leaderboard(
         missing = [k for k, key in keys.items() if store.get(key) is None]
         bar.update(len(keys) - len(missing))
         if missing:
-            _compute_missing(ref, data, measures, settings, gap, store, keys, missing, bar, trust_remote_code)
+            with collected_convergence_notes() as notes:  # one summary line below, not a warning per result
+                _compute_missing(ref, data, measures, settings, gap, store, keys, missing, bar, trust_remote_code)
+            not_converged += len(notes)
         rows.append(_row(ref, measures, store, keys, gap, gap_table))
         results[ref.name] = [store.get(keys[m.name]) for m in measures]
     bar.close()
+    if not_converged:
+        logger.warning("%d of the results computed in this run are not converged at steps=%s (the worst-case value "
+                       "was still rising; each stored record says so in 'converged'); raise --steps for tighter "
+                       "values.", not_converged, settings.steps)
     board = Leaderboard(rows, [m.name for m in measures], gap.metric if gap is not None else None, results)
     if gap is not None:
         board.taus = kendall_taus(rows, board.predictors, seed=settings.seed)
@@ -285,7 +292,8 @@ def _compute_missing(
         start = time.perf_counter()
         res = _measure(m, model, batches, settings, smap)
         store.put({"key": keys[m.name], "kind": "measure", "model": ref.name, "source": ref.source,
-                   "measure": res.measure, "value": res.value, "stderr": res.stderr, "clean_loss": res.clean_loss,
+                   "measure": res.measure, "value": res.value, "stderr": res.stderr, "converged": res.converged,
+                   "convergence_gain": res.convergence_gain, "clean_loss": res.clean_loss,
                    "per_batch": res.per_batch, "config": res.config, "seconds": time.perf_counter() - start})
         bar.update()
     if "stats" in missing:

@@ -177,6 +177,19 @@ def test_not_converged_warning_names_the_fix_and_goes_to_the_module_logger(caplo
     assert any("steps='auto'" in r.getMessage() for r in caplog.records if r.name == "hf_geosharp.api")
 
 
+def test_collected_convergence_notes_replace_the_per_call_warning(caplog):
+    """Faces that run many measurements collect the notes and print one summary; the result still says it."""
+    from hf_geosharp.api import collected_convergence_notes
+
+    model, batches = _noisy_bert(0.2), _batches(n=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", gs.NotConvergedWarning)  # a warning inside the block would raise here
+        with caplog.at_level("WARNING", logger="hf_geosharp.api"), collected_convergence_notes() as notes:
+            res = gs.geodesic_sharpness(model, batches, rho=1.0, metric="inv", steps=20, progress=False)
+    assert not res.converged and len(notes) == 1 and "steps='auto'" in notes[0]
+    assert not [r for r in caplog.records if r.name == "hf_geosharp.api"]
+
+
 @pytest.mark.parametrize("metric", ["inv", "mix"])
 def test_solver_identities_hold_exactly_with_a_large_relaxation(metric):
     """``ascent_direction``'s fast products (``<R e, v>_g = <e, v>`` for horizontal ``v``) against the slow metric

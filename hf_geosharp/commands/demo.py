@@ -17,6 +17,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from ..api import collected_convergence_notes
 from ..cards import card_yaml, dataset_info, eval_result
 from ..data import DataSpec, load_batches, load_model, load_processor
 from ..durable import OutputPathError, check_writable
@@ -61,6 +62,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 HIDE_STEPS = 10
 HIDE_CONDITION = 1000.0  # measured in float64 (hide_and_seek), where this is far from round-off
 HIDE_EXAMPLES = 128  # the first two of the leaderboard's batches
+HIDE_EPSILON = 0.0
 
 
 def _hide_and_seek(args: argparse.Namespace, zoo, data: DataSpec, board) -> None:
@@ -88,21 +90,24 @@ def _hide_and_seek(args: argparse.Namespace, zoo, data: DataSpec, board) -> None
             store.put(record)
         return record
 
-    # the default settings (the default relaxation is invariant, also under condition-1000 elements)
-    settings = Settings(rho=args.rho, steps=args.hide_steps, seed=args.seed)
+    # epsilon 0, the exact quotient metric: some of the tiny ViTs' heads are so ill-conditioned that after a
+    # condition-1000 element their Gram matrices leave the range where the default relaxation is exactly covariant
+    # (cond > 1e10), and mix then moved by up to 8 % on one model (docs/method.md); inv stayed within 1e-9
+    settings = Settings(rho=args.rho, steps=args.hide_steps, seed=args.seed, epsilon=HIDE_EPSILON)
     with tqdm(total=len(names), desc="hide & seek", unit="model", disable=args.quiet) as bar:
         def on_model(name: str) -> None:
             bar.update(names.index(name) - bar.n)
             bar.set_postfix(model=name)
 
-        report = hide_and_seek(names, load, [gaps[n] for n in names], settings=settings,
-                               condition=args.hide_condition, seed=args.seed, cache=cache, on_model=on_model)
+        with collected_convergence_notes():  # few steps on purpose: the section compares values, not maxima
+            report = hide_and_seek(names, load, [gaps[n] for n in names], settings=settings,
+                                   condition=args.hide_condition, seed=args.seed, cache=cache, on_model=on_model)
         bar.update(len(names) - bar.n)
     plot = args.out / "hide_and_seek.png"
     seek_figure(report, plot)
     if not args.quiet:
         print("\n" + "\n".join(seek_lines(report, args.hide_condition)))
-        print(f"\nhide & seek figure: {plot}  (float64, default settings, {spec.n_examples} training examples, "
+        print(f"\nhide & seek figure: {plot}  (float64, epsilon 0, {spec.n_examples} training examples, "
               f"{args.hide_steps} solver steps; rounded to the digits that agree across machines)")
 
 
