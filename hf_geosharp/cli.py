@@ -95,7 +95,9 @@ def prepare(command: str, level: int) -> None:
     off before the command loads, trains, saves or maps anything; ``register`` imports no third-party library)."""
     configure_logging(level)
     # the engine reports a solver that has not converged twice (log line and UserWarning); the log line is enough here
-    warnings.filterwarnings("ignore", message=".* is not converged: ", category=UserWarning)
+    from .api import NotConvergedWarning
+
+    warnings.filterwarnings("ignore", category=NotConvergedWarning)
     if command != "register":
         quiet_libraries()
 
