@@ -78,7 +78,8 @@ def table(result: dict[str, Any]) -> str:
             f"{t['geodesic_inv']['wall']:.2f} | {t['geodesic_mix']['wall']:.2f} | {t['adaptive_as23']['wall']:.2f} | "
             f"{_mark(q['inv/clean'])} | {_mark(q['mix/clean'])} | {q['inv/as23']:.3f} | {q['mix/as23']:.3f} |"
         )
-    lines.append(f"\nWall-clock minima over the repeats; target geodesic / clean adaptive <= {TARGET} (CPU-time ratios in the JSON).")
+    lines.append(f"\nWall-clock minima over the repeats; target geodesic / clean adaptive <= {TARGET} "
+                 "(CPU-time ratios in the JSON).")
     return "\n".join(lines)
 
 

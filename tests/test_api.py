@@ -88,13 +88,14 @@ def _scalar_model(G0=1.3, H0=0.7):
 
 @pytest.mark.parametrize("y", [0.5, 2.0])
 def test_scalar_toy_matches_closed_form(y):
-    """Spec §2.6: n = h = 1, inv metric. With Exp2 the horizontal curve is G(1 + b + b^2/2), ||xi|| = sqrt(2)|b|."""
+    """docs/spec.md §2.6: n = h = 1, inv metric. Exp2 the horizontal curve is G(1 + b + b^2/2), ||xi|| = sqrt(2)|b|."""
     model, smap = _scalar_model()
     y0 = 1.3 * 0.7
     batch = [{"x": torch.tensor([1.0], dtype=torch.float64), "y": torch.tensor([y], dtype=torch.float64)}]
     values = {}
     for rho in (0.2, 0.1, 0.05):
-        res = gs.geodesic_sharpness(model, batch, rho=rho, metric="inv", epsilon=0.0, steps=20, progress=False, symmetry_map=smap)
+        res = gs.geodesic_sharpness(model, batch, rho=rho, metric="inv", epsilon=0.0, steps=20, progress=False,
+                                    symmetry_map=smap)
         b = np.linspace(-rho / np.sqrt(2), rho / np.sqrt(2), 200001)
         exp2 = np.max((y0 * (1 + b + b**2 / 2) ** 2 - y) ** 2) - (y0 - y) ** 2
         exact = np.max(y0**2 * (np.exp(4 * b) - 1) - 2 * y * y0 * (np.exp(2 * b) - 1))
@@ -155,8 +156,11 @@ def test_solver_runs_in_eval_mode_so_dropout_is_off():
 def test_same_seed_same_result_bit_for_bit():
     model, batches = ToyAttention(), toy_batches()
     kw = dict(rho=RHO, mode="average", n_samples=4, symmetry_map=toy_symmetry_map(model), progress=False)
-    assert gs.geodesic_sharpness(model, batches, seed=3, **kw).per_batch == gs.geodesic_sharpness(model, batches, seed=3, **kw).per_batch
-    assert gs.geodesic_sharpness(model, batches, seed=3, **kw).value != gs.geodesic_sharpness(model, batches, seed=4, **kw).value
+    def run(seed):
+        return gs.geodesic_sharpness(model, batches, seed=seed, **kw)
+
+    assert run(3).per_batch == run(3).per_batch
+    assert run(3).value != run(4).value
 
 
 def test_worst_case_stays_in_the_ball_and_beats_average_case():
@@ -192,7 +196,8 @@ def test_bad_arguments_get_clear_errors(kwargs, batches, match):
     model = ToyAttention()
     with pytest.raises(ValueError, match=match):
         gs.geodesic_sharpness(
-            model, toy_batches() if batches is None else batches, symmetry_map=toy_symmetry_map(model), **{**COMMON, **kwargs}
+            model, toy_batches() if batches is None else batches, symmetry_map=toy_symmetry_map(model),
+            **{**COMMON, **kwargs},
         )
 
 
@@ -235,7 +240,8 @@ def test_objective_gradient_matches_finite_differences_through_exp2(metric):
 
     model = ToyAttention().eval()
     names, params, theta0 = _flat_parameters(model)
-    space = PerturbationSpace(theta0, toy_symmetry_map(model).blocks, SpaceOptions(metric, 1e-6, elementwise_curvature="second_order"))
+    options = SpaceOptions(metric, 1e-6, elementwise_curvature="second_order")
+    space = PerturbationSpace(theta0, toy_symmetry_map(model).blocks, options)
     objective = _Objective(model, names, params, space, _default_loss, rho=RHO)
     objective.batch = toy_batches()[0]
     g = torch.Generator().manual_seed(0)

@@ -1,8 +1,8 @@
-"""Reliability: bad inputs and faults through the three doors (Python API, ``geosharp run``, ``evaluate``).
+"""Reliability: bad inputs and faults through the three entry points (Python API, ``geosharp run``, ``evaluate``).
 
 Every case is answered by a clear error or by a documented behaviour, and never by a damaged model: after each case
 the model's parameters and buffers are bit-identical, and ``requires_grad``, ``.grad``, train/eval modes, dtypes and
-devices are as before. The API cases are one table (:data:`API_CASES`); the CLI and evaluate doors reuse the bad inputs
+devices are as before. The API cases are one table (:data:`API_CASES`); the CLI and evaluate cases reuse the bad inputs
 that can reach them. Also here: determinism (same seed, same bits) and the fast paths of the engine against their
 slow references (closed-form ``Exp2`` pullback vs autograd, strided gathers vs index gathers, the solver's
 Gram-matrix bookkeeping vs recomputed norms).
@@ -124,7 +124,7 @@ def assert_intact(model: nn.Module, snap: dict[str, Any]) -> None:
 # ---------------------------------------------------------------------------------------------------- the API table
 @dataclass
 class Case:
-    """One input through the API door.
+    """One input through the Python API.
 
     ``prepare`` returns ``(model, batches, kwargs)`` and may damage copies of the defaults; ``call`` makes the call
     (default: worst-case geodesic inv). With ``raises`` the call must raise that type with ``match`` in the message
@@ -418,7 +418,7 @@ API_CASES = [
 
 @pytest.mark.parametrize("case", API_CASES, ids=[c.id for c in API_CASES])
 @pytest.mark.filterwarnings("ignore:The model computes in")
-def test_api_door(case: Case) -> None:
+def test_bad_input_through_the_api(case: Case) -> None:
     model, batches, kwargs = case.prepare()
     snap = snapshot(model) if isinstance(model, nn.Module) else None
     if case.raises is not None:
@@ -561,7 +561,7 @@ def test_pair_temporaries_carved_from_idle_buffers_change_no_bit(metric):
 
 
 def test_blocked_ellipsoid_projection_matches_the_reference_formula(monkeypatch):
-    """AS23's projection, evaluated block by block, against the reference's whole-vector formula (spec §5.1)."""
+    """AS23's projection, evaluated block by block, against the reference's whole-vector formula (docs/spec.md §5.1)."""
     from hf_geosharp import solver
 
     monkeypatch.setattr(solver, "_BLOCK", 1000)  # many blocks, and a ragged last one
@@ -572,7 +572,7 @@ def test_blocked_ellipsoid_projection_matches_the_reference_formula(monkeypatch)
     for scale, rho in ((0.01, 0.5), (1.0, 0.5), (5.0, 0.05)):
         delta = scale * torch.randn(w.shape, generator=g, dtype=torch.float64) * w.abs()
         expected = delta.clone()
-        norm = lambda lmbd: float((expected / (1 + 2 * lmbd * inv**2) * inv).norm())  # noqa: E731
+        norm = lambda lmbd, expected=expected: float((expected / (1 + 2 * lmbd * inv**2) * inv).norm())  # noqa: E731
         new_norm, lmbd, lo, hi, limit, used = norm(0.0), 0.1, 0.0, 10.0, 10.0, None
         while norm(0.0) > rho and abs(new_norm - rho) > 1e-5:
             used, new_norm = lmbd, norm(lmbd)
@@ -609,14 +609,15 @@ def test_solver_bookkeeping_keeps_iterates_in_the_ball():
     assert result.best_norm == pytest.approx(best, rel=1e-9, abs=1e-12)
 
 
-# ---------------------------------------------------------------------------------------------------- CLI door
+# ---------------------------------------------------------------------------------------------------- CLI
 def _digest(folder: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
 
 
 @pytest.fixture(scope="module")
 def cli_files(tmp_path_factory):
-    from .tiny_fixtures import save_text_model, tiny_bert as fixture_bert, tiny_tokenizer, write_csv
+    from .tiny_fixtures import save_text_model, tiny_tokenizer, write_csv
+    from .tiny_fixtures import tiny_bert as fixture_bert
 
     root = tmp_path_factory.mktemp("reliability-cli")
     nan_model = fixture_bert()
@@ -642,7 +643,7 @@ CLI_CASES = [
 
 
 @pytest.mark.parametrize("case", CLI_CASES, ids=[c[0] for c in CLI_CASES])
-def test_cli_door(case, cli_files, capsys):
+def test_bad_input_through_the_cli(case, cli_files, capsys):
     from hf_geosharp import cli
 
     _, override, code, message = case
@@ -659,7 +660,7 @@ def test_cli_door(case, cli_files, capsys):
 
 @pytest.mark.parametrize("argv, message", [(["--rho", "0"], "rho"), (["--batch-size", "0"], "batch-size"),
                                             (["--steps", "-1"], "steps")])
-def test_cli_door_refuses_bad_numbers_as_usage_errors(argv, message, cli_files, capsys):
+def test_cli_refuses_bad_numbers_as_usage_errors(argv, message, cli_files, capsys):
     from hf_geosharp import cli
 
     with pytest.raises(SystemExit) as info:
@@ -667,7 +668,7 @@ def test_cli_door_refuses_bad_numbers_as_usage_errors(argv, message, cli_files, 
     assert info.value.code == 2 and message in capsys.readouterr().err
 
 
-# ---------------------------------------------------------------------------------------------------- evaluate door
+# ---------------------------------------------------------------------------------------------------- evaluate module
 @pytest.fixture(scope="module")
 def measurement():
     import evaluate
@@ -695,7 +696,7 @@ EVALUATE_CASES = [
 
 
 @pytest.mark.parametrize("case", EVALUATE_CASES, ids=[c[0] for c in EVALUATE_CASES])
-def test_evaluate_door(case, measurement):
+def test_bad_input_through_the_evaluate_module(case, measurement):
     _, inputs, error, message = case
     model = tiny_bert()
     kwargs = inputs(model)
@@ -705,7 +706,7 @@ def test_evaluate_door(case, measurement):
     assert_intact(model, snap)
 
 
-def test_evaluate_door_pads_ragged_token_lists_and_leaves_the_model_alone(measurement):
+def test_evaluate_module_pads_ragged_token_lists_and_leaves_the_model_alone(measurement):
     model = tiny_bert()
     model.train()
     snap = snapshot(model)
@@ -715,7 +716,7 @@ def test_evaluate_door_pads_ragged_token_lists_and_leaves_the_model_alone(measur
     assert_intact(model, snap)
 
 
-def test_model_copies_are_not_needed_by_any_door():
+def test_model_copies_are_not_needed_by_any_entry_point():
     """The engine never mutates the model, so a deep copy of it is never taken: a model that refuses to be copied
     (e.g. one holding a file handle or a lock) works."""
 

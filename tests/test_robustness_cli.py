@@ -1,8 +1,8 @@
-"""Doors of the command line: nothing of the user's is lost or damaged, no custom code runs without the flag, and
+"""Robustness of the command line: nothing of the user's is lost or damaged, no custom code runs without the flag, and
 every bad input is a one-line error with exit code 2 before the work (never a traceback).
 
 The expensive cases run in as few subprocesses as possible: one with a file-size limit (a full disk, simulated with
-``resource.setrlimit``) for every writer, one with ``y`` piped into stdin for every door that loads a model.
+``resource.setrlimit``) for every writer, one with ``y`` piped into stdin for every command that loads a model.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def env(tmp: Path) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    root = tmp_path_factory.mktemp("doors-cli")
+    root = tmp_path_factory.mktemp("robustness-cli")
     return {"root": root, "model": save_text_model(root / "model"), "csv": write_csv(root / "reviews.csv", 12)}
 
 
@@ -218,17 +218,17 @@ def remote_code_folder(files: dict, where: Path, marker: Path, part: str) -> Pat
     shutil.copytree(files["model"], folder)
     code = f"import pathlib\npathlib.Path({str(marker)!r}).write_text('custom code ran')\n"
     if part == "config":
-        (folder / "doors_config.py").write_text(code + "from transformers import BertConfig\n\n\n"
-                                                "class DoorsConfig(BertConfig):\n    model_type = 'doors-custom'\n")
+        (folder / "marker_config.py").write_text(code + "from transformers import BertConfig\n\n\n"
+                                                "class MarkerConfig(BertConfig):\n    model_type = 'marker-custom'\n")
         config = json.loads((folder / "config.json").read_text())
-        config.update(model_type="doors-custom", auto_map={"AutoConfig": "doors_config.DoorsConfig"})
+        config.update(model_type="marker-custom", auto_map={"AutoConfig": "marker_config.MarkerConfig"})
         (folder / "config.json").write_text(json.dumps(config))
     else:
-        (folder / "doors_tokenizer.py").write_text(code + "from transformers import BertTokenizerFast\n\n\n"
-                                                   "class DoorsTokenizer(BertTokenizerFast):\n    pass\n")
+        (folder / "marker_tokenizer.py").write_text(code + "from transformers import BertTokenizerFast\n\n\n"
+                                                   "class MarkerTokenizer(BertTokenizerFast):\n    pass\n")
         config = json.loads((folder / "tokenizer_config.json").read_text())
-        config.update(tokenizer_class="DoorsTokenizer",
-                      auto_map={"AutoTokenizer": [None, "doors_tokenizer.DoorsTokenizer"]})
+        config.update(tokenizer_class="MarkerTokenizer",
+                      auto_map={"AutoTokenizer": [None, "marker_tokenizer.MarkerTokenizer"]})
         (folder / "tokenizer_config.json").write_text(json.dumps(config))
     return folder
 

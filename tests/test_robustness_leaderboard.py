@@ -1,5 +1,5 @@
-"""Doors of the leaderboard: a damaged store, two runs on one ``--out``, results reused only while the model and the
-data are what they were, model lists that include themselves, bad settings and Ctrl-C."""
+"""Robustness of the leaderboard: a damaged store, two runs on one ``--out``, results reused only while the model and
+the data are what they were, model lists that include themselves, bad settings and Ctrl-C."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Doors of the Python API and the evaluate module: bad inputs refused before the work with a message naming the fix,
-and the restore guarantee extended to what a forward may change (buffers, config attributes, the global RNG).
+"""Robustness of the Python API and the evaluate module: bad inputs refused before the work with a message naming
+the fix, and the restore guarantee extended to what a forward may change (buffers, config attributes, the global RNG).
 
 Each refusal is checked to leave the model exactly as it was (weights, buffers, flags, grads, modes and config).
 """
@@ -177,7 +177,7 @@ def test_random_models_repeat_for_a_seed_and_leave_the_callers_rng_alone():
     assert other.per_batch_clean_loss != first.per_batch_clean_loss  # the seed does reach the model's draws
 
 
-# ------------------------------------------------------------------------------------------- evaluate door
+# ------------------------------------------------------------------------------------- evaluate module
 @pytest.fixture(scope="module")
 def measurement():
     import evaluate
