@@ -2,6 +2,18 @@
 
 import os
 
+import pytest
+
 for _flag in ("HF_HUB_OFFLINE", "HF_EVALUATE_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
     os.environ.setdefault(_flag, "1")
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+
+
+@pytest.fixture(scope="module")
+def measurement():
+    """The evaluate module, loaded by path (one instance per test module)."""
+    import evaluate
+
+    import hf_geosharp as gs
+
+    return evaluate.load(gs.EVALUATE_MODULE_DIR, keep_in_memory=True)

@@ -669,13 +669,6 @@ def test_cli_refuses_bad_numbers_as_usage_errors(argv, message, cli_files, capsy
 
 
 # ---------------------------------------------------------------------------------------------------- evaluate module
-@pytest.fixture(scope="module")
-def measurement():
-    import evaluate
-
-    return evaluate.load(gs.EVALUATE_MODULE_DIR, keep_in_memory=True)
-
-
 def _ids(rows: int = 6, length: int = 7) -> list[list[int]]:
     g = torch.Generator().manual_seed(3)
     return torch.randint(5, 100, (rows, length), generator=g).tolist()

@@ -16,7 +16,7 @@ from torch import nn
 
 import hf_geosharp as gs
 
-from .test_reliability import FAST, assert_intact, snapshot, tiny_batches, tiny_bert
+from .test_reliability import FAST, _ids, assert_intact, snapshot, tiny_batches, tiny_bert
 from .tiny_fixtures import one_thread  # noqa: F401  (autouse: one torch thread for tiny models)
 
 
@@ -178,16 +178,7 @@ def test_random_models_repeat_for_a_seed_and_leave_the_callers_rng_alone():
 
 
 # ------------------------------------------------------------------------------------- evaluate module
-@pytest.fixture(scope="module")
-def measurement():
-    import evaluate
-
-    return evaluate.load(gs.EVALUATE_MODULE_DIR, keep_in_memory=True)
-
-
-def _ids(rows: int = 6, length: int = 7) -> list[list[int]]:
-    g = torch.Generator().manual_seed(3)
-    return torch.randint(5, 100, (rows, length), generator=g).tolist()
+# (the `measurement` fixture is in conftest.py; the token ids `_ids` come from test_reliability)
 
 
 @pytest.mark.parametrize("batch_size", [0, -1, 2.5, True])

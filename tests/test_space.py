@@ -4,6 +4,7 @@ headless browser (Debian's chromium)."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
 import os
@@ -255,29 +256,36 @@ def test_rank_the_zoo_through_gradio_client(url):
     assert "Kendall tau" in taus and Path(scatter).read_bytes()[:4] == b"\x89PNG"
 
 
-@pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium: "
-                    "apt-get install -y --no-install-recommends chromium fonts-dejavu-core")
-def test_browser_click_compute_shows_the_result_table(url):
-    playwright = pytest.importorskip("playwright.sync_api", reason="needs the playwright package (pip)")
-
+@contextlib.contextmanager
+def _browser_page(playwright, url: str):
+    """A headless Debian Chromium page on the app (never a browser that Playwright downloads)."""
     with playwright.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True,
                                     args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
         try:
             page = browser.new_page(viewport={"width": 1280, "height": 1400})
             page.goto(url, wait_until="networkidle", timeout=60_000)
-            playwright.expect(page.get_by_role("combobox", name="model")).to_have_value(
-                playwright_re(r"^mini-00: 1 layer"))
-            page.locator("#compute-btn").click()
-            table = page.locator("#results-table")
-            playwright.expect(table).to_contain_text(MEASURES[INV].title, timeout=120_000)
-            playwright.expect(table).to_contain_text(MEASURES[ADAPTIVE].title)
-            playwright.expect(page.locator("#status-out")).to_contain_text("mini-00")
-            playwright.expect(page.locator("#report-out textarea")).to_have_value(playwright_re(r"QK"))
-            SCREENSHOT.parent.mkdir(exist_ok=True)
-            page.screenshot(path=str(SCREENSHOT), full_page=True)
+            yield page
         finally:
             browser.close()
+
+
+@pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium: "
+                    "apt-get install -y --no-install-recommends chromium fonts-dejavu-core")
+def test_browser_click_compute_shows_the_result_table(url):
+    playwright = pytest.importorskip("playwright.sync_api", reason="needs the playwright package (pip)")
+
+    with _browser_page(playwright, url) as page:
+        playwright.expect(page.get_by_role("combobox", name="model")).to_have_value(
+            playwright_re(r"^mini-00: 1 layer"))
+        page.locator("#compute-btn").click()
+        table = page.locator("#results-table")
+        playwright.expect(table).to_contain_text(MEASURES[INV].title, timeout=120_000)
+        playwright.expect(table).to_contain_text(MEASURES[ADAPTIVE].title)
+        playwright.expect(page.locator("#status-out")).to_contain_text("mini-00")
+        playwright.expect(page.locator("#report-out textarea")).to_have_value(playwright_re(r"QK"))
+        SCREENSHOT.parent.mkdir(exist_ok=True)
+        page.screenshot(path=str(SCREENSHOT), full_page=True)
     assert SCREENSHOT.stat().st_size > 10_000
 
 
@@ -329,15 +337,9 @@ def test_hide_and_seek_through_gradio_client(app, url):
 def test_browser_hide_and_seek_tab_shows_the_chart(url):
     playwright = pytest.importorskip("playwright.sync_api", reason="needs the playwright package (pip)")
 
-    with playwright.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True,
-                                    args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
-        try:
-            page = browser.new_page(viewport={"width": 1280, "height": 1400})
-            page.goto(url, wait_until="networkidle", timeout=60_000)
-            page.get_by_role("tab", name="Hide & seek").click()
-            page.locator("#hide-btn").click()
-            playwright.expect(page.locator("#hide-status")).to_contain_text("adaptive sharpness", timeout=120_000)
-            playwright.expect(page.locator("#hide-plot img, #hide-plot svg, #hide-plot canvas").first).to_be_visible()
-        finally:
-            browser.close()
+    with _browser_page(playwright, url) as page:
+        page.get_by_role("tab", name="Hide & seek").click()
+        page.locator("#hide-btn").click()
+        playwright.expect(page.locator("#hide-status")).to_contain_text("adaptive sharpness", timeout=120_000)
+        playwright.expect(page.locator("#hide-plot img, #hide-plot svg, #hide-plot canvas").first).to_be_visible()
+
