@@ -542,7 +542,8 @@ def _run(
             config["seed"], base=params,
         )
         del theta0  # the space reads the parameters themselves from now on
-        logger.info("%s: %d GL pairs, %d parameters, %d batches", measure, space.n_pairs, space.numel, len(batches))
+        logger.info("%s: %d GL pairs, %s parameters, %d batch%s", measure, space.n_pairs, f"{space.numel:,}",
+                    len(batches), "" if len(batches) == 1 else "es")
 
         objective = _Objective(model, names, params, space, loss_fn, config["rho"], grad_scope)
         n_steps = config["n_samples"] if config["mode"] == "average" else config["steps"]

@@ -120,7 +120,8 @@ def relative_flatness(
             per_batch.append(sum(draws) / n_samples)
             per_clean.append(float(_clean_loss(model, batch, loss_fn)))
             samples.append(draws)
-    logger.info("relative_flatness: layer %s (%d x %d), %d batches", name, *W.shape, len(batches))
+    logger.info("relative_flatness: layer %s (%d x %d), %d batch%s", name, *W.shape, len(batches),
+                "" if len(batches) == 1 else "es")
     config = dict(layer=name, n_samples=n_samples, seed=seed, mode="average", n_batches=len(batches),
                   library=f"hf_geosharp {__version__}")
     return SharpnessResult(
