@@ -115,12 +115,15 @@ class _Pool:
             merged[i] = merged.get(i, 0.0) + coef
         merged = {i: c for i, c in merged.items() if c != 0.0}
         if not merged:
-            out.mul_(scale)
+            out.zero_() if scale == 0 else out.mul_(scale)  # (0 * an uninitialised row could be NaN)
             return
         order = sorted(merged)  # the order of stacked()'s rows
-        rows = self.stacked([self.rows[i] for i in order])
-        coefs = torch.tensor([merged[i] for i in order], dtype=out.dtype, device=out.device)
+        first, rest = order[:2], order[2:]  # stacked() views at most two rows; a third is added in another pass
+        rows = self.stacked([self.rows[i] for i in first])
+        coefs = torch.tensor([merged[i] for i in first], dtype=out.dtype, device=out.device)
         out.addmv_(rows.t(), coefs, beta=scale)
+        for i in rest:
+            out.add_(self.rows[i], alpha=merged[i])
 
 
 def _next_block(total: int, max_steps: int | None, tol: float, losses: list[float]) -> int:
@@ -182,42 +185,44 @@ def apgd(
 ) -> SolveResult:
     """Worst case ``max_{xi in S} L(Exp(w0; xi)) - L(w0)`` by Auto-PGD, zero init, ``eta0 = 2 rho``.
 
-    ``steps + 1`` forward passes and ``steps`` backward passes in all. With ``max_steps`` (``steps="auto"``), after
-    the ``steps``-step block the run continues from where it is, in blocks as long as everything so far (each with
-    AS23's checkpoints), while the best value gains more than ``tol`` over the last quarter of the steps, up to
-    ``max_steps``; continuing costs one backward for the gradient the last step of a block skipped. With
-    ``step_normalization="riemannian"`` every quantity is g-invariant, so the iterates are equivariant under the
-    model's symmetries.
+    ``steps + 1`` forward passes and ``steps`` backward passes, plus one forward and backward for each halving that
+    restarts from a best point other than the current iterate (the best point's gradient is recomputed rather than
+    kept). With ``max_steps`` (``steps="auto"``), after the ``steps``-step block the run continues from where it is,
+    in blocks as long as everything so far (each with AS23's checkpoints), while the best value gains more than
+    ``tol`` over the last quarter of the steps, up to ``max_steps``. With ``step_normalization="riemannian"`` every
+    quantity is g-invariant, so the iterates are equivariant under the model's symmetries.
 
     How a step stays cheap: the direction ``d`` (the projected Riemannian gradient) and the iterates ``xi``,
     ``xi_prev`` are horizontal, so ``z = P_S(xi + c d)`` and the momentum point ``P_S(a xi + b d + c xi_prev)`` are
     radial rescalings of combinations of the three. Their norms follow from the Gram matrix of ``(xi, d, xi_prev)``:
     the row of ``d`` comes with it from ``space.ascent_direction`` (one pass over the gradient) and the rest is carried
-    over from the previous step. The new iterate is then written once, in place of ``d``, by one ``addmv``.
+    over from the previous step. The new iterate is then written by one ``addmv``.
 
-    Memory: five parameter-sized buffers in all (the iterates ``xi``, ``xi_prev``, the best point, its gradient, and
-    the next gradient). ``d`` is computed in place of the gradient it comes from, unless that gradient is the best
-    point's, which a restart needs again. Nothing parameter-sized is allocated per step. ``best_norm`` comes from the
-    same bookkeeping. The horizontal projection is exactly g-orthogonal (also with ``epsilon > 0``), so these
-    identities hold exactly.
+    Memory: four parameter-sized buffers in all: the iterates ``xi`` and ``xi_prev``, the best point, and one
+    working buffer, which the objective fills with the perturbed weights and then with the gradient, in which the
+    direction ``d`` is computed over that gradient, and from which the new iterate is combined. Nothing
+    parameter-sized is allocated per step. ``best_norm`` comes from the same bookkeeping. The horizontal projection is
+    exactly g-orthogonal (also with ``epsilon > 0``), so these identities hold exactly.
     """
-    pool = _Pool(space.empty(), 5)
+    pool = _Pool(space.empty(), 4)
     xi = xi_prev = best_xi = pool.free()
+    work = pool.free(xi)
     xi.zero_()
     sq_xi = sq_prev = cross = best_sq = 0.0  # ||xi||^2, ||xi_prev||^2, <xi, xi_prev>, ||best_xi||^2 (metric g)
-    clean_loss, egrad = objective(xi, True, out=pool.free(xi))
-    best_loss, best_egrad = clean_loss, egrad
+    clean_loss, egrad = objective(xi, True, out=work)
+    best_loss = clean_loss
     schedule = _StepSchedule(2.0 * rho, steps, min_update_ratio, clean_loss)
     losses = [clean_loss]
     total, k = steps, -1
     while k + 1 < total:
         k += 1
-        if step_normalization == "euclidean":  # read before ascent_direction may consume the gradient
+        if egrad is None:  # after a restart from an earlier best point, or a block's last (gradient-free) step
+            _, egrad = objective(xi, True, out=work)
+        if step_normalization == "euclidean":  # read before ascent_direction consumes the gradient
             c = schedule.eta / (math.sqrt(max(float(torch.dot(egrad, egrad)), 0.0)) + 1e-12)
         known = [row for row, sq in ((xi, sq_xi), (xi_prev, sq_prev)) if sq > 0]  # zero rows have zero products
-        out = pool.free(xi, xi_prev, best_xi, egrad) if egrad is best_egrad else egrad
-        d, sq_d, products = space.ascent_direction(egrad, pool.stacked(known), out=out)
-        del egrad
+        d, sq_d, products = space.ascent_direction(egrad, pool.stacked(known), out=work)
+        egrad = None
         product = dict(zip(sorted({pool.position(row) for row in known}), products))  # stacked() order
         d_xi = product.get(pool.position(xi), 0.0) if sq_xi > 0 else 0.0
         d_prev = product.get(pool.position(xi_prev), 0.0) if sq_prev > 0 else 0.0
@@ -225,44 +230,54 @@ def apgd(
             c = schedule.eta / (math.sqrt(sq_d) + 1e-12)
         elif step_normalization == "none":
             c = schedule.eta
-        # z = P_S(xi + c d) = s1 (xi + c d)
-        sq_z = max(sq_xi + 2 * c * d_xi + c * c * sq_d, 0.0)
-        s1 = rho / math.sqrt(sq_z) if sq_z > rho * rho else 1.0
-        if k == 0:
-            a, b, g, sq_new = s1, s1 * c, 0.0, s1 * s1 * sq_z
-        else:  # P_S(xi + m (z - xi) + (1 - m)(xi - xi_prev)) = s2 (a xi + b d + g xi_prev)
-            a, b, g = 2 * (1 - momentum) + momentum * s1, momentum * s1 * c, -(1 - momentum)
-            sq_y = max(
-                a * a * sq_xi + b * b * sq_d + g * g * sq_prev
-                + 2 * (a * b * d_xi + a * g * cross + b * g * d_prev),
-                0.0,
-            )
-            s2 = rho / math.sqrt(sq_y) if sq_y > rho * rho else 1.0
-            a, b, g, sq_new = s2 * a, s2 * b, s2 * g, s2 * s2 * sq_y
+        a, b, g, sq_new = _momentum_step(k, c, rho, momentum, sq_xi, sq_d, sq_prev, d_xi, d_prev, cross)
         new_cross = a * sq_xi + b * d_xi + g * cross  # <xi_new, xi>
-        pool.combine_into(d, b, [(a if sq_xi > 0 else 0.0, xi), (g if sq_prev > 0 else 0.0, xi_prev)])
-        xi_prev, xi = xi, d
+        terms = [(a if sq_xi > 0 else 0.0, xi), (b, d)]
+        if xi_prev is not xi and xi_prev is not best_xi:  # xi_prev is not needed again: combine over it
+            new, scale = xi_prev, g if sq_prev > 0 else 0.0
+        else:
+            new, scale = pool.free(xi, xi_prev, best_xi, work), 0.0
+            terms.append((g if sq_prev > 0 else 0.0, xi_prev))
+        pool.combine_into(new, scale, terms)
+        xi_prev, xi = xi, new
         sq_prev, sq_xi, cross = sq_xi, sq_new, new_cross
         need_grad = k < total - 1
-        loss, egrad = objective(xi, need_grad, out=pool.free(xi, xi_prev, best_xi, best_egrad) if need_grad else None)
+        loss, egrad = objective(xi, need_grad, out=work)
         losses.append(loss)
         if loss > best_loss:
-            best_loss, best_xi, best_egrad, best_sq = loss, xi, egrad, sq_xi
+            best_loss, best_xi, best_sq = loss, xi, sq_xi
             schedule.n_updates += 1
         if schedule.halve(k, best_loss):
+            if xi is not best_xi:
+                egrad = None  # recomputed at the best point when the next step needs it
             xi = xi_prev = best_xi
-            egrad = best_egrad
             sq_xi = sq_prev = cross = best_sq
         if on_step is not None:
             on_step(k, best_loss - clean_loss)
         if k == total - 1 and (block := _next_block(total, max_steps, tol, losses)):
             schedule.extend(total, block)
             total += block
-            if egrad is None:  # the block's last step skipped its backward; the next step needs it
-                _, egrad = objective(xi, True, out=pool.free(xi, xi_prev, best_xi, best_egrad))
-                if xi is best_xi:
-                    best_egrad = egrad
     return SolveResult(best_loss, clean_loss, losses, math.sqrt(best_sq))
+
+
+def _momentum_step(
+    k: int, c: float, rho: float, momentum: float, sq_xi: float, sq_d: float, sq_prev: float, d_xi: float,
+    d_prev: float, cross: float,
+) -> tuple[float, float, float, float]:
+    """Coefficients ``(a, b, g)`` of the next iterate ``a xi + b d + g xi_prev`` and its squared norm, from the Gram
+    matrix of ``(xi, d, xi_prev)``: ``z = P_S(xi + c d) = s1 (xi + c d)``, then (after the first step) the momentum
+    point ``P_S(xi + m (z - xi) + (1 - m)(xi - xi_prev))``, a radial rescaling by ``s2``."""
+    sq_z = max(sq_xi + 2 * c * d_xi + c * c * sq_d, 0.0)
+    s1 = rho / math.sqrt(sq_z) if sq_z > rho * rho else 1.0
+    if k == 0:
+        return s1, s1 * c, 0.0, s1 * s1 * sq_z
+    a, b, g = 2 * (1 - momentum) + momentum * s1, momentum * s1 * c, -(1 - momentum)
+    sq_y = max(
+        a * a * sq_xi + b * b * sq_d + g * g * sq_prev + 2 * (a * b * d_xi + a * g * cross + b * g * d_prev),
+        0.0,
+    )
+    s2 = rho / math.sqrt(sq_y) if sq_y > rho * rho else 1.0
+    return s2 * a, s2 * b, s2 * g, s2 * s2 * sq_y
 
 
 _BLOCK = 1 << 20  # coordinates per block of the bisection's sums: a few MiB, so a block stays in cache

@@ -1,119 +1,219 @@
 r"""Elementwise GL(1)+ rescaling geometry: the metric behind adaptive sharpness.
 
-Points and tangent vectors are flat tensors. The metric is :math:`g(\xi, \eta) = \sum_i \xi_i\eta_i / w_i^2`, i.e.
-:math:`\|\xi\|_g = \|\xi \oslash |w|\|_2` (da Silva et al., App. F, Eq. 37). Its exact geodesic is
-:math:`w_i \exp(\xi_i / w_i)`; dropping the curvature term gives AS23's adaptive sharpness with ``c = |w|``
-(App. F, Eqs. 38-39). Coordinates with ``|w_i| < zero_tol`` (and coordinates excluded by ``mask``) get zero allowed
-perturbation instead of a division by zero.
+Tangent vectors are flat tensors laid out like a list of weight segments (the model's parameters, flattened). The
+metric is :math:`g(\xi, \eta) = \sum_i \xi_i\eta_i / w_i^2`, i.e. :math:`\|\xi\|_g = \|\xi \oslash |w|\|_2`
+(da Silva et al., App. F, Eq. 37). Its exact geodesic is :math:`w_i \exp(\xi_i / w_i)`; dropping the curvature term
+gives AS23's adaptive sharpness with ``c = |w|`` (App. F, Eqs. 38-39). Coordinates with ``|w_i| < zero_tol`` get zero
+allowed perturbation instead of a division by zero.
 
-Only ``w^2`` (zero where frozen) is stored: it is the one factor the solver's hot path needs (the Riemannian gradient),
-and it also says which coordinates move (``w^2 > 0``), so no mask is kept. ``scale = |w|`` is derived from it on demand;
-the weights themselves are kept only for a curved geodesic (the ablation ``curvature != "none"``), because every
-stored parameter-sized vector counts against the memory budget of a run.
+Nothing parameter-sized is stored: ``w^2`` is recomputed from the weights block by block inside each pass (it reads
+``w`` where a stored copy would read ``w^2``: the same bytes, four fewer per parameter to hold). Which coordinates
+this geometry measures is said per segment (``measure``): all of them, none, or a mask for the rare segment that is
+part attention pair, part not. Coordinates it does not measure are either left alone (``keep``: another geometry, the
+attention pairs, writes them) or are zero (frozen).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
 from typing import Literal
 
 import torch
 from torch import Tensor
 
 Curvature = Literal["none", "second_order", "exact_exp"]
+#: Per segment: every coordinate (True), none (False), or a bool mask over the segment.
+Selection = bool | Tensor
+
+
+def per_segment(flat: Tensor | None, sizes: list[int], default: bool) -> list[Selection]:
+    """A flat bool mask as per-segment selections (True/False where a segment is uniform)."""
+    if flat is None:
+        return [default] * len(sizes)
+    out: list[Selection] = []
+    for part in flat.to(torch.bool).split(sizes):
+        out.append(True if bool(part.all()) else False if not bool(part.any()) else part.clone())
+    return out
 
 
 class ElementwiseGeometry:
-    """GL(1)+ metric on a flat parameter vector.
+    """GL(1)+ metric on a flat vector laid out like ``w`` (one tensor, or a list of 1-D segments).
 
     Args:
-        w: ``[N]`` base point (read once; kept by reference only for a curved geodesic).
-        mask: ``[N]`` bool, coordinates that may move (default: all).
+        w: the base point: a flat tensor, or the weights as 1-D views (read at every pass, never copied).
+        mask: flat bool, the coordinates that may move and that this geometry measures (default: all); or use
+            ``measure`` for per-segment selections.
         curvature: ``"none"`` (first order, ``w + xi``: adaptive sharpness), ``"second_order"``
             (``w + xi + xi^2 / (2w)``) or ``"exact_exp"`` (``w exp(xi / w)``).
         zero_tol: weights smaller than this in magnitude are frozen.
+        keep: per-segment selections of unmeasured coordinates that passes leave untouched (default: none).
+        dtype: working dtype (default: float32 or wider, as the weights).
     """
 
-    #: Coordinates per block of :meth:`riemannian_gradient_pass`: a few MiB, so a block stays in cache.
+    #: Coordinates per block of a pass: a few MiB, so a block stays in cache.
     CHUNK = 1 << 20
 
     def __init__(
-        self, w: Tensor, mask: Tensor | None = None, curvature: Curvature = "none", zero_tol: float = 1e-12
+        self,
+        w: Tensor | Sequence[Tensor],
+        mask: Tensor | None = None,
+        curvature: Curvature = "none",
+        zero_tol: float = 1e-12,
+        *,
+        measure: list[Selection] | None = None,
+        keep: list[Selection] | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         if curvature not in ("none", "second_order", "exact_exp"):
             raise ValueError(f"elementwise_curvature must be 'none', 'second_order' or 'exact_exp', got {curvature!r}.")
-        w = w.detach()
-        scale_sq = w.square()  # each pass over w costs ~1 % of a solver step on a CPU: few here
-        frozen = scale_sq < zero_tol**2
-        if mask is not None:
-            frozen |= ~mask
-        self.curvature = curvature
-        self.w = w if curvature != "none" else None
-        self.scale_sq = scale_sq.masked_fill_(frozen, 0.0)  # in place: no float copy of the mask
+        self.segments = [w.detach().reshape(-1)] if isinstance(w, Tensor) else [s.detach().reshape(-1) for s in w]
+        self.sizes = [s.numel() for s in self.segments]
+        self.numel = sum(self.sizes)
+        self.dtype = dtype or torch.promote_types(torch.float32, self.segments[0].dtype)
+        self.device = self.segments[0].device
+        self.measure = measure if measure is not None else per_segment(mask, self.sizes, True)
+        self.keep = keep if keep is not None else [False] * len(self.sizes)
+        self.curvature, self.zero_tol = curvature, zero_tol
+
+    # ------------------------------------------------------------------ blocks
+    def _blocks(self) -> Iterator[tuple[slice, Tensor, Selection, Selection]]:
+        """``(where in the flat vector, weights, measure, keep)`` block by block."""
+        offset = 0
+        for w, measure, keep, n in zip(self.segments, self.measure, self.keep, self.sizes):
+            for start in range(0, n, self.CHUNK):
+                stop = min(start + self.CHUNK, n)
+                pick = lambda s, a=start, b=stop: s if isinstance(s, bool) else s[a:b]  # noqa: E731
+                yield slice(offset + start, offset + stop), w[start:stop], pick(measure), pick(keep)
+            offset += n
+
+    def _scale_sq(self, w: Tensor, measure: Selection) -> Tensor:
+        """``w^2`` on measured movable coordinates of a block, else 0 (a block-sized tensor)."""
+        sq = w.to(self.dtype).square()
+        sq.masked_fill_(sq < self.zero_tol**2, 0.0)
+        return sq if measure is True else sq.mul_(measure) if isinstance(measure, Tensor) else sq.zero_()
+
+    def _apply(self, fn: Callable[[Tensor, Tensor], Tensor], x: Tensor | None = None) -> Tensor:
+        """A new flat tensor: ``fn(block of x or None, w^2 of the block)`` on measured blocks, zero elsewhere."""
+        out = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        for where, w, measure, _ in self._blocks():
+            if measure is not False:
+                out[where] = fn(None if x is None else x[where], self._scale_sq(w, measure))
+        return out
+
+    # ------------------------------------------------------------------ derived vectors (not for per-step use)
+    @property
+    def scale_sq(self) -> Tensor:
+        """``w^2`` on measured movable coordinates, else 0 (a new flat tensor)."""
+        return self._apply(lambda _, sq: sq)
 
     @property
     def movable(self) -> Tensor:
-        """``[N]`` bool, the coordinates that move (a new tensor: not for per-step use)."""
+        """``[N]`` bool, the coordinates that move (a new tensor)."""
         return self.scale_sq > 0
 
     @property
     def scale(self) -> Tensor:
-        """``|w|`` on movable coordinates, else 0 (a new tensor: not for per-step use).
-
-        ``sqrt(w^2)``: exactly ``|w|`` in float32, whose square root is correctly rounded; within an ulp in float64."""
-        return self.scale_sq.sqrt()
+        """``|w|`` on movable coordinates, else 0 (``sqrt(w^2)``: exactly ``|w|`` in float32; within an ulp in
+        float64)."""
+        return self._apply(lambda _, sq: sq.sqrt())
 
     @property
     def inv_scale(self) -> Tensor:
-        """``1/|w|`` on movable coordinates, else 0 (a new tensor: not for per-step use)."""
-        return torch.where(self.scale_sq > 0, self.scale_sq.rsqrt(), 0.0)
+        """``1/|w|`` on movable coordinates, else 0 (a new tensor)."""
+        return self._apply(lambda _, sq: torch.where(sq > 0, sq.rsqrt(), 0.0))
 
+    def segment_moves(self) -> list[bool]:
+        """Whether any coordinate of each segment can move."""
+        return [
+            measure is not False and any(
+                bool(self._scale_sq(w[s : s + self.CHUNK], measure if isinstance(measure, bool)
+                                    else measure[s : s + self.CHUNK]).any())
+                for s in range(0, w.numel(), self.CHUNK)
+            )
+            for w, measure in zip(self.segments, self.measure)
+        ]
+
+    # ------------------------------------------------------------------ metric
     def inner_product(self, a: Tensor, b: Tensor) -> Tensor:
-        """``sum a b / w^2`` over movable coordinates (float64 scalar; cascade-summed, so accurate for 1e8 terms)."""
-        ratio = (a * b).div_(self.scale_sq)  # inf or nan off the movable set, dropped by the mask
-        return torch.where(self.scale_sq > 0, ratio, 0.0).sum().double()
+        """``sum a b / w^2`` over measured movable coordinates (float64 scalar, summed in float64 across blocks)."""
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for where, w, measure, _ in self._blocks():
+            if measure is not False:
+                sq = self._scale_sq(w, measure)
+                ratio = (a[where] * b[where]).div_(sq)  # inf or nan off the movable set, dropped below
+                total += torch.where(sq > 0, ratio, 0.0).sum().double()
+        return total
 
     def norm(self, xi: Tensor) -> Tensor:
         return self.inner_product(xi, xi).clamp_min(0).sqrt()
 
     def euclidean_to_riemannian_gradient(self, egrad: Tensor, out: Tensor | None = None) -> Tensor:
-        """``egrad * w^2`` (zero on frozen coordinates), optionally written into ``out``."""
-        return torch.mul(egrad, self.scale_sq, out=out) if out is not None else egrad * self.scale_sq
+        """``egrad * w^2`` on measured coordinates, zero elsewhere (``keep`` coordinates too), into ``out`` if given."""
+        out = torch.empty_like(egrad) if out is None else out
+        for where, w, measure, _ in self._blocks():
+            if measure is False:
+                out[where].zero_()
+            else:
+                torch.mul(egrad[where], self._scale_sq(w, measure), out=out[where])
+        return out
 
-    def riemannian_gradient_pass(self, egrad: Tensor, out: Tensor, vectors: Tensor) -> tuple[float, list[float]]:
-        """``out <- egrad * w^2`` (``out`` may be ``egrad`` itself), with ``sum egrad^2 w^2`` and ``vectors @ egrad``
-        (``vectors``: ``[r, N]``), in one pass over the data.
+    def riemannian_gradient_pass(self, egrad: Tensor, out: Tensor, vectors: Tensor) -> tuple[Tensor, Tensor]:
+        """``out <- egrad * w^2`` on measured coordinates (``out`` may be ``egrad`` itself), with ``sum egrad^2 w^2``
+        and ``vectors @ egrad`` over all coordinates (``vectors``: ``[r, N]``), in one pass over the data.
 
-        The sum is ``<r, r>_g`` for ``r = egrad * w^2``. Block by block, everything that reads a block of ``egrad``
-        runs before it is overwritten and while it is in cache; sums accumulate across blocks in float64."""
-        scratch = egrad.new_empty(min(self.CHUNK, egrad.numel()))
-        sums = torch.zeros(len(vectors) + 1, dtype=torch.float64, device=egrad.device)  # on the device: no syncs
-        for start in range(0, egrad.numel(), self.CHUNK):
-            block = slice(start, start + self.CHUNK)
-            e = egrad[block]
+        ``keep`` coordinates of ``out`` are left as they are (when ``out`` is ``egrad`` they still hold the gradient,
+        for the pair geometry to read); other unmeasured ones are zeroed. Block by block, everything that reads a
+        block of ``egrad`` runs before it is overwritten and while it is in cache. Returns ``(square, products)``
+        as float64 tensors on the device (no synchronisation)."""
+        sums = torch.zeros(len(vectors) + 1, dtype=torch.float64, device=egrad.device)
+        for where, w, measure, keep in self._blocks():
+            e = egrad[where]
             if len(vectors):
-                sums[1:] += torch.mv(vectors[:, block], e)
-            r = torch.mul(e, self.scale_sq[block], out=scratch[: e.numel()])
+                sums[1:] += torch.mv(vectors[:, where], e)
+            if measure is False:
+                if keep is not True:
+                    out[where].mul_(keep) if isinstance(keep, Tensor) else out[where].zero_()
+                continue
+            r = e * self._scale_sq(w, measure)
             sums[0] += torch.dot(e, r)
-            out[block].copy_(r)
-        square, *products = sums.tolist()
-        return square, products
+            if isinstance(measure, Tensor):  # part of a segment: keep (pair) coordinates as they are, zero the rest
+                other = out[where] if keep is True else out[where] * keep if isinstance(keep, Tensor) else 0.0
+                r = torch.where(measure, r, other)
+            out[where].copy_(r)
+        return sums[0], sums[1:]
+
+    def restrict(self, xi: Tensor) -> Tensor:
+        """``xi`` on measured movable coordinates, zero elsewhere (a new tensor)."""
+        return self._apply(lambda x, sq: torch.where(sq > 0, x, 0.0), xi)
 
     def projection(self, xi: Tensor) -> Tensor:
         """No symmetry is quotiented out; only frozen coordinates are zeroed."""
-        return xi * self.movable
+        return self.restrict(xi)
+
+    # ------------------------------------------------------------------ geodesic and sampling
+    def _flat_weights(self) -> Tensor:
+        return torch.cat([s.to(self.dtype) for s in self.segments])
 
     def exp_correction(self, xi: Tensor) -> Tensor | None:
-        """What the chosen geodesic adds to ``w + xi`` (``None`` for first order); differentiable."""
+        """What the chosen geodesic adds to ``w + xi`` (``None`` for first order); differentiable (an ablation: it
+        builds parameter-sized temporaries)."""
         if self.curvature == "none":
             return None
-        ratio = xi * self.inv_scale * torch.sign(self.w)  # xi / w on movable coordinates
+        w = self._flat_weights()
+        ratio = xi * self.inv_scale * torch.sign(w)  # xi / w on movable coordinates
         if self.curvature == "second_order":
             return 0.5 * xi * ratio
-        return self.w * (torch.expm1(ratio) - ratio)
+        return w * (torch.expm1(ratio) - ratio)
 
-    def random_tangent_vector(self, generator: torch.Generator | None = None) -> Tensor:
-        """``Z |w|`` with ``Z ~ N(0, I)``: AS23's adaptive Gaussian direction (metric-isotropic).
+    def random_tangent_vector(
+        self, generator: torch.Generator | None = None, draw: Callable[[int], Tensor] | None = None
+    ) -> Tensor:
+        """``Z |w|`` with ``Z ~ N(0, I)``: AS23's adaptive Gaussian direction (metric-isotropic), zero off the measured
+        coordinates.
 
-        ``Z`` is drawn on the CPU in float64 so that a seed gives the same direction on every device and dtype."""
-        Z = torch.randn(self.scale_sq.shape, generator=generator, dtype=torch.float64, device="cpu")
-        return Z.to(device=self.scale_sq.device, dtype=self.scale_sq.dtype).mul_(self.scale)
+        ``Z`` is drawn segment by segment on the CPU in float64, so that a seed gives the same direction on every
+        device and dtype; ``draw(i)`` (default: ``randn`` of segment ``i``'s size) lets a sharded caller draw the
+        whole parameter and keep its own part."""
+        draw = draw or (lambda i: torch.randn(self.sizes[i], generator=generator, dtype=torch.float64, device="cpu"))
+        z = torch.cat([draw(i) for i in range(len(self.sizes))]).to(device=self.device, dtype=self.dtype)
+        return z.mul_(self.scale)

@@ -24,6 +24,7 @@ and ``random_tangent_vector``.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Literal
 
@@ -32,6 +33,14 @@ from torch import Tensor
 
 Metric = Literal["inv", "mix"]
 Pair = tuple[Tensor, Tensor]
+Reduce = Callable[[Tensor], Tensor]
+#: Tensors with one entry per head: what :meth:`GLQuotient.heads` slices.
+_PER_HEAD = ("G", "H", "_GtG", "_HtH", "_P64", "_Q64", "_P_inv64", "_Q_inv64", "P", "Q", "P_inv", "Q_inv", "_VA",
+             "_VA_inv", "_VB", "_VB_inv", "_sylvester_inv", "_K_pinv")
+
+
+def _identity(t: Tensor) -> Tensor:
+    return t
 #: Eigenvalue floor (relative to the largest) of the Gram matrices inverted inside the relaxation: a numerical guard
 #: for singular factors only. It is independent of ``epsilon`` so that the relaxation stays exactly covariant for
 #: every head whose Gram matrices are resolvable in float64 (condition <= 1e10), also after a badly conditioned
@@ -46,15 +55,16 @@ def _sym_inv_sqrt(S: Tensor) -> Tensor:
 
 
 def _inv_factor(
-    x: Tensor, W: Tensor, P_inv: Tensor, out: Tensor | None
+    x: Tensor, W: Tensor, P_inv: Tensor, out: Tensor | None, row_sum: Callable[[Tensor, Tensor], Tensor]
 ) -> tuple[Tensor, Callable[[Tensor, Tensor, Tensor | None], Tensor]]:
-    """One factor of the inv correction ``c = (x A - W B) / 2`` and its pullback (``exp2_correction_with_pullback``)."""
-    S = x.mT @ W
+    """One factor of the inv correction ``c = (x A - W B) / 2`` and its pullback (``exp2_correction_with_pullback``);
+    ``row_sum(a, b)`` is ``a^T b`` over the factor's rows (summed over ranks on a shard)."""
+    S = row_sum(x, W)
     A_half = 0.5 * P_inv @ (S + S.mT)
-    c = torch.bmm(x, A_half, out=out).baddbmm_(W, 0.5 * P_inv @ (x.mT @ x), alpha=-1)
+    c = torch.bmm(x, A_half, out=out).baddbmm_(W, 0.5 * P_inv @ row_sum(x, x), alpha=-1)
 
     def pullback(d: Tensor, x: Tensor, out: Tensor | None) -> Tensor:
-        M, N = (d.mT @ x) @ P_inv, (d.mT @ W) @ P_inv
+        M, N = row_sum(d, x) @ P_inv, row_sum(d, W) @ P_inv
         g = torch.bmm(d, A_half.mT, out=out)
         return g.baddbmm_(W, 0.5 * (M + M.mT)).baddbmm_(x, 0.5 * (N + N.mT), alpha=-1)
 
@@ -87,6 +97,13 @@ class GLQuotient:
         lie_basis: ``None`` for the full group GL(h), else a ``[b, h, h]`` basis of the subgroup's Lie algebra.
         probe_generator: generator for the fixed probe used by the equivariant sampler (only its shape-dependent
             draws matter; the same seed gives the same probe for every point of an orbit).
+        reduce: sums a tensor over the ranks that hold parts of the rows, in place (sharded runs; default: one
+            process). Every quantity that sums over rows (Gram matrices, ``x^T W`` products, inner products) goes
+            through it, so the same code runs on a shard.
+        reduce_rows: how many leading rows of ``G`` and ``H`` this rank counts in those sums (rows it shares with
+            other ranks come last and are counted by one rank only); default all.
+        global_rows: for sampling on a shard, ``(rows of G, rows of H, n, m)``: the index of each local row in the
+            whole factor and the whole factors' row counts, so that every layout draws the same directions.
     """
 
     def __init__(
@@ -97,6 +114,9 @@ class GLQuotient:
         epsilon: float = 1e-6,
         lie_basis: Tensor | None = None,
         probe_generator: torch.Generator | None = None,
+        reduce: Reduce | None = None,
+        reduce_rows: tuple[int, int] | None = None,
+        global_rows: tuple[Tensor, Tensor, int, int] | None = None,
     ) -> None:
         if metric not in ("inv", "mix"):
             raise ValueError(f"metric must be 'inv' or 'mix', got {metric!r}.")
@@ -104,8 +124,12 @@ class GLQuotient:
             raise ValueError(f"epsilon must be >= 0, got {epsilon}.")
         self.metric, self.epsilon, self.dtype = metric, float(epsilon), G.dtype
         self.G, self.H = G.detach(), H.detach()
+        self._reduce = reduce or _identity
+        self._rows = reduce_rows or (G.shape[1], H.shape[1])
+        self._global_rows = global_rows
         G64, H64 = self.G.double(), self.H.double()
-        self._GtG, self._HtH = G64.mT @ G64, H64.mT @ H64  # unrelaxed: the vertical vectors use G and H themselves
+        # unrelaxed: the vertical vectors use G and H themselves
+        self._GtG, self._HtH = self._row_sum(G64, G64, 0), self._row_sum(H64, H64, 1)
         P, Q = self.relaxed_grams(self._GtG, self._HtH, self.epsilon)
         try:
             L_P = torch.linalg.cholesky(P)
@@ -175,11 +199,26 @@ class GLQuotient:
         Q = HtH + epsilon * tau * floored_inverse(GtG, trQ / h)
         return 0.5 * (P + P.mT), 0.5 * (Q + Q.mT)
 
+    def _row_sum(self, a: Tensor, b: Tensor, factor: int) -> Tensor:
+        """``a^T b`` over the rows of factor ``factor`` (0: G, 1: H), summed over the ranks that share them."""
+        n = self._rows[factor]
+        return self._reduce(a[:, :n].mT @ b[:, :n])
+
+    def heads(self, heads: slice) -> GLQuotient:
+        """The same geometry restricted to a range of heads (views, no copies): heads are independent, so an
+        operation can run on a few heads at a time with small temporaries."""
+        part = copy.copy(self)
+        for name in _PER_HEAD:
+            if hasattr(self, name):
+                setattr(part, name, getattr(self, name)[heads])
+        part._roots = None if self._roots is None else (self._roots[0][heads], self._roots[1][heads])
+        return part
+
     # ------------------------------------------------------------------ metric
     def inner_product(self, a: Pair, b: Pair) -> Tensor:
         """Per-pair metric inner product, ``[k]`` float64."""
-        MG = (a[0].mT @ b[0]).double()
-        MH = (a[1].mT @ b[1]).double()
+        MG = self._row_sum(a[0], b[0], 0).double()
+        MH = self._row_sum(a[1], b[1], 1).double()
         if self.metric == "inv":
             return (self._P_inv64 * MG).sum((-2, -1)) + (self._Q_inv64 * MH).sum((-2, -1))
         return (self._Q64 * MG).sum((-2, -1)) + (self._P64 * MH).sum((-2, -1))
@@ -212,8 +251,8 @@ class GLQuotient:
 
     def _projection_lambda(self, xi: Pair) -> Tensor:
         xG, xH = xi
-        GtX = (self.G.mT @ xG).double()  # G^T xi_G
-        XtH = (xH.mT @ self.H).double()  # xi_H^T H
+        GtX = self._row_sum(self.G, xG, 0).double()  # G^T xi_G
+        XtH = self._row_sum(xH, self.H, 1).double()  # xi_H^T H
         # <vertical(E), xi>_g = <E, Y>_F
         if self.metric == "inv":
             Y = GtX @ self._P_inv64 - self._Q_inv64 @ XtH
@@ -245,16 +284,14 @@ class GLQuotient:
         r"""The second-order geodesic term :math:`-\tfrac12\Gamma(\xi,\xi)`; differentiable."""
         xG, xH = xi
         G, H = self.G, self.H
+        sG, sH = self._row_sum(xG, G, 0), self._row_sum(xH, H, 1)
+        tG, tH = self._row_sum(xG, xG, 0), self._row_sum(xH, xH, 1)
         if self.metric == "inv":
-            sG = xG.mT @ G
-            sH = xH.mT @ H
-            cG = xG @ (self.P_inv @ (sG + sG.mT)) - G @ (self.P_inv @ (xG.mT @ xG))
-            cH = xH @ (self.Q_inv @ (sH + sH.mT)) - H @ (self.Q_inv @ (xH.mT @ xH))
+            cG = xG @ (self.P_inv @ (sG + sG.mT)) - G @ (self.P_inv @ tG)
+            cH = xH @ (self.Q_inv @ (sH + sH.mT)) - H @ (self.Q_inv @ tH)
             return 0.5 * cG, 0.5 * cH
-        sG = xG.mT @ G
-        sH = xH.mT @ H
-        cG = xG @ ((sH + sH.mT) @ self.Q_inv) - G @ ((xH.mT @ xH) @ self.Q_inv)
-        cH = xH @ ((sG + sG.mT) @ self.P_inv) - H @ ((xG.mT @ xG) @ self.P_inv)
+        cG = xG @ ((sH + sH.mT) @ self.Q_inv) - G @ (tH @ self.Q_inv)
+        cH = xH @ ((sG + sG.mT) @ self.P_inv) - H @ (tG @ self.P_inv)
         return -0.5 * cG, -0.5 * cH
 
     def exp2_correction_with_pullback(
@@ -276,11 +313,11 @@ class GLQuotient:
         ``out`` buffers when given (``None``: fresh tensors), so that a caller can lend them memory it already has."""
         (xG, xH), (oG, oH) = xi, out or (None, None)
         if self.metric == "inv":
-            cG, pull_G = _inv_factor(xG, self.G, self.P_inv, oG)
-            cH, pull_H = _inv_factor(xH, self.H, self.Q_inv, oH)
+            cG, pull_G = _inv_factor(xG, self.G, self.P_inv, oG, lambda a, b: self._row_sum(a, b, 0))
+            cH, pull_H = _inv_factor(xH, self.H, self.Q_inv, oH, lambda a, b: self._row_sum(a, b, 1))
             return (cG, cH), lambda d, x, o=None: (pull_G(d[0], x[0], o and o[0]), pull_H(d[1], x[1], o and o[1]))
-        sG, sH = xG.mT @ self.G, xH.mT @ self.H
-        tG, tH = xG.mT @ xG, xH.mT @ xH
+        sG, sH = self._row_sum(xG, self.G, 0), self._row_sum(xH, self.H, 1)
+        tG, tH = self._row_sum(xG, xG, 0), self._row_sum(xH, xH, 1)
         half_G = -0.5 * (sH + sH.mT) @ self.Q_inv  # cG = xG @ half_G + G @ (T_H Q^-1 / 2)
         half_H = -0.5 * (sG + sG.mT) @ self.P_inv
         cG = torch.bmm(xG, half_G, out=oG).baddbmm_(self.G, 0.5 * tH @ self.Q_inv)
@@ -288,8 +325,8 @@ class GLQuotient:
 
         def pullback(d: Pair, x: Pair, out: Pair | None = None) -> Pair:
             (dG, dH), (xG, xH), (oG, oH) = d, x, out or (None, None)
-            M, N = self.Q_inv @ (dG.mT @ xG), self.Q_inv @ (dG.mT @ self.G)  # from cG, act on xH
-            M2, N2 = self.P_inv @ (dH.mT @ xH), self.P_inv @ (dH.mT @ self.H)  # from cH, act on xG
+            M, N = self.Q_inv @ self._row_sum(dG, xG, 0), self.Q_inv @ self._row_sum(dG, self.G, 0)  # cG: act on xH
+            M2, N2 = self.P_inv @ self._row_sum(dH, xH, 1), self.P_inv @ self._row_sum(dH, self.H, 1)  # cH: on xG
             gG = torch.bmm(dG, half_G.mT, out=oG).baddbmm_(self.G, -0.5 * (M2 + M2.mT)).baddbmm_(xG, 0.5 * (N2 + N2.mT))
             gH = torch.bmm(dH, half_H.mT, out=oH).baddbmm_(self.H, -0.5 * (M + M.mT)).baddbmm_(xH, 0.5 * (N + N.mT))
             return gG, gH
@@ -302,15 +339,24 @@ class GLQuotient:
         return self.G + xi[0] + cG, self.H + xi[1] + cH
 
     # ------------------------------------------------------------------ sampling
-    @staticmethod
-    def _equivariant_root(W64: Tensor, W_gram_inv: Tensor, generator: torch.Generator | None) -> Tensor:
+    def _draw(self, factor: int, generator: torch.Generator | None) -> Tensor:
+        """Standard normal draws shaped like the whole factor (CPU, float64: the same on every device), cut to this
+        rank's rows."""
+        W = self.G if factor == 0 else self.H
+        if self._global_rows is None:
+            return torch.randn(W.shape, generator=generator, dtype=torch.float64, device="cpu").to(W.device)
+        rows, n = self._global_rows[factor], self._global_rows[2 + factor]
+        Z = torch.randn((W.shape[0], n, W.shape[2]), generator=generator, dtype=torch.float64, device="cpu")
+        return Z[:, rows.cpu()].to(W.device)
+
+    def _equivariant_root(self, factor: int, W_gram_inv: Tensor, generator: torch.Generator | None) -> Tensor:
         """``R`` with ``R^T R = W^T W + eps I`` and ``R -> R A^{-1}`` when ``W -> W A^{-1}``.
 
         ``R = S^{-1/2} C`` with ``C = M^T W`` for a fixed Gaussian probe ``M`` and ``S = C (W^T W + eps I)^{-1} C^T``:
         ``S`` is invariant under the action, so ``R`` transforms like ``W`` (a Cholesky factor of ``W^T W`` would not).
         """
-        M = torch.randn(W64.shape, generator=generator, dtype=torch.float64, device="cpu").to(W64.device)
-        C = M.mT @ W64
+        W64 = (self.G if factor == 0 else self.H).double()
+        C = self._row_sum(self._draw(factor, generator), W64, factor)
         return _sym_inv_sqrt(C @ W_gram_inv @ C.mT) @ C
 
     def random_tangent_vector(self, generator: torch.Generator | None = None) -> Pair:
@@ -319,12 +365,11 @@ class GLQuotient:
         Rows of ``z_G`` have covariance ``P`` (inv) or ``Q^{-1}`` (mix)."""
         if self._roots is None:
             self._roots = (
-                self._equivariant_root(self.G.double(), self._P_inv64, self._probe_generator),
-                self._equivariant_root(self.H.double(), self._Q_inv64, self._probe_generator),
+                self._equivariant_root(0, self._P_inv64, self._probe_generator),
+                self._equivariant_root(1, self._Q_inv64, self._probe_generator),
             )
         R_G, R_H = self._roots
-        ZG = torch.randn(self.G.shape, generator=generator, dtype=torch.float64, device="cpu").to(self.G.device)
-        ZH = torch.randn(self.H.shape, generator=generator, dtype=torch.float64, device="cpu").to(self.G.device)
+        ZG, ZH = self._draw(0, generator), self._draw(1, generator)
         if self.metric == "inv":
             return (ZG @ R_G).to(self.dtype), (ZH @ R_H).to(self.dtype)
         root_G = torch.linalg.inv(R_H).mT  # (R_H^{-T})^T R_H^{-T} = Q^{-1}, transforms as A^{-1}

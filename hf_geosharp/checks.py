@@ -1,0 +1,170 @@
+"""Checks that run before any work: settings and batches that would otherwise fail deep inside a model or a loss
+(or, on a GPU, as a device-side assert that poisons the CUDA context)."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal
+
+import numpy as np
+from torch import Tensor, nn
+
+Steps = int | Literal["auto"]
+
+
+def check_common(rho: float, mode: str, steps: Steps, n_samples: int, seed: int) -> tuple[float, Steps, int, int]:
+    """Refuse bad settings; return them as plain Python numbers (numpy scalars are accepted, e.g. ``np.int64(20)``)."""
+
+    def integral(value: Any) -> bool:  # bool is an int subclass: steps=True would silently mean 1 step
+        return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+    auto = isinstance(steps, str) and steps == "auto"
+    if not isinstance(rho, numbers.Real) or isinstance(rho, (bool, np.bool_)) or not math.isfinite(rho) or rho <= 0:
+        raise ValueError(f"rho must be a positive finite number, got {rho!r}.")
+    if mode not in ("worst", "average"):
+        raise ValueError(f"mode must be 'worst' or 'average', got {mode!r}.")
+    if not auto and (not integral(steps) or steps < 1):
+        raise ValueError(f"steps must be a positive integer or 'auto', got {steps!r}.")
+    if not integral(n_samples) or n_samples < 1:
+        raise ValueError(f"n_samples must be a positive integer, got {n_samples!r}.")
+    if not integral(seed):
+        raise ValueError(f"seed must be an integer, got {seed!r}.")
+    return float(rho), steps if auto else int(steps), int(n_samples), int(seed)
+
+
+_CLASSIFIER_HEADS = ("ForSequenceClassification", "ForTokenClassification", "ForImageClassification")
+_TOKEN_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "position_ids", "inputs_embeds")
+
+
+def check_batch(model: nn.Module, batch: Any, i: int) -> None:
+    """Refuse, before any work, the batches that would otherwise fail deep inside the model or the loss.
+
+    Empty batches; rows that disagree in number (dimension 0; size 1 may broadcast); class labels outside the
+    classifier's range, which cross-entropy reports as a bare index error on the CPU and as a device-side assert,
+    that poisons the CUDA context, on a GPU."""
+    if not isinstance(batch, Mapping):
+        return
+    tensors = {k: v for k, v in batch.items() if isinstance(v, Tensor)}
+    if not batch or any(v.numel() == 0 for v in tensors.values()):
+        raise ValueError(f"Batch {i} is empty; drop it or check the data pipeline.")
+    rows = {k: v.shape[0] for k, v in tensors.items() if v.dim() > 0 and v.shape[0] != 1}
+    if len(set(rows.values())) > 1:
+        raise ValueError(f"Batch {i} is ragged: its tensors disagree on the number of examples (dimension 0): {rows}.")
+    lengths = {k: tensors[k].shape[1] for k in _TOKEN_INPUTS if k in tensors and tensors[k].dim() > 1}
+    if len(set(lengths.values())) > 1:  # some models broadcast a short mask silently
+        raise ValueError(f"Batch {i} is ragged: its token inputs disagree on the sequence length: {lengths}.")
+    inference = [k for k, v in tensors.items() if v.is_inference()]
+    if inference:
+        raise ValueError(
+            f"Batch {i} holds tensors made inside torch.inference_mode() ({', '.join(inference)}), which autograd "
+            "cannot use; build the batches outside it, or pass clones made outside it (t.clone())."
+        )
+    check_tokens(model, tensors, i)
+    labels, config = tensors.get("labels"), getattr(model, "config", None)
+    n_labels = getattr(config, "num_labels", None)
+    if (
+        labels is not None and labels.is_floating_point() and labels.dim() == 1 and isinstance(n_labels, int)
+        and n_labels >= 2 and getattr(config, "problem_type", None) is None
+        and type(model).__name__.endswith(_CLASSIFIER_HEADS)
+    ):
+        raise ValueError(
+            f"Batch {i} has float labels ({labels.dtype}) for a classifier with {n_labels} classes; pass class ids "
+            "as integers (labels.long()), or for multi-label targets a float tensor of shape [batch, num_labels] "
+            "with config.problem_type='multi_label_classification'."
+        )
+    if (
+        labels is not None and not labels.is_floating_point() and n_labels == 1
+        and type(model).__name__.endswith(_CLASSIFIER_HEADS) and getattr(config, "problem_type", None) is None
+    ):
+        raise ValueError(
+            f"Batch {i} has integer labels for a model with one output (num_labels=1, a regression head); pass the "
+            "targets as floats (labels.float()), or load the model with num_labels set to the number of classes."
+        )
+    if (
+        labels is None or labels.is_floating_point() or not isinstance(n_labels, int) or n_labels < 2
+        or getattr(config, "problem_type", None) in ("regression", "multi_label_classification")
+        or not type(model).__name__.endswith(_CLASSIFIER_HEADS)
+    ):
+        return
+    real = labels[labels != -100]  # -100: positions the loss ignores
+    if real.numel() and (int(real.min()) < 0 or int(real.max()) >= n_labels):
+        bad = int(real.max()) if int(real.max()) >= n_labels else int(real.min())
+        raise ValueError(
+            f"Batch {i} has label {bad}, but the model has {n_labels} classes (config.num_labels); labels must be in "
+            f"0..{n_labels - 1} (or -100 to ignore a position)."
+        )
+
+
+def embedding_rows(model: nn.Module, suffix: str) -> tuple[str, int] | None:
+    """The first ``nn.Embedding`` whose name ends in ``suffix``, and how many rows (ids or positions) it can look up
+    (RoBERTa-style position tables reserve ``padding_idx + 1`` rows)."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Embedding) and name.endswith(suffix):
+            reserved = module.padding_idx + 1 if suffix == "position_embeddings" and module.padding_idx else 0
+            return name, module.num_embeddings - reserved
+    return None
+
+
+def check_tokens(model: nn.Module, tensors: Mapping[str, Tensor], i: int) -> None:
+    """Token ids and sequence lengths the model's tables can look up: out of range they fail as a bare "index out of
+    range in self" on the CPU and as a device-side assert (which poisons the CUDA context) on a GPU."""
+    ids = tensors.get("input_ids")
+    if ids is None or ids.is_floating_point() or ids.numel() == 0:
+        return
+    getter = getattr(model, "get_input_embeddings", None)
+    try:
+        embedding = getter() if callable(getter) else None
+    except (NotImplementedError, AttributeError):
+        embedding = None
+    if isinstance(embedding, nn.Embedding):
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= embedding.num_embeddings:
+            bad = high if high >= embedding.num_embeddings else low
+            raise ValueError(
+                f"Batch {i} has token id {bad}, but the model's embedding has {embedding.num_embeddings} rows "
+                f"(ids 0..{embedding.num_embeddings - 1}); encode the texts with the model's own tokenizer."
+            )
+    types = tensors.get("token_type_ids")
+    table = embedding_rows(model, "token_type_embeddings")
+    if types is not None and table is not None and types.numel() and int(types.max()) >= table[1]:
+        raise ValueError(f"Batch {i} has token_type_id {int(types.max())}, but the model knows {table[1]} types "
+                         f"(config.type_vocab_size); use the model's own tokenizer.")
+    positions = embedding_rows(model, "position_embeddings")
+    if positions is not None and ids.dim() > 1 and ids.shape[-1] > positions[1]:
+        raise ValueError(
+            f"Batch {i} has sequences of {ids.shape[-1]} tokens, but the model has {positions[1]} positions "
+            f"(config.max_position_embeddings); truncate to at most {positions[1]} tokens (tokenizer(..., "
+            f"truncation=True, max_length={positions[1]}), or --max-length {positions[1]} on the command line)."
+        )
+
+
+def check_convergence_args(tol: float, max_steps: int) -> None:
+    if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not math.isfinite(tol) or tol < 0:
+        raise ValueError(f"tol must be a finite number >= 0, got {tol!r}.")
+    if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
+        raise ValueError(f"max_steps must be a positive integer, got {max_steps!r}.")
+
+
+def check_epsilon(epsilon: float) -> float:
+    if isinstance(epsilon, bool) or not isinstance(epsilon, numbers.Real) or not math.isfinite(epsilon) or epsilon < 0:
+        raise ValueError(f"epsilon must be a finite number >= 0, got {epsilon!r}.")
+    return float(epsilon)
+
+
+def check_inputs(model: Any, batches: Any) -> list[Any]:
+    """The model and the batches as a list, each batch checked (see :func:`check_batch`)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
+    if isinstance(batches, (Mapping, Tensor, str, bytes)) or not isinstance(batches, Iterable):
+        raise TypeError(
+            "batches must be an iterable of batches (e.g. a list of dicts of model inputs), "
+            f"got {type(batches).__name__}."
+        )
+    batches = list(batches)
+    if not batches:
+        raise ValueError("No batches were given; pass a non-empty list of batches (dicts of model inputs with labels).")
+    for i, batch in enumerate(batches):
+        check_batch(model, batch, i)
+    return batches

@@ -1,0 +1,201 @@
+"""Where the attention pairs sit in the solver's flat vector: strided boxes, factors and pair groups.
+
+A tangent vector is one flat tensor (see :class:`hf_geosharp.space.PerturbationSpace`). A pair group's ``G`` and
+``H`` factors are ``[k, n, h]`` tensors whose entries are scattered over that vector; this module moves them in and
+out. It holds no geometry and no buffers: callers pass the output tensors (from a
+:class:`hf_geosharp.workspace.Workspace`), and every operation can act on a range of heads, so that the geometry
+can work on a few heads at a time with small scratch buffers.
+
+Under FSDP a factor may also have *shared rows*: rows whose ``h`` entries live on several ranks (a head cut by a
+shard boundary, or a bias row). Those rows are assembled on every rank by one sum over the ranks (each rank adds
+its own entries to zeros) and written back only where this rank owns the entries (see :mod:`hf_geosharp.sharding`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .symmetry.base import PairBlock
+
+Reduce = Callable[[Tensor], Tensor]
+ALL_HEADS = slice(None)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A box ``[k, r, :]`` of a factor whose flat indices are ``offset + k s_k + r s_r + c s_c``: a strided view."""
+
+    k: slice
+    r: slice
+    size: tuple[int, int, int]
+    stride: tuple[int, int, int]
+    offset: int
+
+    def restricted(self, heads: slice, n_heads: int) -> tuple[Piece, slice] | None:
+        """This box cut to the heads ``heads`` (a step-1 slice), and where its heads land in the cut; None if empty."""
+        start, stop, _ = heads.indices(n_heads)
+        k0, k1 = max(self.k.start, start), min(self.k.stop, stop)
+        if k0 >= k1:
+            return None
+        size = (k1 - k0, *self.size[1:])
+        offset = self.offset + (k0 - self.k.start) * self.stride[0]
+        return Piece(slice(k0, k1), self.r, size, self.stride, offset), slice(k0 - start, k1 - start)
+
+
+def strided_pieces(index: Tensor, min_elements: int = 256) -> list[Piece] | None:
+    """Cover an index map ``[K, n, m]`` by strided boxes, or ``None`` if it has no such structure.
+
+    Attention factors are slices of weight matrices (transposed or not) plus a bias row, so a handful of boxes per
+    layer describe them. Copying through ``as_strided`` views is 2-4x faster than ``index_select``/``index_copy_`` on
+    a CPU (no index reads, no scattered read-modify-writes). Rows are split where the pattern of head 0 changes;
+    every head is then checked against that split, and heads whose offsets step evenly are merged into one box."""
+    K, n, m = index.shape
+    if index.numel() == 0:
+        return None
+    I = index.cpu()
+    step_c = I[:, :, 1:2] - I[:, :, :1] if m > 1 else torch.ones_like(I[:, :, :1])
+    if m > 1 and not bool((I[:, :, 1:] - I[:, :, :-1] == step_c).all()):
+        return None
+    base = I[:, :, 0]
+    first, steps = base[0].tolist(), step_c[0, :, 0].tolist()  # head 0, as Python ints: the loops are per row
+    runs, r0 = [], 0  # row runs of head 0 with one column step and one row step
+    for r in range(1, n + 1):
+        if r == n or steps[r] != steps[r0] or (r - r0 >= 2 and first[r] - first[r - 1] != first[r0 + 1] - first[r0]):
+            runs.append((r0, r))
+            r0 = r
+    pieces = []
+    for r0, r1 in runs:
+        s_c, s_r = steps[r0], first[r0 + 1] - first[r0] if r1 - r0 > 1 else 1
+        rows = torch.arange(r1 - r0)
+        expected = base[:, r0, None, None] + rows[None, :, None] * s_r + torch.arange(m)[None, None, :] * s_c
+        if s_c < 0 or s_r < 0 or not bool((I[:, r0:r1] == expected).all()):
+            return None
+        pieces.extend(_merge_heads(base[:, r0].tolist(), r0, r1, m, s_r, s_c))
+    if any(p is None for p in pieces):
+        return None
+    if index.numel() < min_elements * len(pieces):
+        return None  # tiny boxes: one index operation is cheaper than many small copies
+    return pieces
+
+
+def _merge_heads(offsets: list[int], r0: int, r1: int, m: int, s_r: int, s_c: int) -> list[Piece | None]:
+    """Boxes of rows ``r0:r1`` for runs of heads whose offsets form an arithmetic progression (None: a negative step)."""
+    pieces: list[Piece | None] = []
+    K, k0 = len(offsets), 0
+    for k in range(1, K + 1):
+        if k == K or (k - k0 >= 2 and offsets[k] - offsets[k - 1] != offsets[k0 + 1] - offsets[k0]):
+            s_k = offsets[k0 + 1] - offsets[k0] if k - k0 > 1 else 1
+            pieces.append(None if s_k < 0 else Piece(slice(k0, k), slice(r0, r1), (k - k0, r1 - r0, m),
+                                                     (s_k, s_r, s_c), offsets[k0]))
+            k0 = k
+    return pieces
+
+
+@dataclass
+class SharedRows:
+    """Rows of a factor that several ranks hold parts of: ``positions[k, r, c]`` is where this rank keeps entry
+    ``(k, r, c)`` of the shared rows in its flat vector, ``-1`` where another rank keeps it."""
+
+    positions: Tensor
+    reduce: Reduce
+
+    def assemble(self, x: Tensor, out: Tensor, heads: slice) -> None:
+        """Write the full shared rows of ``x`` (this rank's entries plus everyone else's) into ``out``."""
+        where = self.positions[heads]
+        mine = where >= 0
+        out.zero_()
+        out[mine] = x[where[mine]]
+        self.reduce(out)
+
+    def write(self, out: Tensor, value: Tensor, heads: slice, add: bool) -> None:
+        where = self.positions[heads]
+        mine = where >= 0
+        if add:
+            out.index_add_(0, where[mine], value[mine])
+        else:
+            out.index_copy_(0, where[mine], value[mine])
+
+
+@dataclass
+class Factor:
+    """One factor (all ``G`` or all ``H``) of a pair group: where its ``[k, n, h]`` entries sit in the flat vector.
+
+    The first ``n_own`` rows are this rank's (all of them without sharding): strided ``pieces`` or, for layouts
+    without that structure, a flat ``index`` (int64: twice the memory of the float coordinates it addresses, so it
+    is dropped when pieces exist). The remaining rows, if any, are :class:`SharedRows`."""
+
+    shape: torch.Size
+    pieces: list[Piece] | None
+    index: Tensor | None
+    shared: SharedRows | None = None
+
+    @classmethod
+    def of(cls, index: Tensor, device: torch.device, shared: SharedRows | None = None) -> Factor:
+        """From the index map of the rows this rank owns, ``[k, n_own, h]``, plus its shared rows."""
+        pieces = strided_pieces(index)
+        n_shared = 0 if shared is None else shared.positions.shape[1]
+        shape = torch.Size((index.shape[0], index.shape[1] + n_shared, index.shape[2]))
+        return cls(shape, pieces, None if pieces is not None else index.to(device), shared)
+
+    @property
+    def n_own(self) -> int:
+        return self.shape[1] - (0 if self.shared is None else self.shared.positions.shape[1])
+
+    def rows(self, heads: slice = ALL_HEADS) -> torch.Size:
+        """The shape of the factor restricted to ``heads``."""
+        return torch.Size((len(range(*heads.indices(self.shape[0]))), *self.shape[1:]))
+
+    def _views(self, x: Tensor, heads: slice) -> list[tuple[slice, slice, Tensor]]:
+        views = []
+        for piece in self.pieces:
+            cut = piece.restricted(heads, self.shape[0])
+            if cut is not None:
+                p, where = cut
+                views.append((where, p.r, x.as_strided(p.size, p.stride, x.storage_offset() + p.offset)))
+        return views
+
+    def _own_index(self, heads: slice) -> Tensor:
+        return self.index[heads].reshape(-1)
+
+    def gather(self, x: Tensor, out: Tensor, heads: slice = ALL_HEADS) -> Tensor:
+        """``out <- x`` at this factor's entries for ``heads`` (``out``: ``[len(heads), n, h]``)."""
+        own = out[:, : self.n_own]
+        if self.pieces is None:
+            own.copy_(x[self._own_index(heads)].view(own.shape))
+        else:
+            for where, rows, view in self._views(x, heads):
+                own[where, rows].copy_(view)
+        if self.shared is not None:
+            self.shared.assemble(x, out[:, self.n_own :], heads)
+        return out
+
+    def write(self, out: Tensor, value: Tensor, heads: slice = ALL_HEADS, add: bool = False) -> None:
+        """Put (or add, with ``add``) ``value`` (``[len(heads), n, h]``) at this factor's entries of ``out``."""
+        own = value[:, : self.n_own]
+        if self.pieces is None:
+            index = self._own_index(heads)
+            (out.index_add_ if add else out.index_copy_)(0, index, own.reshape(-1))
+        else:
+            for where, rows, view in self._views(out, heads):
+                (view.add_ if add else view.copy_)(own[where, rows])
+        if self.shared is not None:
+            self.shared.write(out, value[:, self.n_own :], heads, add)
+
+
+def stack_alike(blocks: list[PairBlock]) -> list[tuple[Tensor, Tensor, Tensor | None]]:
+    """Stack the index maps of blocks with equal pair shapes and group into one ``[sum k, n, h]`` block.
+
+    Every formula of :class:`~hf_geosharp.geometry.gl_quotient.GLQuotient` is batched over the leading (head)
+    dimension, so the twelve layers of a BERT become two geometry objects (QK, VO) instead of 24."""
+    groups: dict[tuple, list[PairBlock]] = {}
+    for b in blocks:
+        basis = None if b.lie_basis is None else (tuple(b.lie_basis.shape), tuple(b.lie_basis.flatten().tolist()))
+        groups.setdefault((tuple(b.G_index.shape[1:]), tuple(b.H_index.shape[1:]), basis), []).append(b)
+    return [
+        (torch.cat([b.G_index for b in members]), torch.cat([b.H_index for b in members]), members[0].lie_basis)
+        for members in groups.values()
+    ]

@@ -1,0 +1,56 @@
+"""The one owner of the geometry's scratch memory.
+
+A solver step needs a few pair-sized temporaries (gathered gradients, directions, geodesic corrections). Making them
+fresh at every step costs page faults (the C allocator returns large freed blocks to the system), and sizing them
+for whole pair groups would add several bytes per parameter to the peak. So the perturbation space works on a few
+heads at a time (:meth:`Workspace.heads_per_chunk`) and carves its temporaries, front to back, from one buffer that
+this object allocates once and that nothing else touches. Every operation of the space starts with
+:meth:`Workspace.fresh`, so no scratch tensor outlives the operation that took it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+#: Default scratch size, in entries of the working dtype (16 Mi entries: 64 MiB in float32).
+DEFAULT_ENTRIES = 1 << 24
+
+
+class Workspace:
+    """Scratch memory for the perturbation space: ``entries`` floats of ``dtype`` on ``device``, allocated on first use.
+
+    Args:
+        entries: the size of the buffer; the space chooses its head chunks so that one operation's temporaries fit.
+        dtype, device: of the buffer (the space's working dtype and device).
+    """
+
+    def __init__(self, dtype: torch.dtype, device: torch.device | str, entries: int = DEFAULT_ENTRIES) -> None:
+        if entries < 1:
+            raise ValueError(f"a workspace needs at least one entry, got {entries}.")
+        self.dtype, self.device, self.entries = dtype, torch.device(device), int(entries)
+        self._buffer: Tensor | None = None
+        self._used = 0
+
+    def fresh(self) -> Workspace:
+        """Start an operation: everything taken before is free again."""
+        self._used = 0
+        return self
+
+    def take(self, shape: torch.Size | tuple[int, ...]) -> Tensor:
+        """An uninitialised contiguous tensor of ``shape``; fresh memory only if the buffer is used up (a chunk that
+        does not fit, e.g. one head larger than the whole workspace)."""
+        n = math.prod(shape)
+        if self._buffer is None:
+            self._buffer = torch.empty(self.entries, dtype=self.dtype, device=self.device)
+        if self._used + n > self.entries:
+            return torch.empty(shape, dtype=self.dtype, device=self.device)
+        view = self._buffer[self._used : self._used + n].view(shape)
+        self._used += n
+        return view
+
+    def heads_per_chunk(self, entries_per_head: int, tensors: int) -> int:
+        """How many heads fit when an operation holds ``tensors`` head-sized temporaries of ``entries_per_head``."""
+        return max(1, self.entries // max(1, entries_per_head * tensors))
