@@ -45,7 +45,7 @@ from hf_geosharp.geometry.gl_quotient import GLQuotient
 from hf_geosharp.space import Factor, PerturbationSpace, SpaceOptions, _stack_alike
 from hf_geosharp.symmetry import map_symmetries
 
-from .tiny_fixtures import one_thread  # noqa: F401  (autouse: one torch thread for tiny models)
+from .fixtures.hf_models import one_thread  # noqa: F401  (autouse: one torch thread for tiny models)
 
 FAST = dict(rho=0.05, steps=3, progress=False)
 ARANGE_4 = torch.tensor([0, 101, 102, 100])  # added to -100: labels [-100, 1, 2, 0]
@@ -616,8 +616,8 @@ def _digest(folder: Path) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def cli_files(tmp_path_factory):
-    from .tiny_fixtures import save_text_model, tiny_tokenizer, write_csv
-    from .tiny_fixtures import tiny_bert as fixture_bert
+    from .fixtures.hf_models import save_text_model, tiny_tokenizer, write_csv
+    from .fixtures.hf_models import tiny_bert as fixture_bert
 
     root = tmp_path_factory.mktemp("reliability-cli")
     nan_model = fixture_bert()

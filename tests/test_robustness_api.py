@@ -16,8 +16,8 @@ from torch import nn
 
 import hf_geosharp as gs
 
+from .fixtures.hf_models import one_thread  # noqa: F401  (autouse: one torch thread for tiny models)
 from .test_reliability import FAST, _ids, assert_intact, snapshot, tiny_batches, tiny_bert
-from .tiny_fixtures import one_thread  # noqa: F401  (autouse: one torch thread for tiny models)
 
 
 def config_state(model: nn.Module) -> dict:
