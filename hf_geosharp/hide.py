@@ -28,7 +28,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from .api import _default_loss, preserved_model_state
+from .objective import default_loss, preserved_model_state
 from .measures import Settings, run_measure
 from .symmetry import map_symmetries
 from .symmetry._flat import flat_vector, parameters_in_order
@@ -299,7 +299,7 @@ def hide(
     if not smap.blocks:
         raise ValueError("the model has no mapped attention symmetries: there is no group to move it along "
                          "(see `geosharp symmetry MODEL`).")
-    loss = _default_loss if loss_fn is None else loss_fn
+    loss = default_loss if loss_fn is None else loss_fn
     bound = math.log(condition) / 2
 
     proxy = _Proxy(model, batches, smap, settings.rho, loss)

@@ -24,13 +24,14 @@ LossFn = Callable[[nn.Module, Any], Tensor]
 
 
 @contextlib.contextmanager
-def reparametrized(model: nn.Module, tensors: Mapping[str, Tensor]) -> Iterator[None]:
-    """``model`` computes with ``tensors`` (by parameter name) in place of its parameters inside the block.
+def reparametrized(model: nn.Module, tensors: Mapping[str, Tensor], tie_weights: bool = True) -> Iterator[None]:
+    """``model`` computes with ``tensors`` (by parameter name) in place of its parameters inside the block (with
+    ``tie_weights``, also in place of the parameters tied to them).
 
     The one use of PyTorch's private ``_reparametrize_module`` (the engine of ``torch.func.functional_call``, which
     cannot keep the swap open across a separate backward pass, as activation checkpointing needs); its behaviour
     is pinned by a test, so a change in PyTorch shows up there first."""
-    with stateless._reparametrize_module(model, tensors, tie_weights=True):
+    with stateless._reparametrize_module(model, tensors, tie_weights=tie_weights):
         yield
 
 
@@ -167,10 +168,12 @@ class Objective:
         self.numels = [p.numel() for p in params]
         self.offsets = [0, *torch.tensor(self.numels).cumsum(0).tolist()][:-1]
         self.graph_checked = False
-        self._buffer: Tensor | None = None  # for callers that pass no ``out`` (the average case, AS23)
+        self._buffer: Tensor | None = None  # the perturbed weights of gradient-free calls that pass no ``out``
 
     def __call__(self, xi: Tensor, need_grad: bool, out: Tensor | None = None) -> tuple[float, Tensor | None]:
-        if out is None:
+        if out is None and need_grad:  # the caller keeps the gradient
+            out = self.space.empty()
+        elif out is None:
             self._buffer = self.space.empty() if self._buffer is None else self._buffer
             out = self._buffer
         pullback = self.space.exp_point(xi, out, need_grad)

@@ -18,19 +18,12 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.nn.utils.stateless import _reparametrize_module
 
 from . import __version__
-from .api import (
-    LossFn,
-    SharpnessResult,
-    _batch_seed,
-    _check_batch,
-    _default_loss,
-    _to_device,
-    average_stderr,
-    preserved_model_state,
-)
+from .checks import check_batch
+from .objective import LossFn, default_loss, preserved_model_state, reparametrized, to_device
+from .result import SharpnessResult, average_stderr
+from .runner import batch_seed
 
 logger = logging.getLogger(__name__)
 
@@ -94,21 +87,21 @@ def relative_flatness(
     if not batches:
         raise ValueError("No batches were given; pass a non-empty list of batches (dicts of model inputs with labels).")
     for i, batch in enumerate(batches):
-        _check_batch(model, batch, i)
+        check_batch(model, batch, i)
     name, module = feature_layer(model, layer)
     key = f"{name}.weight" if name else "weight"
-    loss_fn = loss_fn or _default_loss
+    loss_fn = loss_fn or default_loss
     per_batch, per_clean, samples = [], [], []
     with preserved_model_state(model):
         W = module.weight.detach()
         compute = torch.promote_types(W.dtype, torch.float32)
         for index, batch in enumerate(batches):
-            batch = _to_device(batch, W.device)
+            batch = to_device(batch, W.device)
             leaf = W.clone().requires_grad_(True)
-            with torch.enable_grad(), _reparametrize_module(model, {key: leaf}):
+            with torch.enable_grad(), reparametrized(model, {key: leaf}, tie_weights=False):
                 loss = loss_fn(model, batch)
                 (grad,) = torch.autograd.grad(loss, leaf, create_graph=True)
-                generator = torch.Generator().manual_seed(_batch_seed(seed, index))
+                generator = torch.Generator().manual_seed(batch_seed(seed, index))
                 draws = []
                 for _ in range(n_samples):
                     z = torch.randn(W.shape[1], generator=generator, dtype=torch.float64)

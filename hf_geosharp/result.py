@@ -113,4 +113,4 @@ def warn_not_converged(measure: str, config: dict[str, Any], gain: float, steps_
         _collectors[-1].append(message)
         return
     logger.warning(message)
-    warnings.warn(message, NotConvergedWarning, stacklevel=4)
+    warnings.warn(message, NotConvergedWarning, stacklevel=5)

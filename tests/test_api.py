@@ -235,14 +235,15 @@ def test_objective_gradient_matches_finite_differences_through_exp2(metric):
     """The solver's gradient (streamed per-parameter gradients + closed-form Exp2 pullback) against a central difference
     of the loss along a random direction, at a perturbed point: the slow, obvious reference of the fast path.
     The LayerNorm bias starts at zero, so it is frozen and the direction leaves it alone."""
-    from hf_geosharp.api import _default_loss, _flat_parameters, _Objective
+    from hf_geosharp.objective import Objective, default_loss, measured_parameters
     from hf_geosharp.space import PerturbationSpace, SpaceOptions
 
     model = ToyAttention().eval()
-    names, params, theta0 = _flat_parameters(model)
+    names, params = measured_parameters(model)
+    theta0 = torch.cat([p.detach().reshape(-1) for p in params])
     options = SpaceOptions(metric, 1e-6, elementwise_curvature="second_order")
-    space = PerturbationSpace(theta0, toy_symmetry_map(model).blocks, options)
-    objective = _Objective(model, names, params, space, _default_loss, rho=RHO)
+    space = PerturbationSpace(params, toy_symmetry_map(model).blocks, options)
+    objective = Objective(model, names, params, space, default_loss, rho=RHO)
     objective.batch = toy_batches()[0]
     g = torch.Generator().manual_seed(0)
     xi = space.project(space.random_tangent_vector(g), RHO)

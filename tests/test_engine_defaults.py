@@ -171,10 +171,10 @@ def test_every_result_carries_stderr_and_convergence(mode):
 
 def test_not_converged_warning_names_the_fix_and_goes_to_the_module_logger(caplog):
     model, batches = _noisy_bert(0.2), _batches(n=1)
-    with caplog.at_level("WARNING", logger="hf_geosharp.api"), pytest.warns(UserWarning, match="not converged"):
+    with caplog.at_level("WARNING", logger="hf_geosharp.result"), pytest.warns(UserWarning, match="not converged"):
         res = gs.geodesic_sharpness(model, batches, rho=1.0, metric="inv", steps=20, progress=False)
     assert not res.converged and "NOT converged" in str(res)
-    assert any("steps='auto'" in r.getMessage() for r in caplog.records if r.name == "hf_geosharp.api")
+    assert any("steps='auto'" in r.getMessage() for r in caplog.records if r.name == "hf_geosharp.result")
 
 
 def test_collected_convergence_notes_replace_the_per_call_warning(caplog):
@@ -184,10 +184,10 @@ def test_collected_convergence_notes_replace_the_per_call_warning(caplog):
     model, batches = _noisy_bert(0.2), _batches(n=1)
     with warnings.catch_warnings():
         warnings.simplefilter("error", gs.NotConvergedWarning)  # a warning inside the block would raise here
-        with caplog.at_level("WARNING", logger="hf_geosharp.api"), collected_convergence_notes() as notes:
+        with caplog.at_level("WARNING", logger="hf_geosharp.result"), collected_convergence_notes() as notes:
             res = gs.geodesic_sharpness(model, batches, rho=1.0, metric="inv", steps=20, progress=False)
     assert not res.converged and len(notes) == 1 and "steps='auto'" in notes[0]
-    assert not [r for r in caplog.records if r.name == "hf_geosharp.api"]
+    assert not [r for r in caplog.records if r.name == "hf_geosharp.result"]
 
 
 @pytest.mark.parametrize("metric", ["inv", "mix"])

@@ -1,13 +1,15 @@
 """The perturbation space's fast paths against their slow references: strided gathers and scatters vs index
-operations, the solver's step direction and Gram row vs metric inner products, pair temporaries carved from idle
-buffers vs fresh ones."""
+operations, the solver's step direction and Gram row vs metric inner products, geometry run a few heads at a time in
+a small workspace vs all heads at once."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from hf_geosharp.space import Factor, PerturbationSpace, SpaceOptions, _stack_alike
+from hf_geosharp.coordinates import Factor, stack_alike
+from hf_geosharp.space import PerturbationSpace, SpaceOptions
+from hf_geosharp.workspace import Workspace
 from hf_geosharp.symmetry import map_symmetries
 
 from .fixtures.hf_models import one_thread  # noqa: F401  (autouse: one torch thread for tiny models)
@@ -19,18 +21,22 @@ def test_strided_gathers_and_scatters_match_index_operations():
     smap = map_symmetries(model)
     x = torch.randn(smap.n_params, dtype=torch.float64)
     strided = 0
-    for gi, hi, _ in _stack_alike(smap.blocks):
+    for gi, hi, _ in stack_alike(smap.blocks):
         for index in (gi, hi):
             fast = Factor.of(index, x.device)
-            slow = Factor(index.shape, None, index.reshape(-1))
+            slow = Factor(index.shape, None, index)
             strided += fast.pieces is not None
             rows = torch.stack([x, x + 1])[1]  # a view with a storage offset, like the solver's buffer rows
-            assert torch.equal(fast.gather(rows), slow.gather(rows))
+            gathered = [f.gather(rows, torch.empty(index.shape, dtype=x.dtype)) for f in (fast, slow)]
+            assert torch.equal(*gathered)
+            heads = slice(1, max(2, index.shape[0] - 1))  # a range of heads, as the space's chunks use
+            cut = [f.gather(rows, torch.empty(f.rows(heads), dtype=x.dtype), heads) for f in (fast, slow)]
+            assert torch.equal(*cut) and torch.equal(cut[0], gathered[0][heads])
             value = torch.randn(fast.shape, dtype=torch.float64)
             for op in ("write", "add"):
                 a, b = x.clone(), x.clone()
-                getattr(fast, op)(a, value)
-                getattr(slow, op)(b, value)
+                fast.write(a, value, add=op == "add")
+                slow.write(b, value, add=op == "add")
                 assert torch.equal(a, b)
     assert strided > 0
 
@@ -63,24 +69,29 @@ def test_ascent_direction_matches_metric_inner_products(metric, riemannian_norm)
 
 
 @pytest.mark.parametrize("metric", ["inv", "mix"])
-def test_pair_temporaries_carved_from_idle_buffers_change_no_bit(metric):
-    """Directions, geodesic points and pullbacks are bit-identical whether their pair temporaries are fresh, carved
-    from a large idle buffer, or partly carved from one too small to hold them all."""
+def test_head_chunks_in_a_small_workspace_change_no_bit(metric):
+    """Directions, geodesic points and pullbacks are bit-identical whether the geometry runs on all heads at once in
+    a large workspace, one head at a time in a tiny one (fresh tensors for what does not fit), or in a workspace whose
+    buffer starts full of NaN; ``<d, d>_g``, a sum over chunks, agrees to rounding."""
     model = tiny_bert()
     theta0 = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    space = PerturbationSpace(theta0, map_symmetries(model).blocks, SpaceOptions(metric, epsilon=0.0))
     g = torch.Generator().manual_seed(0)
     egrad, cotangent = (torch.randn(theta0.shape, generator=g, dtype=torch.float64) for _ in "ab")
-    xi = space.horizontal(1e-2 * torch.randn(theta0.shape, generator=g, dtype=torch.float64))
-    vectors = xi[None]
-    pair_size = sum(group.g.shape.numel() + group.h.shape.numel() for group in space.pairs)
     results = []
-    nan = float("nan")
-    for idle in (None, torch.full_like(theta0, nan), torch.full((pair_size + 7,), nan, dtype=torch.float64)):
-        space.lend(idle)
-        d, square, products = space.ascent_direction(egrad.clone(), vectors, out=torch.empty_like(theta0))
+    for entries, poison in ((1 << 24, False), (7, False), (1 << 24, True)):
+        ws = Workspace(torch.float64, "cpu", entries)
+        if poison:
+            ws.take((entries,)).fill_(float("nan"))
+        space = PerturbationSpace(theta0, map_symmetries(model).blocks, SpaceOptions(metric, epsilon=0.0),
+                                  workspace=ws)
+        xi = space.horizontal(1e-2 * torch.randn(theta0.shape, generator=torch.Generator().manual_seed(1),
+                                                 dtype=torch.float64))
+        d, square, products = space.ascent_direction(egrad.clone(), xi[None], out=torch.empty_like(theta0))
         point, grad = torch.empty_like(theta0), cotangent.clone()
-        space.exp_point(xi, point, True, idle=None if idle is None else idle.clone())(grad, idle=idle)
-        results.append((d, square, products, point, grad))
+        space.exp_point(xi, point, True)(grad)
+        results.append((d, square, products, point, grad, len(space.pairs[0].chunks)))
+    assert results[1][-1] > results[0][-1] == 1  # the tiny workspace really ran head by head
     for other in results[1:]:
-        assert all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in zip(results[0], other))
+        assert all(torch.equal(a, b) for a, b in zip(results[0][::3], other[::3]))  # direction, point, pullback
+        assert other[1] == pytest.approx(results[0][1], rel=1e-14)  # <d, d>_g: summed chunk by chunk
+        assert other[2] == results[0][2]

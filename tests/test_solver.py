@@ -46,13 +46,14 @@ def test_blocked_ellipsoid_projection_matches_the_reference_formula(monkeypatch)
 
 def test_solver_bookkeeping_keeps_iterates_in_the_ball():
     """Iterates never leave the ball, and the best iterate's norm from the Gram bookkeeping is its real norm."""
-    from hf_geosharp import api
+    from hf_geosharp import objective as objective_module
     from hf_geosharp.solver import apgd
 
     model = tiny_bert()
-    names, params, theta0 = api._flat_parameters(model)
+    names, params = objective_module.measured_parameters(model)
+    theta0 = torch.cat([p.detach().reshape(-1) for p in params])
     space = PerturbationSpace(theta0, map_symmetries(model).blocks, SpaceOptions("inv", epsilon=0.0))
-    objective = api._Objective(model, names, params, space, api._default_loss, 0.5)
+    objective = objective_module.Objective(model, names, params, space, objective_module.default_loss, 0.5)
     objective.batch = tiny_batches(1)[0]
     seen: list[tuple[float, float]] = []
 

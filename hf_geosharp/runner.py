@@ -1,0 +1,256 @@
+"""The runner: model and batches in, :class:`~hf_geosharp.result.SharpnessResult` out.
+
+It checks the inputs, builds the perturbation space and the objective once, runs the solver on each batch (batches
+are spread over the processes of an ``accelerate.Accelerator``; the randomness of batch ``i`` depends on ``(seed,
+i)`` only), and collects the per-batch values. Everything that determines the number is one frozen
+:class:`RunSettings`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from . import __version__
+from .checks import Steps, check_inputs
+from .objective import LossFn, Objective, default_loss, measured_parameters, preserved_model_state, to_device
+from .result import SharpnessResult, average_stderr, batch_stderr, warn_not_converged
+from .solver import AUTO_MAX_STEPS, CONVERGENCE_TOL, SolveResult, StepNormalization, apgd, apgd_as23, average_case
+from .space import PerturbationSpace, SpaceOptions
+from .symmetry.base import PairBlock, SymmetryMap
+from .workspace import Workspace
+
+logger = logging.getLogger(__name__)
+
+Mode = Literal["worst", "average"]
+#: Weights smaller than this in magnitude cannot move (the elementwise metric divides by them).
+ZERO_TOL = 1e-12
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """Every setting that determines a measurement (checked by the public functions before they build one).
+
+    ``options`` is None for adaptive sharpness; ``variant`` is None for geodesic sharpness."""
+
+    rho: float
+    mode: Mode = "worst"
+    steps: Steps = 20
+    seed: int = 0
+    params: Literal["all", "trainable"] = "all"
+    n_samples: int = 20
+    tol: float = CONVERGENCE_TOL
+    max_steps: int = AUTO_MAX_STEPS
+    options: SpaceOptions | None = None
+    step_normalization: StepNormalization = "riemannian"
+    variant: Literal["clean", "as23"] | None = None
+
+    @property
+    def measure(self) -> str:
+        if self.options is not None:
+            return f"geodesic_{self.options.metric}_{self.mode}"
+        return f"adaptive_{self.variant}_{self.mode}" if self.mode == "worst" else "adaptive_average"
+
+    @property
+    def full_gradient(self) -> bool:
+        """AS23 and the Euclidean step normalisation divide by the global gradient norm, frozen and zero-weight
+        coordinates included; every other solver only needs the coordinates that can move."""
+        return self.variant == "as23" or self.step_normalization == "euclidean"
+
+    def config(self) -> dict[str, Any]:
+        """The settings as results carry them (``SharpnessResult.config``)."""
+        common = dict(rho=self.rho, mode=self.mode, steps=self.steps, seed=self.seed, params=self.params,
+                      n_samples=self.n_samples, tol=self.tol, max_steps=self.max_steps)
+        if self.options is None:
+            return {**common, "variant": self.variant}
+        o = self.options
+        return {**common, "metric": o.metric, "epsilon": o.epsilon, "second_order": o.second_order,
+                "riemannian_norm": o.riemannian_norm, "horizontal_projection": o.horizontal_projection,
+                "elementwise_curvature": o.elementwise_curvature, "step_normalization": self.step_normalization}
+
+    def solve(self, space: PerturbationSpace, objective: Objective, generator: torch.Generator,
+              on_step: Callable[[int, float], None]) -> SolveResult:
+        """One batch: the average case, AS23's solver, or the clean Auto-PGD."""
+        first, budget = (min(20, self.max_steps), self.max_steps) if self.steps == "auto" else (self.steps, None)
+        if self.mode == "average":
+            return average_case(space, objective, rho=self.rho, n_samples=self.n_samples, generator=generator,
+                                on_step=on_step)
+        if self.variant == "as23":
+            return apgd_as23(space.elementwise.scale, objective, rho=self.rho, steps=first, on_step=on_step,
+                             max_steps=budget, tol=self.tol)
+        return apgd(space, objective, rho=self.rho, steps=first, step_normalization=self.step_normalization,
+                    on_step=on_step, max_steps=budget, tol=self.tol)
+
+
+def batch_seed(seed: int, index: int) -> int:
+    """A per-batch seed that does not depend on which process solves the batch."""
+    return (seed * 1_000_003 + 7919 * (index + 1)) % (2**63 - 1)
+
+
+def run(
+    model: nn.Module,
+    batches: Iterable[Any],
+    settings: RunSettings,
+    *,
+    loss_fn: LossFn | None = None,
+    accelerator: Any = None,
+    progress: bool = True,
+    symmetry_map: SymmetryMap | None = None,
+) -> SharpnessResult:
+    """Measure ``settings.measure`` of ``model`` on ``batches`` (see :func:`hf_geosharp.geodesic_sharpness`)."""
+    batches = check_inputs(model, batches)
+    rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator is not None else (0, 1)
+    with preserved_model_state(model):
+        space, objective = _build(model, settings, symmetry_map, loss_fn or default_loss)
+        logger.info("%s: %d GL pairs, %s parameters, %d batch%s", settings.measure, space.n_pairs,
+                    f"{space.numel:,}", len(batches), "" if len(batches) == 1 else "es")
+        results = _solve_batches(space, objective, settings, batches, range(rank, len(batches), world),
+                                 progress and rank == 0)
+    if world > 1:
+        from accelerate.utils import gather_object
+
+        merged: dict[int, tuple] = {}
+        for part in gather_object([results]):
+            merged.update(part)
+        results = merged
+    return _result(settings, [results[i] for i in range(len(batches))], world)
+
+
+def _build(
+    model: nn.Module, settings: RunSettings, symmetry_map: SymmetryMap | None, loss_fn: LossFn
+) -> tuple[PerturbationSpace, Objective]:
+    """The space over the parameters that can move (all of them for a full-gradient solver) and its objective."""
+    names, params = measured_parameters(model)
+    _warn_half_precision(params)
+    blocks = _pair_blocks(model, names, settings, symmetry_map)
+    sizes = [p.numel() for p in params]
+    pair_params = _parameters_of(blocks, sizes)
+    trainable = [settings.params == "all" or p.requires_grad for p in params]
+    if settings.params not in ("all", "trainable"):
+        raise ValueError(f"params must be 'all' or 'trainable', got {settings.params!r}.")
+    if not any(trainable):
+        raise ValueError("params='trainable' but no parameter has requires_grad=True; use params='all'.")
+    if settings.full_gradient:
+        covered = [True] * len(params)
+        movable = None if all(trainable) else torch.cat(
+            [torch.full((n,), t, dtype=torch.bool) for n, t in zip(sizes, trainable)]).to(params[0].device)
+    else:
+        covered = [t and (i in pair_params or bool((p.detach().abs() >= ZERO_TOL).any()))
+                   for i, (p, t) in enumerate(zip(params, trainable))]
+        movable = None
+    base = [p for p, c in zip(params, covered) if c] or params[:1]
+    blocks = _remap(blocks, sizes, covered)
+    dtype = torch.promote_types(torch.float32, max((p.dtype for p in base), key=lambda d: torch.finfo(d).bits))
+    space = PerturbationSpace(base, blocks, settings.options or SpaceOptions(metric=None), movable, settings.seed,
+                              workspace=Workspace(dtype, base[0].device))
+    kept = [n for n, c in zip(names, covered) if c] or names[:1]
+    return space, Objective(model, kept, base, space, loss_fn, settings.rho)
+
+
+def _pair_blocks(model: nn.Module, names: list[str], settings: RunSettings,
+                 symmetry_map: SymmetryMap | None) -> list[PairBlock]:
+    if settings.options is None or settings.options.metric is None:
+        return []
+    if symmetry_map is None:
+        from .symmetry import map_symmetries
+
+        symmetry_map = map_symmetries(model, params=settings.params)
+    if symmetry_map.param_names != names:
+        raise ValueError(
+            "The symmetry map was built for another model (parameter names differ); rebuild it with "
+            "gs.map_symmetries(model)."
+        )
+    return symmetry_map.blocks
+
+
+def _parameters_of(blocks: list[PairBlock], sizes: list[int]) -> set[int]:
+    """The positions of the parameters that hold pair coordinates."""
+    ends = torch.tensor(sizes).cumsum(0)
+    found: set[int] = set()
+    for b in blocks:
+        for index in (b.G_index, b.H_index):
+            found.update(torch.bucketize(index.reshape(-1).cpu(), ends, right=True).unique().tolist())
+    return found
+
+
+def _remap(blocks: list[PairBlock], sizes: list[int], covered: list[bool]) -> list[PairBlock]:
+    """The blocks whose parameters are all covered, re-indexed into the concatenation of the covered parameters."""
+    ends = torch.tensor(sizes).cumsum(0)
+    skipped = torch.tensor([0 if c else n for n, c in zip(sizes, covered)]).cumsum(0) - torch.tensor(
+        [0 if c else n for n, c in zip(sizes, covered)])
+    keep = torch.tensor(covered)
+    out = []
+    for b in blocks:
+        owners = [torch.bucketize(i.cpu(), ends, right=True) for i in (b.G_index, b.H_index)]
+        if all(bool(keep[o].all()) for o in owners):
+            G, H = (i - skipped[o].to(i.device) for i, o in zip((b.G_index, b.H_index), owners))
+            out.append(dataclasses.replace(b, G_index=G, H_index=H))
+    return out
+
+
+def _warn_half_precision(params: list[Tensor]) -> None:
+    half = sorted({p.dtype for p in params if p.dtype in (torch.float16, torch.bfloat16)}, key=str)
+    if half:
+        warnings.warn(
+            f"The model computes in {', '.join(map(str, half))}. The perturbation is built in float32 (the h x h "
+            "algebra in float64) but the weights are rounded to the model's dtype for each forward pass, so "
+            f"perturbations below its resolution (relative {max(torch.finfo(d).eps for d in half):.0e} per weight) "
+            "vanish and loss differences are quantised: small rho can give exactly 0. Cast the model to float32 "
+            "(model.float()) to measure it.",
+            UserWarning,
+            stacklevel=5,
+        )
+
+
+def _solve_batches(space: PerturbationSpace, objective: Objective, settings: RunSettings, batches: list[Any],
+                   mine: Iterable[int], progress: bool) -> dict[int, tuple]:
+    """``{batch index: (sharpness, clean loss, average-case samples or None, convergence gain, steps used)}``."""
+    n_steps = settings.n_samples if settings.mode == "average" else settings.steps
+    results: dict[int, tuple] = {}
+    bar = tqdm(list(mine), desc=settings.measure, unit="batch", disable=not progress)
+    for index in bar:
+        objective.batch = to_device(batches[index], space.device)
+        generator = torch.Generator().manual_seed(batch_seed(settings.seed, index))
+        torch.manual_seed(batch_seed(settings.seed, index))  # the forked global RNG: random models repeat
+
+        def on_step(k: int, sharpness: float) -> None:  # solver progress inside the batch bar
+            bar.set_postfix(step=f"{k + 1}/{n_steps}", sharpness=f"{sharpness:.4g}", refresh=False)
+            bar.refresh()
+
+        try:
+            out = settings.solve(space, objective, generator, on_step)
+        except Exception as err:
+            keys = ", ".join(map(str, batches[index])) if isinstance(batches[index], Mapping) else "-"
+            err.add_note(f"hf_geosharp: raised while measuring batch {index} (inputs: {keys}) for {settings.measure}.")
+            raise
+        samples = [loss - out.clean_loss for loss in out.losses[1:]] if settings.mode == "average" else None
+        results[index] = (out.sharpness, out.clean_loss, samples, out.convergence_gain, out.steps_used)
+        bar.set_postfix(sharpness=f"{out.sharpness:.4g}")
+    return results
+
+
+def _result(settings: RunSettings, ordered: list[tuple], world: int) -> SharpnessResult:
+    per_batch, per_clean = [r[0] for r in ordered], [r[1] for r in ordered]
+    config = {**settings.config(), "n_batches": len(ordered), "n_processes": world,
+              "library": f"hf_geosharp {__version__}"}
+    if settings.mode == "average":
+        stderr, gain, converged, steps_used = average_stderr([r[2] for r in ordered]), math.nan, True, None
+    else:
+        gain = max(r[3] for r in ordered)
+        stderr, converged, steps_used = batch_stderr(per_batch), gain <= settings.tol, max(r[4] for r in ordered)
+        if not converged:
+            warn_not_converged(settings.measure, config, gain, steps_used)
+    return SharpnessResult(
+        value=sum(per_batch) / len(per_batch), per_batch=per_batch, clean_loss=sum(per_clean) / len(per_clean),
+        per_batch_clean_loss=per_clean, measure=settings.measure, config=config, stderr=stderr,
+        converged=converged, convergence_gain=gain, steps_used=steps_used,
+    )
