@@ -54,10 +54,13 @@ def _lazy_init(modules: list[nn.Module]) -> list[Any]:
 
 def _refuse_unsupported(groups: list[Any]) -> Any:
     """The one 1-D mesh every group shares, or a ValueError for a setup whose shards this layer cannot serve."""
-    meshes = {id(fp.mesh_info.mesh): fp.mesh_info.mesh for g in groups for fp in g.fsdp_params}
+    meshes: list[Any] = []
+    for mesh in (fp.mesh_info.mesh for g in groups for fp in g.fsdp_params):
+        if mesh not in meshes:  # equal meshes (same devices and names) built separately count once
+            meshes.append(mesh)
     if len(meshes) != 1:
         raise ValueError(f"the model's parameters are sharded over {len(meshes)} FSDP meshes; one mesh is supported")
-    mesh = next(iter(meshes.values()))
+    mesh = meshes[0]
     if mesh.ndim != 1:
         raise ValueError(
             f"FSDP over a {mesh.ndim}-D mesh (HSDP or FSDP combined with another parallelism) is not supported yet; "

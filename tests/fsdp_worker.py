@@ -172,27 +172,33 @@ def check_exceptions(model, ref, batch, layout, before: dict) -> None:
 
 def check_refusals(world: int) -> None:
     """What the layout cannot serve is refused with a ValueError."""
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
-    seq = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)).double()
+    seq = seq_of_two()
     fully_shard(seq[0])
-    try:
-        fsdp_state(seq)
-    except ValueError as e:
-        assert "not managed by FSDP" in str(e), e
-    else:
-        raise AssertionError("an unmanaged parameter was accepted")
+    refused(seq, "not managed by FSDP")
     if world == 4:
-        seq = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)).double()
+        seq = seq_of_two()
         fully_shard(seq[0], reshard_after_forward=2)
-        fully_shard(seq)
-        try:
-            fsdp_state(seq)
-        except ValueError as e:
-            assert "int" in str(e), e
-        else:
-            raise AssertionError("reshard_after_forward=2 was accepted")
+        refused(fully_shard(seq), "reshard_after_forward given as an int")
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        refused(fully_shard(seq_of_two(), mesh=mesh), "HSDP")
+    refused(fully_shard(seq_of_two(), offload_policy=CPUOffloadPolicy(pin_memory=False)), "CPU offload")
     assert fsdp_state(torch.nn.Linear(2, 2)) is None
+
+
+def seq_of_two() -> torch.nn.Sequential:
+    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)).double()
+
+
+def refused(model: torch.nn.Module, words: str) -> None:
+    try:
+        fsdp_state(model)
+    except ValueError as e:
+        assert words in str(e), e
+    else:
+        raise AssertionError(f"{words} was accepted")
 
 
 def main(arch: str, shard1: bool) -> None:
@@ -206,6 +212,12 @@ def main(arch: str, shard1: bool) -> None:
     assert layout is not None and layout.world == dist.get_world_size() and layout.rank == dist.get_rank()
     assert layout.device == torch.device("cpu") and layout.names == [n for n, _ in ref.named_parameters()]
     assert layout.global_shapes == [p.shape for p in ref.parameters()]
+    if shard1:  # the last column of a q weight lives on the last rank under Shard(1), on rank 0 under Shard(0)
+        names = [n for n, _ in ref.named_parameters()]
+        q = next(i for i, n in enumerate(names) if n.endswith(("query.weight", "q_proj.weight")))
+        first = sum(p.numel() for p in list(ref.parameters())[:q])
+        owner, _ = layout.localize(torch.tensor([first + layout.global_shapes[q][1] - 1]))
+        assert owner.item() == layout.world - 1, owner
     model(**batch).loss.backward()  # the user's own gradients: measurement must leave them as they are
     before = snapshot(model, layout)
     owner, pos = check_localize(layout, ref)
