@@ -148,7 +148,9 @@ def check_serving(model, ref, batch, layout, owner, pos, frozen_index: int) -> N
         assert abs(loss.detach() - want) < TOL, "loss at theta (with grad)"
         assert filled == [i != frozen_index for i in range(len(filled))], filled
         assert torch.allclose(out, local_of(layout, owner, pos, want_grad), rtol=0, atol=TOL), "gradient"
-        theta.copy_(base + local_of(layout, owner, pos, -2 * delta))  # moved in place: the next forward must see it
+        with torch.no_grad():  # a forward without backward leaves FSDP's root unsharded ...
+            assert abs(model(**batch).loss - want) < TOL, "loss at theta after a backward"
+        theta.copy_(base + local_of(layout, owner, pos, -2 * delta))  # ... and theta moves: the next forward sees it
         with torch.no_grad():
             assert abs(model(**batch).loss - ref_loss(ref, batch, -2 * delta)[0]) < TOL, "stale weights"
     with torch.no_grad():

@@ -30,12 +30,17 @@ def _torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=240)  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    "nproc, arch, shard1",
-    [(2, "bert", False), (4, "bert", False), (2, "llama", False), (4, "llama", False), (2, "bert", True),
-     (4, "llama", True)],  # fmt: skip
-    ids=["bert-2", "bert-4", "llama-2", "llama-4", "bert-2-shard1-qkv", "llama-4-shard1-qkv"],
-)
+CASES = {  # ranks, model, Shard(1) for the q/k/v weights
+    "bert-2": (2, "bert", False),
+    "bert-4": (4, "bert", False),
+    "llama-2": (2, "llama", False),
+    "llama-4": (4, "llama", False),
+    "bert-2-shard1-qkv": (2, "bert", True),
+    "llama-4-shard1-qkv": (4, "llama", True),
+}
+
+
+@pytest.mark.parametrize("nproc, arch, shard1", list(CASES.values()), ids=list(CASES))
 def test_sharded_layout_matches_the_unsharded_model(nproc, arch, shard1):
     proc = _torchrun(nproc, arch, *(["--shard1"] if shard1 else []))
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
@@ -53,3 +58,26 @@ def test_the_layer_imports_only_torch():
     imported |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     third_party = {m.split(".")[0] for m in imported} - set(sys.stdlib_module_names) - {"__future__"}
     assert third_party == {"torch"}, imported
+
+
+def test_the_accelerate_fsdp2_config_parses_into_an_fsdp2_plugin(monkeypatch):
+    """The shipped config read the way ``accelerate launch`` reads it: launch arguments, the environment handed to
+    the processes, and the FSDP plugin an ``Accelerator`` builds from that environment."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.launch import prepare_multi_gpu_env
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    config = str(ROOT / "examples" / "accelerate_fsdp2.yaml")
+    args, defaults, _ = _validate_launch_command(launch_command_parser().parse_args(["--config_file", config, "x.py"]))
+    assert args.use_fsdp and args.num_processes == 2 and defaults.distributed_type.value == "FSDP"
+    env = prepare_multi_gpu_env(args)
+    assert env["ACCELERATE_USE_FSDP"] == "true" and env["FSDP_VERSION"] == "2"
+    for key, value in env.items():
+        if key.startswith(("FSDP_", "ACCELERATE_")):
+            monkeypatch.setenv(key, value)
+    plugin = FullyShardedDataParallelPlugin()
+    assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is True
+    assert plugin.auto_wrap_policy is transformer_auto_wrap_policy
+    assert plugin.state_dict_type.name == "SHARDED_STATE_DICT"
+    assert type(plugin.cpu_offload).__name__ == "OffloadPolicy"  # the no-offload policy, which the layer accepts
