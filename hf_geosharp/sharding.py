@@ -148,9 +148,6 @@ class ShardedLayout:
         keys = ("g_off", "l_off", "outer", "length", "inner", "chunk")
         return {k: table[:, i].contiguous() for i, k in enumerate(keys)}
 
-    def _offsets(self) -> list[int]:
-        return self._index["l_off"].tolist()
-
     def base(self) -> list[Tensor]:
         """Per parameter the 1-D padded local shard as FSDP stores it (the base point; read it, never write it)."""
         if self._serving is not None:
@@ -196,7 +193,7 @@ class ShardedLayout:
         ``theta`` may change between forwards: every forward of the root re-gathers. One forward per backward."""
         self._check_flat(theta, "theta")
         dtypes = {fp._sharded_param_data.dtype for fp in self._fsdp}
-        if dtypes != {theta.dtype} and dtypes:
+        if dtypes and dtypes != {theta.dtype}:
             raise ValueError(f"theta is {theta.dtype}; the shards are {sorted(map(str, dtypes))}")
         if self._serving is not None:
             raise RuntimeError("serving() is already active on this model")
