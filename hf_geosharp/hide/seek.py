@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..durable import atomic_path
 from ..measures import Settings, run_measure
 from ..symmetry import map_symmetries
 from .transform import hide, reparametrize_checked
@@ -217,8 +218,6 @@ def seek_figure(report: SeekReport, path: Any) -> None:
     """Before/after bars per measure: (i) rank tau under random elements, (ii) after/before of the two pushed
     models, (iii) tau against the gap before and after the adversarial push. Written atomically to ``path``."""
     from matplotlib.figure import Figure
-
-    from ..durable import atomic_path
 
     keys = report.measures
     short = [k.replace("geodesic_sharpness_", "geodesic ").replace("_sharpness", "") for k in keys]

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from ..api import _default_loss, preserved_model_state
+from ..geometry.lie import random_group_element
 from ..measures import Settings, run_measure
 from ..symmetry import map_symmetries
 from ..symmetry._flat import flat_vector, parameters_in_order
@@ -225,8 +226,6 @@ def reparametrize_checked(
     """:func:`hf_geosharp.reparametrize` (a random group element, in place) with the probe of :func:`hide`: returns
     the applied elements and the relative output deviation; rolls back and raises :class:`FunctionChangedError`
     when the outputs moved by more than ``tolerance`` (default ``sqrt(eps)`` of the weights' dtype)."""
-    from ..geometry.lie import random_group_element
-
     smap = map_symmetries(model) if smap is None else smap
     generator = torch.Generator().manual_seed(seed)
     elements = [random_group_element(b.n_pairs, b.head_dim, lie_basis=b.lie_basis, condition=condition,

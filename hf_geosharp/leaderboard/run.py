@@ -17,6 +17,7 @@ from ..api import SharpnessResult, adaptive_sharpness, collected_convergence_not
 from ..data import DataError, DataSpec, load_batches, load_model, load_processor, load_split, require_task
 from ..relative_flatness import relative_flatness
 from ..store import ResultStore, data_identity, fingerprint, model_identity
+from ..symmetry import map_symmetries
 from .inputs import GapSpec, Measure, ModelRef, Settings, read_gap_file
 from .statistics import kendall_taus
 
@@ -132,8 +133,6 @@ def _compute_missing(
     batches = load_batches(model, processor, data)
     smap = None
     if any(m.kind in ("inv", "mix") and m.name in missing for m in measures):
-        from .symmetry import map_symmetries
-
         smap = map_symmetries(model)
     for m in measures:
         if m.name not in missing:
