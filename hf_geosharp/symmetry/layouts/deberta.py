@@ -43,7 +43,7 @@ def deberta_v2(name: str, module: nn.Module, ctx: LayoutContext) -> AttentionLay
                                           if terms else "")
     visible = "p2c multiplies b_k by the position query" if "p2c" in terms else None
     return finish_layout(name, layout, [module, attn], ctx, q, k, v, o, d, q_more=tuple(q_more), k_more=tuple(k_more),
-                   key_bias_visible=visible)
+                         key_bias_visible=visible)
 
 
 def deberta(name: str, module: nn.Module, ctx: LayoutContext) -> AttentionLayout | None:

@@ -102,7 +102,7 @@ def multihead_attention(name: str, module: nn.Module, ctx: LayoutContext) -> Att
         extras["k_extra"] = Proj(ctx.index(module.bias_k).reshape(e), None, (module.bias_k,))
         extras["v_extra"] = Proj(ctx.index(module.bias_v).reshape(e), None, (module.bias_v,))
     return finish_layout(name, "nn.MultiheadAttention", [module], ctx, q, k, v, ctx.proj(module.out_proj),
-                   module.head_dim, **extras)
+                         module.head_dim, **extras)
 
 
 def gpt_bigcode(name: str, module: nn.Module, ctx: LayoutContext) -> AttentionLayout | None:

@@ -26,6 +26,7 @@ _ROPE_WORDS = ("rotary", "rotate_half", "rotate_every_two", "apply_rope")
 
 
 def find_head_dim(holders: list[nn.Module], config: object) -> int:
+    """The head size the modules store (under any of the usual names), else the config's."""
     for holder in holders:
         for attr in _HEAD_DIM_ATTRS:
             value = getattr(holder, attr, None)
@@ -129,7 +130,9 @@ def _qk_norm(holders: list[nn.Module], head_dim: int) -> str | None:
 
 
 def finish_layout(name: str, layout: str, holders: list[nn.Module], ctx: LayoutContext,
-            q: Proj, k: Proj, v: Proj, o: Proj, head_dim: int, **extra: object) -> AttentionLayout:
+                  q: Proj, k: Proj, v: Proj, o: Proj, head_dim: int, **extra: object) -> AttentionLayout:
+    """The checked layout of recognised projections, with head counts, RoPE and qk-norm read off ``holders`` (the
+    attention module and the one holding q, if that is a child); every adapter ends here."""
     config = _config_of(holders, ctx)
     n_heads = o.weight.shape[1] // head_dim
     n_kv = k.out_features // head_dim
@@ -165,6 +168,7 @@ def _check_accounted(holder: nn.Module, lay: AttentionLayout) -> None:
 
 
 def child_module(module: nn.Module, path: str) -> nn.Module | None:
+    """The submodule at dotted ``path``, or ``None`` if there is none."""
     try:
         return module.get_submodule(path)
     except AttributeError:
