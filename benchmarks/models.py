@@ -1,9 +1,7 @@
 """Benchmark workloads: randomly initialised BERT classifiers, their batches and their symmetry maps.
 
 Random init is enough for timing and memory: the cost of a solver step does not depend on the weights' values. The
-symmetry map comes from ``gs.map_symmetries`` (the library's mapper); as a cross-check of
-what is being timed) :func:`bert_symmetry_map` builds the same QK and VO pairs by hand, as index maps into the flat
-parameter vector (docs/spec.md §4.3), exactly like ``tests/_toy.py`` does for the toy model.
+symmetry map comes from ``gs.map_symmetries`` (the library's mapper).
 """
 
 from __future__ import annotations
@@ -13,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from transformers import BertConfig, BertForSequenceClassification
 
-from hf_geosharp.symmetry.base import PairBlock, SymmetryMap
+from hf_geosharp.symmetry import SymmetryMap, map_symmetries
 
 
 @dataclass(frozen=True)
@@ -76,29 +74,6 @@ def bert_batches(
     ]
 
 
-def bert_symmetry_map(model: BertForSequenceClassification) -> SymmetryMap:
-    """QK and VO pairs of every layer, q/k/v biases as an extra row (docs/spec.md §4.3); a block per kind and layer."""
-    smap = SymmetryMap.empty(model)
-    heads = model.config.num_attention_heads
-    h = model.config.hidden_size // heads
-
-    def factor(prefix: str) -> torch.Tensor:  # [heads, d + 1, h]: torch row-slices transposed, bias appended
-        W, b = smap.index_of(f"{prefix}.weight"), smap.index_of(f"{prefix}.bias")
-        return torch.cat([W.view(heads, h, -1).mT, b.view(heads, 1, h)], dim=1)
-
-    for layer in range(model.config.num_hidden_layers):
-        attn = f"bert.encoder.layer.{layer}.attention"
-        W_o = smap.index_of(f"{attn}.output.dense.weight")  # [d, heads * h]: head i owns columns i*h..(i+1)*h
-        O = W_o.view(W_o.shape[0], heads, h).permute(1, 0, 2)
-        smap.blocks.append(PairBlock("qk", f"{attn}.self", factor(f"{attn}.self.query"), factor(f"{attn}.self.key")))
-        smap.blocks.append(PairBlock("vo", f"{attn}.self", factor(f"{attn}.self.value"), O))
-    return smap
-
-
 def symmetry_map(model: BertForSequenceClassification) -> tuple[SymmetryMap, str]:
-    """The library's map when it maps the model, else :func:`bert_symmetry_map`; and which one was used."""
-    try:
-        from hf_geosharp.symmetry import map_symmetries  # type: ignore[attr-defined]
-    except ImportError:
-        return bert_symmetry_map(model), "benchmarks.models.bert_symmetry_map"
+    """The library's map of the model, and its source (recorded in the JSON results)."""
     return map_symmetries(model), "hf_geosharp.symmetry.map_symmetries"

@@ -11,7 +11,7 @@ from torch import nn
 import hf_geosharp as gs
 from hf_geosharp.symmetry.base import PairBlock, SymmetryMap
 
-from ._toy import ToyAttention, reparametrize_toy, toy_batches, toy_symmetry_map
+from .fixtures.toy import ToyAttention, reparametrize_toy, toy_batches, toy_symmetry_map
 
 RHO = 0.05
 COMMON = dict(steps=8, seed=0, progress=False)

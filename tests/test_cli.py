@@ -24,7 +24,7 @@ from hf_geosharp.data import (
     select_examples,
 )  # fmt: skip
 
-from .tiny_fixtures import (
+from .fixtures.hf_models import (
     one_thread,  # noqa: F401
     save_text_model,
     save_vision_model,
@@ -374,7 +374,7 @@ def test_third_party_log_lines_and_progress_bars_stay_out_of_the_output(tmp_path
         from hf_geosharp import cli
         cli.prepare("demo", logging.INFO)
         import datasets, transformers
-        from tiny_fixtures import tiny_bert
+        from fixtures.hf_models import tiny_bert
         tiny_bert().save_pretrained({str(tmp_path / "m")!r})                      # "Writing model shards" bar
         datasets.Dataset.from_dict({{"x": list(range(5))}}).map(lambda r: r)       # "Map" bar
         logging.getLogger("matplotlib.font_manager").info("generated new fontManager")

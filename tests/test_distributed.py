@@ -15,7 +15,7 @@ from accelerate import debug_launcher
 import hf_geosharp as gs
 from hf_geosharp import cli
 
-from .tiny_fixtures import one_thread, save_text_model, sentences, tiny_bert, tiny_tokenizer, write_csv  # noqa: F401
+from .fixtures.hf_models import one_thread, save_text_model, sentences, tiny_bert, tiny_tokenizer, write_csv  # noqa: F401
 
 SETTINGS = dict(rho=0.05, steps=3, seed=0)
 

@@ -13,7 +13,7 @@ import torch
 import hf_geosharp as gs
 from hf_geosharp.symmetry._flat import flat_vector, parameters_in_order
 
-from .tiny_fixtures import tiny_bert
+from .fixtures.hf_models import tiny_bert
 
 SCALES = (1e-2, 1e-1, 1.0, 10.0, 1e2)
 

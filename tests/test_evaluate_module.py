@@ -17,7 +17,7 @@ import torch
 import hf_geosharp as gs
 from hf_geosharp import register
 
-from .tiny_fixtures import one_thread, sentences, tiny_bert, tiny_tokenizer, tiny_vit  # noqa: F401
+from .fixtures.hf_models import one_thread, sentences, tiny_bert, tiny_tokenizer, tiny_vit  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[1]
 SETTINGS = dict(rho=0.05, mode="worst", steps=3, seed=0)
@@ -107,7 +107,7 @@ def test_bare_name_loads_in_a_fresh_process_from_any_directory(tmp_path):
         module = evaluate.load("geodesic_sharpness")
         cached = [m for m in sys.modules if "evaluate-measurement--geodesic_sharpness" in m]
         sys.path.insert(0, {str(REPO / "tests")!r})
-        from tiny_fixtures import tiny_bert
+        from fixtures.hf_models import tiny_bert
         data = json.load(open({str(tmp_path / "data.json")!r}))
         out = module.compute(model=tiny_bert(), **data, batch_size=4, metric="inv", baseline=False,
                              rho=0.05, steps=3, seed=0)

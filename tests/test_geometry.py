@@ -8,7 +8,6 @@ import torch
 
 from hf_geosharp.geometry.elementwise import ElementwiseGeometry
 from hf_geosharp.geometry.gl_quotient import GLQuotient
-from hf_geosharp.solver import as23_checkpoints
 
 K, N, M, H = 3, 7, 5, 3
 METRICS = ["inv", "mix"]
@@ -202,10 +201,6 @@ def test_elementwise_geometry_matches_adaptive_sharpness_conventions():
     assert torch.allclose(second[[0, 1, 3]], (xi**2 / (2 * w))[[0, 1, 3]])
 
 
-def test_as23_checkpoint_schedule():
-    assert as23_checkpoints(20) == [5, 9, 12, 15, 16, 18, 19, 20]
-
-
 # ---------------------------------------------------------------------- the covariant relaxation (epsilon > 0)
 EPS = 1e-2  # large, so that an O(epsilon) defect of the projection or of the invariance would show
 
@@ -315,3 +310,20 @@ def test_reduced_group_relaxed_projection_is_orthogonal(metric):
     cond = max(float(torch.linalg.cond(closed._P64).max()), float(torch.linalg.cond(closed._Q64).max()))
     tol = max(1e-9, 1e-13 * cond)
     assert torch.allclose(a[0], b[0], atol=tol) and torch.allclose(a[1], b[1], atol=tol)
+
+
+@pytest.mark.parametrize("metric", ["inv", "mix"])
+def test_closed_form_exp2_pullback_matches_autograd(metric):
+    g = torch.Generator().manual_seed(0)
+    pair = lambda: (torch.randn(3, 7, 4, generator=g, dtype=torch.float64),  # noqa: E731
+                    torch.randn(3, 5, 4, generator=g, dtype=torch.float64))
+    geo = GLQuotient(*pair(), metric, epsilon=1e-3)
+    xi, cot = pair(), pair()
+    leaves = tuple(x.clone().requires_grad_(True) for x in xi)
+    reference = geo.exp2_correction(leaves)
+    expected = torch.autograd.grad(reference, leaves, cot)
+    fast, pullback = geo.exp2_correction_with_pullback(xi)
+    for a, b in zip(fast, reference):
+        assert torch.allclose(a, b, rtol=1e-12, atol=1e-14)
+    for a, b in zip(pullback(cot, xi), expected):
+        assert torch.allclose(a, b, rtol=1e-12, atol=1e-14)

@@ -16,7 +16,7 @@ import hf_geosharp as gs
 from hf_geosharp.integrations import GeodesicSharpnessCallback, measure_trainer
 from hf_geosharp.measures import Settings
 
-from .tiny_fixtures import one_thread, sentences, tiny_tokenizer  # noqa: F401
+from .fixtures.hf_models import one_thread, sentences, tiny_tokenizer  # noqa: F401
 
 SETTINGS = Settings(rho=0.05, steps=2, seed=0)
 KEYS = ("geodesic_sharpness_inv", "adaptive_sharpness")

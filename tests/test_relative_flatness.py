@@ -12,7 +12,7 @@ from torch import nn
 import hf_geosharp as gs
 from hf_geosharp.relative_flatness import feature_layer, relative_flatness
 
-from .tiny_fixtures import tiny_bert
+from .fixtures.hf_models import tiny_bert
 
 
 class _Net(nn.Module):

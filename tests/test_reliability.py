@@ -3,9 +3,8 @@
 Every case is answered by a clear error or by a documented behaviour, and never by a damaged model: after each case
 the model's parameters and buffers are bit-identical, and ``requires_grad``, ``.grad``, train/eval modes, dtypes and
 devices are as before. The API cases are one table (:data:`API_CASES`); the CLI and evaluate cases reuse the bad inputs
-that can reach them. Also here: determinism (same seed, same bits) and the fast paths of the engine against their
-slow references (closed-form ``Exp2`` pullback vs autograd, strided gathers vs index gathers, the solver's
-Gram-matrix bookkeeping vs recomputed norms).
+that can reach them. Also here: determinism (same seed, same bits). The fast paths of the engine against their slow
+references are in test_geometry.py, test_perturbation_space.py and test_solver.py.
 
 Documented behaviours checked here (see also the docstrings of ``gs.geodesic_sharpness``):
 
@@ -41,49 +40,16 @@ import torch
 from torch import nn
 
 import hf_geosharp as gs
-from hf_geosharp.geometry.gl_quotient import GLQuotient
-from hf_geosharp.space import Factor, PerturbationSpace, SpaceOptions, _stack_alike
 from hf_geosharp.symmetry import map_symmetries
 
-from .tiny_fixtures import one_thread  # noqa: F401  (autouse: one torch thread for tiny models)
+from .fixtures.hf_models import one_thread  # noqa: F401  (autouse: one torch thread for tiny models)
+from .fixtures.intact import FAST, assert_intact, snapshot, tiny_batches, tiny_bert, token_ids
 
-FAST = dict(rho=0.05, steps=3, progress=False)
 ARANGE_4 = torch.tensor([0, 101, 102, 100])  # added to -100: labels [-100, 1, 2, 0]
 DENSE = "bert.encoder.layer.1.output.dense.weight"
 
 
 # ---------------------------------------------------------------------------------------------------- fixtures
-def tiny_bert(dtype: torch.dtype = torch.float64, dropout: float = 0.0, seed: int = 0, labels: int = 3) -> nn.Module:
-    """BertForSequenceClassification, hidden 32, 2 layers, 4 heads, vocab 100; non-zero biases so that every
-    coordinate can move (random init leaves biases at 0, which adaptive sharpness freezes)."""
-    from transformers import BertConfig, BertForSequenceClassification
-
-    torch.manual_seed(seed)
-    config = BertConfig(
-        vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-        max_position_embeddings=64, num_labels=labels, hidden_dropout_prob=dropout,
-        attention_probs_dropout_prob=dropout,
-    )  # fmt: skip
-    model = BertForSequenceClassification(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0.0, 0.02)
-    return model.to(dtype).eval()
-
-
-def tiny_batches(n: int = 2, rows: int = 4, length: int = 8, labels: int = 3, seed: int = 0) -> list[dict]:
-    g = torch.Generator().manual_seed(seed)
-    return [
-        {
-            "input_ids": torch.randint(0, 100, (rows, length), generator=g),
-            "attention_mask": torch.ones(rows, length, dtype=torch.long),
-            "labels": torch.randint(0, labels, (rows,), generator=g),
-        }
-        for _ in range(n)
-    ]
-
-
 def tiny_funnel() -> nn.Module:
     """A classifier whose attention (FunnelRelMultiheadAttention) the symmetry mapper does not know."""
     from transformers import FunnelConfig, FunnelForSequenceClassification
@@ -91,34 +57,6 @@ def tiny_funnel() -> nn.Module:
     torch.manual_seed(0)
     config = FunnelConfig(vocab_size=100, block_sizes=[1], d_model=32, n_head=4, d_head=8, d_inner=64, num_labels=3)
     return FunnelForSequenceClassification(config).double().eval()
-
-
-def snapshot(model: nn.Module) -> dict[str, Any]:
-    return {
-        "state": {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()},
-        "requires_grad": [p.requires_grad for p in model.parameters()],
-        "grad": [None if p.grad is None else p.grad.clone() for p in model.parameters()],
-        "training": [m.training for m in model.modules()],
-        "dtype_device": [(p.dtype, p.device) for p in model.parameters()],
-        "ids": [id(p) for p in model.parameters()],
-    }
-
-
-def assert_intact(model: nn.Module, snap: dict[str, Any]) -> None:
-    """Bit-exact weights and buffers, same Parameter objects, flags, grads, modes, dtypes and devices."""
-    state = model.state_dict(keep_vars=True)
-    assert state.keys() == snap["state"].keys()
-    for k, v in state.items():
-        v, before = v.detach(), snap["state"][k]
-        assert v.dtype == before.dtype and v.shape == before.shape, k
-        if not v.is_meta:  # NaN != NaN, so compare the NaN pattern and the rest separately
-            assert torch.equal(v.isnan(), before.isnan()) and torch.equal(v.nan_to_num(), before.nan_to_num()), k
-    assert [id(p) for p in model.parameters()] == snap["ids"]
-    assert [p.requires_grad for p in model.parameters()] == snap["requires_grad"]
-    for p, g in zip(model.parameters(), snap["grad"]):
-        assert (p.grad is None and g is None) or torch.equal(p.grad, g)
-    assert [m.training for m in model.modules()] == snap["training"]
-    assert [(p.dtype, p.device) for p in model.parameters()] == snap["dtype_device"]
 
 
 # ---------------------------------------------------------------------------------------------------- the API table
@@ -471,144 +409,6 @@ def test_same_seed_same_bits_on_fresh_models(measure):
 
 
 # ---------------------------------------------------------------------------------------------------- fast paths
-@pytest.mark.parametrize("metric", ["inv", "mix"])
-def test_closed_form_exp2_pullback_matches_autograd(metric):
-    g = torch.Generator().manual_seed(0)
-    pair = lambda: (torch.randn(3, 7, 4, generator=g, dtype=torch.float64),  # noqa: E731
-                    torch.randn(3, 5, 4, generator=g, dtype=torch.float64))
-    geo = GLQuotient(*pair(), metric, epsilon=1e-3)
-    xi, cot = pair(), pair()
-    leaves = tuple(x.clone().requires_grad_(True) for x in xi)
-    reference = geo.exp2_correction(leaves)
-    expected = torch.autograd.grad(reference, leaves, cot)
-    fast, pullback = geo.exp2_correction_with_pullback(xi)
-    for a, b in zip(fast, reference):
-        assert torch.allclose(a, b, rtol=1e-12, atol=1e-14)
-    for a, b in zip(pullback(cot, xi), expected):
-        assert torch.allclose(a, b, rtol=1e-12, atol=1e-14)
-
-
-def test_strided_gathers_and_scatters_match_index_operations():
-    model = tiny_bert()
-    smap = map_symmetries(model)
-    x = torch.randn(smap.n_params, dtype=torch.float64)
-    strided = 0
-    for gi, hi, _ in _stack_alike(smap.blocks):
-        for index in (gi, hi):
-            fast = Factor.of(index, x.device)
-            slow = Factor(index.shape, None, index.reshape(-1))
-            strided += fast.pieces is not None
-            rows = torch.stack([x, x + 1])[1]  # a view with a storage offset, like the solver's buffer rows
-            assert torch.equal(fast.gather(rows), slow.gather(rows))
-            value = torch.randn(fast.shape, dtype=torch.float64)
-            for op in ("write", "add"):
-                a, b = x.clone(), x.clone()
-                getattr(fast, op)(a, value)
-                getattr(slow, op)(b, value)
-                assert torch.equal(a, b)
-    assert strided > 0
-
-
-@pytest.mark.parametrize("riemannian_norm", [True, False])
-@pytest.mark.parametrize("metric", ["inv", "mix"])
-def test_ascent_direction_matches_metric_inner_products(metric, riemannian_norm):
-    """The solver's step direction and its Gram row from ``ascent_direction`` (``<R e, v>_g = <e, v>`` for horizontal
-    ``v``, ``<d, d>_g`` summed block by block) equal the Riemannian gradient and full metric inner products, also when
-    the gradient is consumed in place (epsilon = 0)."""
-    model = tiny_bert()
-    theta0 = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    options = SpaceOptions(metric, epsilon=0.0, riemannian_norm=riemannian_norm)
-    space = PerturbationSpace(theta0, map_symmetries(model).blocks, options)
-    space.elementwise.CHUNK = 1000  # several blocks even on a tiny model
-    g = torch.Generator().manual_seed(0)
-    egrad = torch.randn(theta0.shape, generator=g, dtype=torch.float64)
-    reference = space.riemannian_gradient(egrad)
-    vectors = torch.stack([space.horizontal(torch.randn(theta0.shape, generator=g, dtype=torch.float64)) for _ in "ab"])
-    slow = [float(space.inner_product(reference, v)) for v in vectors]
-    for in_place in (False, True):
-        e = egrad.clone()
-        out = e if in_place else torch.empty_like(e)
-        d, square, fast = space.ascent_direction(e, vectors, out=out)
-        assert d is out
-        assert torch.allclose(d, reference, rtol=1e-12, atol=1e-15)
-        assert square == pytest.approx(float(space.inner_product(reference, reference)), rel=1e-9)
-        assert fast == pytest.approx(slow, rel=1e-9)
-        assert not in_place or not torch.equal(e, egrad)  # the gradient was consumed, not copied
-
-
-@pytest.mark.parametrize("metric", ["inv", "mix"])
-def test_pair_temporaries_carved_from_idle_buffers_change_no_bit(metric):
-    """Directions, geodesic points and pullbacks are bit-identical whether their pair temporaries are fresh, carved
-    from a large idle buffer, or partly carved from one too small to hold them all."""
-    model = tiny_bert()
-    theta0 = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    space = PerturbationSpace(theta0, map_symmetries(model).blocks, SpaceOptions(metric, epsilon=0.0))
-    g = torch.Generator().manual_seed(0)
-    egrad, cotangent = (torch.randn(theta0.shape, generator=g, dtype=torch.float64) for _ in "ab")
-    xi = space.horizontal(1e-2 * torch.randn(theta0.shape, generator=g, dtype=torch.float64))
-    vectors = xi[None]
-    pair_size = sum(group.g.shape.numel() + group.h.shape.numel() for group in space.pairs)
-    results = []
-    nan = float("nan")
-    for idle in (None, torch.full_like(theta0, nan), torch.full((pair_size + 7,), nan, dtype=torch.float64)):
-        space.lend(idle)
-        d, square, products = space.ascent_direction(egrad.clone(), vectors, out=torch.empty_like(theta0))
-        point, grad = torch.empty_like(theta0), cotangent.clone()
-        space.exp_point(xi, point, True, idle=None if idle is None else idle.clone())(grad, idle=idle)
-        results.append((d, square, products, point, grad))
-    for other in results[1:]:
-        assert all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in zip(results[0], other))
-
-
-def test_blocked_ellipsoid_projection_matches_the_reference_formula(monkeypatch):
-    """AS23's projection, evaluated block by block, against the reference's whole-vector formula (docs/spec.md §5.1)."""
-    from hf_geosharp import solver
-
-    monkeypatch.setattr(solver, "_BLOCK", 1000)  # many blocks, and a ragged last one
-    g = torch.Generator().manual_seed(0)
-    w = torch.randn(10_500, generator=g, dtype=torch.float64)
-    w[::7] = 0.0  # frozen coordinates: 1/|w| = 0
-    inv = torch.where(w != 0, 1.0 / w.abs().clamp_min(1e-300), 0.0)
-    for scale, rho in ((0.01, 0.5), (1.0, 0.5), (5.0, 0.05)):
-        delta = scale * torch.randn(w.shape, generator=g, dtype=torch.float64) * w.abs()
-        expected = delta.clone()
-        norm = lambda lmbd, expected=expected: float((expected / (1 + 2 * lmbd * inv**2) * inv).norm())  # noqa: E731
-        new_norm, lmbd, lo, hi, limit, used = norm(0.0), 0.1, 0.0, 10.0, 10.0, None
-        while norm(0.0) > rho and abs(new_norm - rho) > 1e-5:
-            used, new_norm = lmbd, norm(lmbd)
-            lmbd, lo, hi = ((lmbd + hi) / 2, lmbd, hi) if new_norm > rho else ((lo + lmbd) / 2, lo, lmbd)
-            if limit - hi < 1e-2:
-                limit, hi = 2 * limit, 2 * hi
-        if used is not None:
-            expected = expected / (1 + 2 * used * inv**2)
-        got = solver._ellipsoid_projection(delta.clone(), inv, rho)
-        assert torch.allclose(got, expected, rtol=1e-12, atol=0)
-        assert float((got * inv).norm()) <= rho + 1e-5
-
-
-def test_solver_bookkeeping_keeps_iterates_in_the_ball():
-    """Iterates never leave the ball, and the best iterate's norm from the Gram bookkeeping is its real norm."""
-    from hf_geosharp import api
-    from hf_geosharp.solver import apgd
-
-    model = tiny_bert()
-    names, params, theta0 = api._flat_parameters(model)
-    space = PerturbationSpace(theta0, map_symmetries(model).blocks, SpaceOptions("inv", epsilon=0.0))
-    objective = api._Objective(model, names, params, space, api._default_loss, 0.5)
-    objective.batch = tiny_batches(1)[0]
-    seen: list[tuple[float, float]] = []
-
-    def recording(xi, need_grad, out=None):
-        loss, grad = objective(xi, need_grad, out=out)
-        seen.append((loss, float(space.norm(xi))))
-        return loss, grad
-
-    result = apgd(space, recording, rho=0.5, steps=8)
-    assert max(norm for _, norm in seen) <= 0.5 * (1 + 1e-9)
-    best = next(norm for loss, norm in seen if loss == result.max_loss)
-    assert result.best_norm == pytest.approx(best, rel=1e-9, abs=1e-12)
-
-
 # ---------------------------------------------------------------------------------------------------- CLI
 def _digest(folder: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()}
@@ -616,8 +416,8 @@ def _digest(folder: Path) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def cli_files(tmp_path_factory):
-    from .tiny_fixtures import save_text_model, tiny_tokenizer, write_csv
-    from .tiny_fixtures import tiny_bert as fixture_bert
+    from .fixtures.hf_models import save_text_model, tiny_tokenizer, write_csv
+    from .fixtures.hf_models import tiny_bert as fixture_bert
 
     root = tmp_path_factory.mktemp("reliability-cli")
     nan_model = fixture_bert()
@@ -669,22 +469,18 @@ def test_cli_refuses_bad_numbers_as_usage_errors(argv, message, cli_files, capsy
 
 
 # ---------------------------------------------------------------------------------------------------- evaluate module
-def _ids(rows: int = 6, length: int = 7) -> list[list[int]]:
-    g = torch.Generator().manual_seed(3)
-    return torch.randint(5, 100, (rows, length), generator=g).tolist()
-
-
 EVALUATE_CASES = [
-    ("label-out-of-range", lambda m: dict(model=m, input_ids=_ids(), labels=[0, 1, 2, 9, 0, 1]), ValueError,
+    ("label-out-of-range", lambda m: dict(model=m, input_ids=token_ids(), labels=[0, 1, 2, 9, 0, 1]), ValueError,
      "has label 9"),
-    ("labels-missing", lambda m: dict(model=m, input_ids=_ids()), ValueError, "labels= is missing"),
-    ("model-and-model-id", lambda m: dict(model=m, model_id="x", input_ids=_ids(), labels=[0] * 6), ValueError,
+    ("labels-missing", lambda m: dict(model=m, input_ids=token_ids()), ValueError, "labels= is missing"),
+    ("model-and-model-id", lambda m: dict(model=m, model_id="x", input_ids=token_ids(), labels=[0] * 6), ValueError,
      "exactly one"),
-    ("metric-unknown", lambda m: dict(model=m, input_ids=_ids(), labels=[0] * 6, metric="euclid"), ValueError,
+    ("metric-unknown", lambda m: dict(model=m, input_ids=token_ids(), labels=[0] * 6, metric="euclid"), ValueError,
      "metric="),
-    ("rho-negative", lambda m: dict(model=m, input_ids=_ids(), labels=[0] * 6, rho=-1.0), ValueError, "rho must be"),
+    ("rho-negative", lambda m: dict(model=m, input_ids=token_ids(), labels=[0] * 6, rho=-1.0), ValueError,
+     "rho must be"),
     ("nan-weights", lambda m: (set_param("classifier.bias", lambda p: p.__setitem__(0, float("nan")))(m),
-                               dict(model=m, input_ids=_ids(), labels=[0] * 6))[1], ValueError, "classifier.bias"),
+                               dict(model=m, input_ids=token_ids(), labels=[0] * 6))[1], ValueError, "classifier.bias"),
 ]
 
 
@@ -703,7 +499,7 @@ def test_evaluate_module_pads_ragged_token_lists_and_leaves_the_model_alone(meas
     model = tiny_bert()
     model.train()
     snap = snapshot(model)
-    rows = [r[: 3 + i] for i, r in enumerate(_ids())]  # lengths 3..8: padded per batch (documented)
+    rows = [r[: 3 + i] for i, r in enumerate(token_ids())]  # lengths 3..8: padded per batch (documented)
     out = measurement.compute(model=model, input_ids=rows, labels=[0, 1, 2, 0, 1, 2], steps=2, batch_size=3, rho=0.05)
     assert math.isfinite(out["geodesic_sharpness_inv"]) and len(out["geodesic_sharpness_inv_per_batch"]) == 2
     assert_intact(model, snap)

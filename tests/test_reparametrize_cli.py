@@ -11,7 +11,7 @@ import torch
 import transformers as tf
 
 from hf_geosharp.cli import main
-from tests.tiny_fixtures import save_text_model, tiny_tokenizer, write_csv
+from tests.fixtures.hf_models import save_text_model, tiny_tokenizer, write_csv
 
 
 def _logits(folder: Path, texts: list[str]) -> torch.Tensor:

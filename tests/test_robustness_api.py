@@ -16,8 +16,8 @@ from torch import nn
 
 import hf_geosharp as gs
 
-from .test_reliability import FAST, _ids, assert_intact, snapshot, tiny_batches, tiny_bert
-from .tiny_fixtures import one_thread  # noqa: F401  (autouse: one torch thread for tiny models)
+from .fixtures.hf_models import one_thread  # noqa: F401  (autouse: one torch thread for tiny models)
+from .fixtures.intact import FAST, assert_intact, snapshot, tiny_batches, tiny_bert, token_ids
 
 
 def config_state(model: nn.Module) -> dict:
@@ -178,19 +178,19 @@ def test_random_models_repeat_for_a_seed_and_leave_the_callers_rng_alone():
 
 
 # ------------------------------------------------------------------------------------- evaluate module
-# (the `measurement` fixture is in conftest.py; the token ids `_ids` come from test_reliability)
+# (the `measurement` fixture is in conftest.py; the token ids `token_ids` come from fixtures/intact.py)
 
 
 @pytest.mark.parametrize("batch_size", [0, -1, 2.5, True])
 def test_evaluate_refuses_bad_batch_sizes(measurement, batch_size):
     with pytest.raises(ValueError, match="batch_size must be a positive integer"):
-        measurement.compute(model=tiny_bert(), input_ids=_ids(), labels=[0, 1, 2, 0, 1, 2], batch_size=batch_size,
+        measurement.compute(model=tiny_bert(), input_ids=token_ids(), labels=[0, 1, 2, 0, 1, 2], batch_size=batch_size,
                             steps=2)
 
 
 def test_evaluate_refuses_an_attention_mask_shorter_than_its_tokens(measurement):
     """Padding the mask with zeros would drop the tokens it does not cover, silently."""
-    ids = _ids()
+    ids = token_ids()
     mask = [[1] * len(r) for r in ids]
     mask[2] = mask[2][:4]
     model = tiny_bert()
@@ -202,13 +202,13 @@ def test_evaluate_refuses_an_attention_mask_shorter_than_its_tokens(measurement)
 
 def test_evaluate_refuses_a_string_model(measurement):
     with pytest.raises((TypeError, ValueError), match="model"):
-        measurement.compute(model="some string", input_ids=_ids(), labels=[0, 1, 2, 0, 1, 2], steps=2)
+        measurement.compute(model="some string", input_ids=token_ids(), labels=[0, 1, 2, 0, 1, 2], steps=2)
 
 
 def test_evaluate_regression_labels_give_the_true_clean_loss(measurement):
     """Float targets must reach the model as floats: truncated to integers, the clean loss would be another number."""
     model = tiny_bert(labels=1)
-    ids = _ids()
+    ids = token_ids()
     targets = [2.7, -1.4, 0.55, 3.9, -2.25, 1.35]
     with torch.no_grad():
         true = float(model(input_ids=torch.tensor(ids), labels=torch.tensor(targets, dtype=torch.float64)).loss)

@@ -24,7 +24,7 @@ import torch
 
 from hf_geosharp import cli
 
-from .tiny_fixtures import one_thread, save_text_model, write_csv  # noqa: F401  (one_thread: autouse)
+from .fixtures.hf_models import one_thread, save_text_model, write_csv  # noqa: F401  (one_thread: autouse)
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = ["--n-examples", "8", "--batch-size", "4", "--steps", "2", "--rho", "0.05", "--quiet"]

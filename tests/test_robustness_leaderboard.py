@@ -17,7 +17,7 @@ from hf_geosharp import cli
 from hf_geosharp.data import DataSpec
 from hf_geosharp.store import LOCK_FILE, STORE_FILE, data_identity, model_identity, output_lock
 
-from .tiny_fixtures import one_thread, save_text_model, write_csv  # noqa: F401  (one_thread: autouse)
+from .fixtures.hf_models import one_thread, save_text_model, write_csv  # noqa: F401  (one_thread: autouse)
 
 FAST = ["--n-examples", "8", "--batch-size", "4", "--steps", "2", "--quiet"]
 

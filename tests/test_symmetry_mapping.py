@@ -7,7 +7,8 @@ import torch
 import transformers as tf
 
 from hf_geosharp.symmetry import map_symmetries, reparametrize
-from hf_geosharp.symmetry.tiny import ARCHITECTURES, build
+
+from .fixtures.architectures import ARCHITECTURES, build
 
 # transformers casts q and k to float32 inside GPT-J's and GPT-Neo's eager attention, even for float64 models
 FLOAT32_INSIDE = {"gptj_interleaved": 1e-5, "gpt_neo": 1e-5}
@@ -76,7 +77,8 @@ def _orbit(n_modules: int, heads: int, kv: int, d: int, rotary: int | None, qk: 
     return n_modules * kv * qk, n_modules * kv, n_modules * kv * (qk_dim + d * d)
 
 
-# (attention modules, heads, KV heads, head_dim, rotary dims, QK mapped) read off the configs in symmetry/tiny.py
+# (attention modules, heads, KV heads, head_dim, rotary dims, QK mapped) read off the configs in
+# tests/fixtures/architectures.py
 EXPECTED = {
     "bert": _orbit(1, 2, 2, 8, None),
     "albert": _orbit(1, 2, 2, 8, None),  # two layers, one shared attention module

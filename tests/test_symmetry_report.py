@@ -11,7 +11,8 @@ import transformers as tf
 from hf_geosharp import cli
 from hf_geosharp.symmetry import map_symmetries
 from hf_geosharp.symmetry.report import format_report
-from hf_geosharp.symmetry.tiny import build
+
+from .fixtures.architectures import build
 
 
 def test_conditioning_matches_the_weights_and_flags_near_singular_heads():

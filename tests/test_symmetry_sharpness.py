@@ -6,7 +6,8 @@ import pytest
 
 import hf_geosharp as gs
 from hf_geosharp.symmetry import reparametrize
-from hf_geosharp.symmetry.tiny import build
+
+from .fixtures.architectures import build
 
 # one per layout family (every layout passes; the subset keeps the suite fast): separate q/k/v, Conv1D, GQA + RoPE
 # commutant, interleaved fused + partial rotary, Falcon grouped, fused blocks + GQA + partial rotary, encoder-decoder
