@@ -61,7 +61,7 @@ class ShardedObjective(Objective):
             if not isinstance(loss, Tensor) or loss.numel() != 1:
                 raise TypeError("The loss must be a scalar tensor (a mean over the batch).")
             value, scale = self._batch_loss(loss)
-            value = self._checked_value(torch.tensor(value), xi)
+            value = self._checked_value(torch.tensor(value, dtype=torch.float64), xi)
             if not need_grad:
                 return value, None
             if not self.graph_checked:
