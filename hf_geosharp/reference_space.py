@@ -98,6 +98,8 @@ class ReferenceSpace:
         options: the same :class:`~hf_geosharp.space.SpaceOptions` as the space under test (default: the defaults).
         movable: ``[N]`` bool, the coordinates that may be perturbed (default: all); a block with a frozen
             coordinate is measured elementwise, as in the fast space.
+
+    There is no sampler: the tests check the fast space's samples with :meth:`horizontal` instead.
     """
 
     def __init__(
@@ -200,7 +202,7 @@ class ReferenceSpace:
         return out.copy_(d), max(float(self.inner_product(d, d)), 0.0), products
 
     # ------------------------------------------------------------------ geodesics
-    def christoffel(self, head: _Head, xi: Tensor) -> Tensor:
+    def _christoffel(self, head: _Head, xi: Tensor) -> Tensor:
         """``Gamma(xi, xi)`` of one head at the base point, from the metric field by autograd; differentiable in
         ``xi``. ``(D_xi M) xi`` is a Jacobian-vector product made of two vector-Jacobian products."""
         with torch.enable_grad():
@@ -232,7 +234,7 @@ class ReferenceSpace:
             point = point + correction
         if self.options.second_order:
             for head in self.heads:
-                point = point.index_add(0, head.index, -0.5 * self.christoffel(head, xi[head.index]))
+                point = point.index_add(0, head.index, -0.5 * self._christoffel(head, xi[head.index]))
         return point
 
     def exp_point(self, xi: Tensor, out: Tensor, need_grad: bool) -> Pullback | None:
