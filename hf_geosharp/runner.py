@@ -150,8 +150,9 @@ def _build(
     base = [p for p, c in zip(params, covered) if c] or params[:1]
     blocks = _remap(blocks, sizes, covered)
     dtype = torch.promote_types(torch.float32, max((p.dtype for p in base), key=lambda d: torch.finfo(d).bits))
+    ids = [i for i, c in enumerate(covered) if c] or [0]
     space = PerturbationSpace(base, blocks, settings.options or SpaceOptions(metric=None), movable, settings.seed,
-                              workspace=Workspace(dtype, base[0].device))
+                              workspace=Workspace(dtype, base[0].device), segment_ids=ids)
     kept = [n for n, c in zip(names, covered) if c] or names[:1]
     return space, Objective(model, kept, base, space, loss_fn, settings.rho)
 
