@@ -107,9 +107,9 @@ class SharedRows:
         """Write the full shared rows of ``x`` (this rank's entries plus everyone else's) into ``out``."""
         where = self.positions[heads]
         mine = where >= 0
-        out.zero_()
-        out[mine] = x[where[mine]]
-        self.reduce(out)
+        rows = torch.zeros(where.shape, dtype=out.dtype, device=out.device)  # contiguous, as collectives need
+        rows[mine] = x[where[mine]]
+        out.copy_(self.reduce(rows))
 
     def write(self, out: Tensor, value: Tensor, heads: slice, add: bool) -> None:
         where = self.positions[heads]
