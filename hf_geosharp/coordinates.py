@@ -83,7 +83,7 @@ def strided_pieces(index: Tensor, min_elements: int = 256) -> list[Piece] | None
 
 
 def _merge_heads(offsets: list[int], r0: int, r1: int, m: int, s_r: int, s_c: int) -> list[Piece | None]:
-    """Boxes of rows ``r0:r1`` for runs of heads whose offsets form an arithmetic progression (None: a negative step)."""
+    """Boxes of rows ``r0:r1`` for runs of heads whose offsets step evenly (None where a step is negative)."""
     pieces: list[Piece | None] = []
     K, k0 = len(offsets), 0
     for k in range(1, K + 1):

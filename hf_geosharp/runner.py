@@ -21,12 +21,13 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from . import __version__
+from .as23 import apgd_as23
 from .checks import Steps, check_inputs
 from .objective import LossFn, Objective, default_loss, measured_parameters, preserved_model_state, to_device
 from .result import SharpnessResult, average_stderr, batch_stderr, warn_not_converged
 from .sharded_run import build_sharded
 from .sharding import ShardedLayout, fsdp_state
-from .solver import AUTO_MAX_STEPS, CONVERGENCE_TOL, SolveResult, StepNormalization, apgd, apgd_as23, average_case
+from .solver import AUTO_MAX_STEPS, CONVERGENCE_TOL, SolveResult, StepNormalization, apgd, average_case
 from .space import PerturbationSpace, SpaceOptions
 from .symmetry.base import PairBlock, SymmetryMap
 from .workspace import Workspace

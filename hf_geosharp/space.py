@@ -91,7 +91,8 @@ class PairGroup:
 
     def gather(self, x: Tensor, ws: Workspace, heads: slice) -> Pair:
         """This group's coordinates of the flat vector ``x`` for ``heads``, in workspace tensors."""
-        return self.g.gather(x, ws.take(self.g.rows(heads)), heads), self.h.gather(x, ws.take(self.h.rows(heads)), heads)
+        g, h = self.g, self.h
+        return g.gather(x, ws.take(g.rows(heads)), heads), h.gather(x, ws.take(h.rows(heads)), heads)
 
     def write(self, out: Tensor, pair: Pair, heads: slice, add: bool = False) -> None:
         self.g.write(out, pair[0], heads, add)
@@ -140,7 +141,8 @@ class PerturbationSpace:
         self._base_sizes = [b.numel() for b in self.base]
         self.segment_ids = list(range(len(self.base))) if segment_ids is None else list(segment_ids)
         self.options, self.shard, self.numel = options, shard, sum(self._base_sizes)
-        self.dtype = torch.promote_types(torch.float32, max((b.dtype for b in self.base), key=lambda d: torch.finfo(d).bits))
+        widest = max((b.dtype for b in self.base), key=lambda d: torch.finfo(d).bits)
+        self.dtype = torch.promote_types(torch.float32, widest)
         self.device = self.base[0].device
         self.workspace = workspace or Workspace(self.dtype, self.device)
         self._reduce = shard.all_reduce if shard is not None else _identity
