@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 import hf_geosharp as gs
-from hf_geosharp.solver import _Pool
+from hf_geosharp.solver import Pool
 from hf_geosharp.space import PerturbationSpace, SpaceOptions
 from hf_geosharp.symmetry.base import PairBlock
 
@@ -46,7 +46,7 @@ def geometry_step_seconds(space: PerturbationSpace, device: str, repeats: int) -
     g = torch.Generator().manual_seed(1)
     like = space.zero()
     egrad = torch.randn(space.numel, generator=g).to(like)
-    pool = _Pool(like, 5)
+    pool = Pool(like, 5)
     xi, xi_prev, d = pool.free(), pool.rows[1], pool.rows[2]
     xi.copy_(space.project(1e-3 * torch.randn(space.numel, generator=g).to(like), 0.1))
     xi_prev.copy_(xi)

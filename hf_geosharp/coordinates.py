@@ -83,7 +83,7 @@ def strided_pieces(index: Tensor, min_elements: int = 256) -> list[Piece] | None
 
 
 def _merge_heads(offsets: list[int], r0: int, r1: int, m: int, s_r: int, s_c: int) -> list[Piece | None]:
-    """Boxes of rows ``r0:r1`` for runs of heads whose offsets form an arithmetic progression (None: a negative step)."""
+    """Boxes of rows ``r0:r1`` for runs of heads whose offsets step evenly (None where a step is negative)."""
     pieces: list[Piece | None] = []
     K, k0 = len(offsets), 0
     for k in range(1, K + 1):
@@ -107,9 +107,9 @@ class SharedRows:
         """Write the full shared rows of ``x`` (this rank's entries plus everyone else's) into ``out``."""
         where = self.positions[heads]
         mine = where >= 0
-        out.zero_()
-        out[mine] = x[where[mine]]
-        self.reduce(out)
+        rows = torch.zeros(where.shape, dtype=out.dtype, device=out.device)  # contiguous, as collectives need
+        rows[mine] = x[where[mine]]
+        out.copy_(self.reduce(rows))
 
     def write(self, out: Tensor, value: Tensor, heads: slice, add: bool) -> None:
         where = self.positions[heads]

@@ -246,7 +246,8 @@ def _aliased(flat: Tensor, offset: int, shape: torch.Size) -> Tensor:
     for size in reversed(shape):
         strides.append(step)
         step *= size
-    return flat.new_empty(0).set_(flat.untyped_storage(), flat.storage_offset() + offset, shape, tuple(reversed(strides)))
+    storage, start = flat.untyped_storage(), flat.storage_offset() + offset
+    return flat.new_empty(0).set_(storage, start, shape, tuple(reversed(strides)))
 
 
 def refuse_reentrant_checkpointing(loss: Tensor) -> None:

@@ -21,10 +21,13 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from . import __version__
+from .as23 import apgd_as23
 from .checks import Steps, check_inputs
 from .objective import LossFn, Objective, default_loss, measured_parameters, preserved_model_state, to_device
 from .result import SharpnessResult, average_stderr, batch_stderr, warn_not_converged
-from .solver import AUTO_MAX_STEPS, CONVERGENCE_TOL, SolveResult, StepNormalization, apgd, apgd_as23, average_case
+from .sharded_run import build_sharded
+from .sharding import ShardedLayout, fsdp_state
+from .solver import AUTO_MAX_STEPS, CONVERGENCE_TOL, SolveResult, StepNormalization, apgd, average_case
 from .space import PerturbationSpace, SpaceOptions
 from .symmetry.base import PairBlock, SymmetryMap
 from .workspace import Workspace
@@ -108,6 +111,9 @@ def run(
 ) -> SharpnessResult:
     """Measure ``settings.measure`` of ``model`` on ``batches`` (see :func:`hf_geosharp.geodesic_sharpness`)."""
     batches = check_inputs(model, batches)
+    layout = fsdp_state(model)
+    if layout is not None:
+        return _run_sharded(model, layout, batches, settings, loss_fn or default_loss, progress, symmetry_map)
     rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator is not None else (0, 1)
     with preserved_model_state(model):
         space, objective = _build(model, settings, symmetry_map, loss_fn or default_loss)
@@ -123,6 +129,20 @@ def run(
             merged.update(part)
         results = merged
     return _result(settings, [results[i] for i in range(len(batches))], world)
+
+
+def _run_sharded(model: nn.Module, layout: ShardedLayout, batches: list[Any], settings: RunSettings,
+                 loss_fn: LossFn, progress: bool, symmetry_map: SymmetryMap | None) -> SharpnessResult:
+    """Every rank solves every batch together (see :mod:`hf_geosharp.sharded_run`) and returns the full result."""
+    with preserved_model_state(model):
+        names, params = measured_parameters(model)
+        blocks = _pair_blocks(model, names, settings, symmetry_map)
+        space, objective = build_sharded(model, layout, settings, blocks, loss_fn, batches)
+        logger.info("%s: %d GL pairs, %s parameters on this rank of %d, %d batch%s", settings.measure,
+                    space.n_pairs, f"{space.numel:,}", layout.world, len(batches), "" if len(batches) == 1 else "es")
+        results = _solve_batches(space, objective, settings, batches, range(len(batches)),
+                                 progress and layout.rank == 0)
+    return _result(settings, [results[i] for i in range(len(batches))], layout.world)
 
 
 def _build(
@@ -150,8 +170,9 @@ def _build(
     base = [p for p, c in zip(params, covered) if c] or params[:1]
     blocks = _remap(blocks, sizes, covered)
     dtype = torch.promote_types(torch.float32, max((p.dtype for p in base), key=lambda d: torch.finfo(d).bits))
+    ids = [i for i, c in enumerate(covered) if c] or [0]
     space = PerturbationSpace(base, blocks, settings.options or SpaceOptions(metric=None), movable, settings.seed,
-                              workspace=Workspace(dtype, base[0].device))
+                              workspace=Workspace(dtype, base[0].device), segment_ids=ids)
     kept = [n for n, c in zip(names, covered) if c] or names[:1]
     return space, Objective(model, kept, base, space, loss_fn, settings.rho)
 

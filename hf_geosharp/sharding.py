@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from .coordinates import Factor, SharedRows
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["ShardedLayout", "fsdp_state", "shard_model"]
@@ -171,6 +173,36 @@ class ShardedLayout:
         owner = b // chunk
         local = t["l_off"][p] + (a * chunk + b % chunk) * inner + c
         return owner.to(global_index.device), local.to(global_index.device)
+
+    def pair_factors(self, index: Tensor, device: torch.device) -> tuple[Factor, int, Tensor, int]:
+        """This rank's part of a pair factor given by global indices ``[k, n, h]``: ``(factor, rows it counts in
+        sums, the global row of each local row, n)``.
+
+        A row (an index along ``n``, across all heads) is this rank's when every entry of it, in every head, is
+        stored here; it is absent when every entry is stored on one other rank; otherwise it is shared (a head cut
+        by a shard boundary, a bias row split like its weight): assembled on every rank, counted by rank 0."""
+        owner, local = self.localize(index)
+        owner, local = owner.cpu(), local.cpu()
+        flat = owner.permute(1, 0, 2).reshape(index.shape[1], -1)
+        mine = (flat == self.rank).all(1)
+        single = (flat == flat[:, :1]).all(1)
+        own_rows = mine.nonzero().flatten()
+        shared_rows = (~single).nonzero().flatten()
+        positions = torch.where(owner == self.rank, local, -1)[:, shared_rows].to(device)
+        shared = SharedRows(positions, self.all_reduce) if len(shared_rows) else None
+        factor = Factor.of(local[:, own_rows], device, shared)
+        counted = len(own_rows) + (len(shared_rows) if self.rank == 0 else 0)
+        return factor, counted, torch.cat([own_rows, shared_rows]), index.shape[1]
+
+    def local_part(self, i: int, full: Tensor) -> Tensor:
+        """Parameter ``i``'s local padded shard of ``full`` (the whole parameter, any layout-independent values)."""
+        fp, shape = self._fsdp[i], self.global_shapes[i]
+        d = fp.fsdp_placement.dim
+        pieces = full.reshape(shape).chunk(self.world, dim=d) if len(shape) else (full,)
+        out = full.new_zeros(fp.padded_sharded_param_size)
+        if self.rank < len(pieces):
+            out.narrow(d, 0, pieces[self.rank].shape[d]).copy_(pieces[self.rank])
+        return out.reshape(-1)
 
     def _check_flat(self, t: Tensor, what: str) -> None:
         if t.dim() != 1 or t.numel() != self.numel:

@@ -72,10 +72,11 @@ class Shard(Protocol):
     """What a sharded run tells the space (implemented by :class:`hf_geosharp.sharding.ShardedLayout`)."""
 
     rank: int
+    global_shapes: list[torch.Size]
 
     def all_reduce(self, t: Tensor) -> Tensor: ...
     def pair_factors(self, index: Tensor, device: torch.device) -> tuple[Factor, int, Tensor, int]: ...
-    def draw(self, segment: int, generator: torch.Generator | None) -> Tensor: ...
+    def local_part(self, i: int, full: Tensor) -> Tensor: ...
 
 
 @dataclass
@@ -90,7 +91,8 @@ class PairGroup:
 
     def gather(self, x: Tensor, ws: Workspace, heads: slice) -> Pair:
         """This group's coordinates of the flat vector ``x`` for ``heads``, in workspace tensors."""
-        return self.g.gather(x, ws.take(self.g.rows(heads)), heads), self.h.gather(x, ws.take(self.h.rows(heads)), heads)
+        g, h = self.g, self.h
+        return g.gather(x, ws.take(g.rows(heads)), heads), h.gather(x, ws.take(h.rows(heads)), heads)
 
     def write(self, out: Tensor, pair: Pair, heads: slice, add: bool = False) -> None:
         self.g.write(out, pair[0], heads, add)
@@ -119,6 +121,9 @@ class PerturbationSpace:
         probe_seed: seed of the fixed probe used by the equivariant Gaussian sampler.
         workspace: the scratch memory of the geometry (default: a new :class:`Workspace`).
         shard: for sharded runs; ``blocks`` then index the unsharded parameters.
+        segment_ids: which parameter of the model each segment of ``base`` is (default: 0, 1, ...); random
+            directions are drawn per parameter from it, so they do not depend on which parameters are measured or on
+            how they are sharded.
     """
 
     def __init__(
@@ -130,11 +135,14 @@ class PerturbationSpace:
         probe_seed: int = 0,
         workspace: Workspace | None = None,
         shard: Shard | None = None,
+        segment_ids: list[int] | None = None,
     ) -> None:
         self.base = [base.detach().reshape(-1)] if isinstance(base, Tensor) else [b.detach().reshape(-1) for b in base]
         self._base_sizes = [b.numel() for b in self.base]
+        self.segment_ids = list(range(len(self.base))) if segment_ids is None else list(segment_ids)
         self.options, self.shard, self.numel = options, shard, sum(self._base_sizes)
-        self.dtype = torch.promote_types(torch.float32, max((b.dtype for b in self.base), key=lambda d: torch.finfo(d).bits))
+        widest = max((b.dtype for b in self.base), key=lambda d: torch.finfo(d).bits)
+        self.dtype = torch.promote_types(torch.float32, widest)
         self.device = self.base[0].device
         self.workspace = workspace or Workspace(self.dtype, self.device)
         self._reduce = shard.all_reduce if shard is not None else _identity
@@ -353,13 +361,24 @@ class PerturbationSpace:
 
         return pullback
 
+    def _draw(self, i: int, seed: int) -> Tensor:
+        """Standard normal entries for segment ``i``, from its own generator (float64, CPU): the whole parameter is
+        drawn and, on a shard, this rank's part kept."""
+        parameter = self.segment_ids[i]
+        g = torch.Generator().manual_seed((seed + 7919 * (parameter + 1)) % (2**63 - 1))
+        if self.shard is None:
+            return torch.randn(self._base_sizes[i], generator=g, dtype=torch.float64)
+        full = torch.randn(self.shard.global_shapes[parameter].numel(), generator=g, dtype=torch.float64)
+        return self.shard.local_part(parameter, full)
+
     def _like(self, pair: Pair) -> Pair:
         return self.workspace.take(pair[0].shape), self.workspace.take(pair[1].shape)
 
     # ------------------------------------------------------------------ sampling
     def random_tangent_vector(self, generator: torch.Generator) -> Tensor:
         """A metric-isotropic Gaussian horizontal vector; equivariant under the pairs' group actions."""
-        draw = None if self.shard is None else (lambda i: self.shard.draw(i, generator))
+        seed = int(torch.randint(2**62, (1,), generator=generator))
+        draw = lambda i: self._draw(i, seed)  # noqa: E731
         z = self.elementwise.random_tangent_vector(generator, draw)
         if self.pair_elementwise is not None:
             z = z + self.pair_elementwise.random_tangent_vector(generator, draw)

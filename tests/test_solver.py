@@ -20,7 +20,7 @@ def test_as23_checkpoint_schedule():
 
 def test_blocked_ellipsoid_projection_matches_the_reference_formula(monkeypatch):
     """AS23's projection, evaluated block by block, against the reference's whole-vector formula (docs/spec.md §5.1)."""
-    from hf_geosharp import solver
+    from hf_geosharp import as23 as solver
 
     monkeypatch.setattr(solver, "_BLOCK", 1000)  # many blocks, and a ragged last one
     g = torch.Generator().manual_seed(0)

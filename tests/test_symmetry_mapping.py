@@ -270,3 +270,39 @@ def test_the_probe_catches_a_wrong_map_of_each_new_layout(arch, breaks):
         breaks(smap)
     reparametrize(tiny.model, seed=1, condition=100.0, smap=smap)
     assert ((_outputs(tiny.model, tiny.batch) - out0).norm() / out0.norm()) > 1e-3
+
+
+def _claims(adapter, name, module, ctx) -> bool:
+    """Whether ``adapter`` recognises ``module`` (a layout, or Unmappable: it knows the layout but refuses it)."""
+    from hf_geosharp.symmetry.layouts import Unmappable
+
+    try:
+        return adapter(name, module, ctx) is not None
+    except Unmappable:
+        return True
+
+
+def test_no_generic_adapter_shadows_a_specific_one_on_any_tiny_model():
+    """Every module two adapters both recognise is claimed first by the more specific one (the one whose modules
+    are a subset of the other's), and the overlap is declared in PRECEDES, so the order cannot drift silently."""
+    from hf_geosharp.symmetry.layouts import ADAPTERS, PRECEDES, LayoutContext
+
+    assert ADAPTERS == tuple(PRECEDES)  # the registry reads in the order the adapters are tried
+    claimed = {adapter: set() for adapter in ADAPTERS}
+    for arch in ARCHITECTURES:
+        model = build(arch).model
+        ctx = LayoutContext(model, map_symmetries(model).index_of)
+        for name, module in model.named_modules():
+            for adapter in ADAPTERS:
+                if _claims(adapter, name, module, ctx):
+                    claimed[adapter].add((arch, name))
+    overlaps = 0
+    for i, first in enumerate(ADAPTERS):
+        for later in ADAPTERS[i + 1:]:
+            if not claimed[first] & claimed[later]:
+                continue
+            overlaps += 1
+            pair = f"{first.__name__} / {later.__name__}"
+            assert claimed[first] <= claimed[later], f"{pair}: the generic adapter is tried first and shadows"
+            assert later in PRECEDES[first], f"{pair}: an overlap PRECEDES does not declare"
+    assert overlaps >= 1  # Falcon's query_key_value is also GPT-NeoX's: the check has something to check

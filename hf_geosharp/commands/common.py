@@ -65,6 +65,19 @@ def seed(text: str) -> int:
     return value
 
 
+def comma_list(allowed: tuple[str, ...]) -> Callable[[str], list[str]]:
+    """An argparse type: a comma-separated list of ``allowed`` values, duplicates dropped, order kept."""
+
+    def parse(text: str) -> list[str]:
+        items = [t.strip() for t in text.split(",") if t.strip()]
+        if not items or any(i not in allowed for i in items):
+            raise argparse.ArgumentTypeError(f"{text!r}: use a comma-separated list of {', '.join(allowed)}")
+        return list(dict.fromkeys(items))
+
+    parse.__name__ = "list"
+    return parse
+
+
 def add_trust_remote_code(parser: argparse.ArgumentParser) -> None:
     """``--trust-remote-code``: the only way a command runs a model's own Python code."""
     parser.add_argument("--trust-remote-code", action="store_true", help=TRUST_HELP)

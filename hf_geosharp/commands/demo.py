@@ -26,8 +26,8 @@ from ..leaderboard import GapSpec, ranked
 from ..measures import Settings
 from ..store import ResultStore, fingerprint, model_identity
 from ..zoo import build_zoo, cache_root, torch_threads
+from .board import add_data_arguments, execute
 from .common import EXIT_BAD_INPUT, EXIT_OK
-from .leaderboard import add_data_arguments, execute
 
 
 def _size(text: str) -> str | int:

@@ -20,8 +20,6 @@ import datetime
 import logging
 import math
 import os
-import platform
-import re
 import sys
 import time
 import warnings
@@ -30,7 +28,6 @@ from typing import Any
 
 import torch
 
-from .. import __version__
 from ..data import DataError, DataSpec, launch_accelerator, load_batches, load_model, load_processor, require_task
 from ..durable import OutputPathError, check_writable, write_json
 from ..measures import (
@@ -38,12 +35,10 @@ from ..measures import (
     MEASURES,
     Settings,
     parse_measures,
-    result_fields,
     run_measure,
     run_measures,
     spec,
 )  # fmt: skip
-from ..store import file_digest, model_identity
 from ..symmetry import map_symmetries
 from .common import (
     EXIT_BAD_INPUT,
@@ -56,14 +51,13 @@ from .common import (
     quiet_libraries,
     seed,
 )
+from .run_results import model_folder_name, payload, print_header, write_results
 
 logger = logging.getLogger(__name__)
 
 DEFAULTS = Settings()
 METRICS = tuple(m.metric for m in MEASURES.values() if m.metric)  # the geodesic metrics: inv, mix
 DTYPES = ("float32", "float64", "bfloat16", "float16")
-VERSIONED = ("torch", "transformers", "datasets", "accelerate", "huggingface_hub", "evaluate")
-WEIGHT_SUFFIXES = (".safetensors", ".bin")
 AUTO_FIRST_STEPS = 20  # steps="auto" starts with this many steps, then continues while the value still rises
 
 EPILOG = """\
@@ -170,22 +164,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="no progress bars and no header; the table only when no results file is written")  # fmt: skip
     add_trust_remote_code(p)
     p.set_defaults(func=run)
-
-
-# ----------------------------------------------------------------------------------------------------- reading well
-
-
-def count(n: int, word: str) -> str:
-    """``1 batch``, ``3 batches``, ``22,713,986 parameters``."""
-    plural = word + ("es" if word.endswith(("s", "sh", "ch", "x")) else "s")
-    return f"{n:,} {word if n == 1 else plural}"
-
-
-def _table(rows: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
-    lines.insert(1, "-" * len(lines[0]))
-    return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------------------------------- launchers
@@ -319,6 +297,37 @@ def run(args: argparse.Namespace) -> int:
     warning = launch_warning(world_size)
     if warning and main:
         print(f"warning: {warning}", file=sys.stderr)
+    keys, settings, spec_ = _what_to_run(args)
+    started = datetime.datetime.now(datetime.timezone.utc)
+    try:
+        outputs = _outputs(args, started, check=main)
+        device, model, batches = _model_and_batches(args, accelerator, spec_)
+    except (DataError, OutputPathError) as err:
+        return fail(EXIT_BAD_INPUT, str(err))
+
+    n_examples = sum(len(next(iter(b.values()))) for b in batches)
+    show = main and not args.quiet
+    timed: list[tuple[str, Any, float]] = []
+    context = dict(args=args, model=model, spec=spec_, batches=batches, n_examples=n_examples, keys=keys,
+                   settings=settings, world_size=world_size, device=device, started=started)  # fmt: skip
+    try:
+        _measure(context, accelerator, show, timed, outputs if main else [])
+    except ValueError as err:  # the engine refuses inputs it cannot measure (dtype, parameters, ...)
+        return fail(EXIT_BAD_INPUT, str(err))
+    except Exception as err:  # noqa: BLE001 - any other failure is a failed run: exit 1, traceback with -v
+        logger.debug("run failed", exc_info=True)
+        return fail(EXIT_FAILED, f"the measurement failed: {type(err).__name__}: {err}")
+
+    if main and (problem := write_results(context, timed, outputs, show)):
+        return fail(EXIT_FAILED, problem)
+    bad = [key for key, res, _ in timed if not math.isfinite(res.value)]
+    if bad:
+        return fail(EXIT_FAILED, f"non-finite sharpness for {', '.join(bad)}; try a smaller --rho or check the model.")
+    return EXIT_OK
+
+
+def _what_to_run(args: argparse.Namespace) -> tuple[list[str], Settings, DataSpec]:
+    """The measure keys, the solver settings and the data, from the arguments alone."""
     keys = args.measures or parse_measures(args.metric + (["adaptive"] if args.baseline else []))
     settings = Settings(
         rho=args.rho, mode=args.mode, steps=args.steps, n_samples=args.n_samples, seed=args.seed,
@@ -330,189 +339,55 @@ def run(args: argparse.Namespace) -> int:
         text_column=args.text_column, text_pair_column=args.text_pair_column, label_column=args.label_column,
         image_column=args.image_column,
     )  # fmt: skip
-    started = datetime.datetime.now(datetime.timezone.utc)
-    try:
-        outputs = [args.json] if args.json else []
-        if args.output_path:
-            stamp = started.strftime("%Y-%m-%dT%H-%M-%S.%f")  # lm-evaluation-harness's file name, in UTC
-            outputs.append(args.output_path / _model_folder_name(args.model) / f"results_{stamp}.json")
-        if main:
-            for path in outputs:  # before the work, which a bad path would otherwise lose
-                check_writable(path, what="--json" if path == args.json else "--output-path file")
-        device = _device(args, accelerator)
-        model = _load(args)
-        require_task(model)  # before any data work: a model without a loss cannot be measured
-        model.to(device=device, **({"dtype": getattr(torch, args.dtype)} if args.dtype else {}))
-        processor = load_processor(args.model, model, trust_remote_code=args.trust_remote_code)
-        first = accelerator.main_process_first() if accelerator is not None else contextlib.nullcontext()
-        with first:  # rank 0 fills the datasets cache, the others then read it
-            batches = load_batches(model, processor, spec_)
-        if args.dtype:
-            batches = _cast_inputs(batches, next(model.parameters()).dtype)
-    except (DataError, OutputPathError) as err:
-        return fail(EXIT_BAD_INPUT, str(err))
+    return keys, settings, spec_
 
-    n_examples = sum(len(next(iter(b.values()))) for b in batches)
-    show = main and not args.quiet
-    timed: list[tuple[str, Any, float]] = []
-    context = dict(args=args, model=model, spec=spec_, batches=batches, n_examples=n_examples, keys=keys,
-                   settings=settings, world_size=world_size, device=device, started=started)  # fmt: skip
+
+def _outputs(args: argparse.Namespace, started: datetime.datetime, *, check: bool) -> list[Path]:
+    """The results files (``--json``, ``--output-path``); with ``check`` (rank 0) each is checked before the work,
+    which a bad path would otherwise lose."""
+    outputs = [args.json] if args.json else []
+    if args.output_path:
+        stamp = started.strftime("%Y-%m-%dT%H-%M-%S.%f")  # lm-evaluation-harness's file name, in UTC
+        outputs.append(args.output_path / model_folder_name(args.model) / f"results_{stamp}.json")
+    if check:
+        for path in outputs:
+            check_writable(path, what="--json" if path == args.json else "--output-path file")
+    return outputs
+
+
+def _model_and_batches(args: argparse.Namespace, accelerator: Any, spec_: DataSpec) -> tuple[Any, Any, list]:
+    """The device, the model on it (in ``--dtype``) and the batches."""
+    device = _device(args, accelerator)
+    model = _load(args)
+    require_task(model)  # before any data work: a model without a loss cannot be measured
+    model.to(device=device, **({"dtype": getattr(torch, args.dtype)} if args.dtype else {}))
+    processor = load_processor(args.model, model, trust_remote_code=args.trust_remote_code)
+    first = accelerator.main_process_first() if accelerator is not None else contextlib.nullcontext()
+    with first:  # rank 0 fills the datasets cache, the others then read it
+        batches = load_batches(model, processor, spec_)
+    if args.dtype:
+        batches = _cast_inputs(batches, next(model.parameters()).dtype)
+    return device, model, batches
+
+
+def _measure(c: dict, accelerator: Any, show: bool, timed: list, outputs: list[Path]) -> None:
+    """Map the symmetries, print the header and the time estimate, and run every measure, appending to ``timed``.
+    On Ctrl-C the finished measures are written to ``outputs`` (marked interrupted) before it propagates."""
+    model, batches, keys, settings = c["model"], c["batches"], c["keys"], c["settings"]
     try:
         smap = map_symmetries(model)
-        context["symmetry"] = smap.summary()
+        c["symmetry"] = smap.summary()
         if show:
-            _header(context)
-            estimate = _estimate(model, batches, keys, settings, smap, world_size)
+            print_header(c)
+            estimate = _estimate(model, batches, keys, settings, smap, c["world_size"])
             shown = f"{estimate:,.0f}" if estimate >= 10 else f"{estimate:.1f}"
             bound = "at least " if settings.steps == "auto" else ""
             print(f"estimated {bound}{shown} s (from a timed first solver step per measure)\n", flush=True)
         run_measures(keys, model, batches, settings, symmetry_map=smap, accelerator=accelerator, progress=show,
                      on_result=lambda key, res, seconds: timed.append((key, res, seconds)))  # fmt: skip
     except KeyboardInterrupt:
-        if timed and main and outputs:
+        if timed and outputs:
             for path in outputs:
-                write_json(path, _payload(context, timed, interrupted=True))
+                write_json(path, payload(c, timed, interrupted=True))
             keep_on_interrupt(f"the {len(timed)} finished measure(s) are in {outputs[0]} (marked interrupted)")
         raise
-    except ValueError as err:  # the engine refuses inputs it cannot measure (dtype, parameters, ...)
-        return fail(EXIT_BAD_INPUT, str(err))
-    except Exception as err:  # noqa: BLE001 - any other failure is a failed run: exit 1, traceback with -v
-        logger.debug("run failed", exc_info=True)
-        return fail(EXIT_FAILED, f"the measurement failed: {type(err).__name__}: {err}")
-
-    if main:
-        for fallback in context["symmetry"]["fallbacks"]:  # warnings go to stderr even with --quiet
-            print(
-                f"warning: attention module {fallback['module']!r} could not be mapped ({fallback['reason']}); its "
-                "parameters are perturbed elementwise, so the geodesic numbers are not symmetry-invariant there.",
-                file=sys.stderr,
-            )
-        if show or not outputs:  # --quiet without a results file still says what it measured
-            print(_results_table(timed))
-        payload = _payload(context, timed)
-        for path in outputs:
-            try:
-                write_json(path, payload)  # durable: a failed write leaves the previous file intact
-            except OSError as err:  # disk full, quota, a file-size limit: the old file is intact
-                return fail(EXIT_FAILED, f"could not write {path} ({err.strerror or err}); its previous contents are "
-                            "unchanged. Free space or choose another path.")  # fmt: skip
-            if show:
-                print(f"wrote {path}")
-    bad = [key for key, res, _ in timed if not math.isfinite(res.value)]
-    if bad:
-        return fail(EXIT_FAILED, f"non-finite sharpness for {', '.join(bad)}; try a smaller --rho or check the model.")
-    return EXIT_OK
-
-
-def _header(c: dict) -> None:
-    args, spec_, symmetry, model = c["args"], c["spec"], c["symmetry"], c["model"]
-    n_params = sum(p.numel() for p in model.parameters())
-    where = f"{spec_.dataset}" + (f":{spec_.config}" if spec_.config else "") + f" [{spec_.split}]"
-    dtype = next(model.parameters()).dtype
-    head = f", new {args.num_labels}-class head seeded {args.seed}" if args.head else ""
-    print(f"model    {args.model} ({type(model).__name__}{head}, {count(n_params, 'parameter')}, {dtype}, "
-          f"{c['device']})")  # fmt: skip
-    print(f"data     {where}: {count(c['n_examples'], 'example')} in {count(len(c['batches']), 'batch')} of up to "
-          f"{spec_.batch_size:,}")  # fmt: skip
-    print(
-        f"symmetry {count(symmetry['n_pairs_qk'], 'QK head pair')} and {symmetry['n_pairs_vo']:,} VO, head dims "
-        f"{symmetry['head_dims']}; {count(len(symmetry['fallbacks']), 'unmapped attention module')}"
-    )
-    s = c["settings"]
-    solver = f"steps={s.steps}" if s.mode == "worst" else f"n_samples={s.n_samples}"
-    print(f"settings rho={s.rho} mode={s.mode} {solver} seed={s.seed} processes={c['world_size']}")
-
-
-def _results_table(timed: list[tuple[str, Any, float]]) -> str:
-    rows = [["measure", "sharpness", "stderr", "clean loss", "batches", "converged", "solver", "seconds"]]
-    for key, res, seconds in timed:
-        stderr, converged = getattr(res, "stderr", math.nan), getattr(res, "converged", None)
-        rows.append([
-            key, f"{res.value:.6g}", "-" if not math.isfinite(stderr) else f"{stderr:.2g}", f"{res.clean_loss:.6g}",
-            f"{len(res.per_batch):,}", {True: "yes", False: "no", None: "-"}[converged], res.measure, f"{seconds:.1f}",
-        ])  # fmt: skip
-    return _table(rows)
-
-
-# ---------------------------------------------------------------------------------------------------- results file
-
-
-def _model_folder_name(model: str) -> str:
-    """A folder name for ``--output-path``: a Hub id as ``org__name`` (as lm-evaluation-harness does), a local
-    folder by its own name."""
-    path = Path(model)
-    name = path.resolve().name if path.exists() else model
-    return re.sub(r"[\"<>:/|\\?*\[\]]+", "__", name) or "model"
-
-
-def _versions() -> dict[str, str | None]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    def installed(name: str) -> str | None:
-        try:
-            return version(name)
-        except PackageNotFoundError:
-            return None
-
-    return {"hf_geosharp": __version__, **{n: installed(n) for n in VERSIONED}, "python": platform.python_version()}
-
-
-def _environment(device: Any) -> dict[str, Any]:
-
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
-    return {"device": str(device), "device_name": name, "platform": platform.platform(),
-            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}  # fmt: skip
-
-
-def _model_source(model_id: str) -> dict[str, Any]:
-    """Which weights were measured: the content hash of the model folder's files and each weight file's sha256,
-    or the Hub revision."""
-    identity = model_identity(model_id)
-    folder = Path(model_id)
-    if folder.is_dir():
-        weights = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix in WEIGHT_SUFFIXES)
-        identity["weights_sha256"] = {p.name: file_digest(p) for p in weights}
-    return identity
-
-
-def _payload(c: dict, timed: list[tuple[str, Any, float]], *, interrupted: bool = False) -> dict[str, Any]:
-    args, s = c["args"], c["settings"]
-    results = {}
-    for key, res, seconds in timed:
-        entry = res.to_dict()
-        entry["clean_loss_per_batch"] = entry.pop("per_batch_clean_loss")  # one name across every face
-        fields = result_fields(key, res)
-        if not math.isfinite(fields[f"{key}_stderr"]):  # one batch has no spread: JSON null, not NaN
-            fields[f"{key}_stderr"] = None
-        entry.setdefault("converged", getattr(res, "converged", None))  # (older engines: no convergence report)
-        results[key] = {**fields, **entry, "seconds": seconds}
-    settings = {k: v for k, v in s.as_dict().items() if not (k == "n_samples" and s.mode == "worst")
-                and not (k == "steps" and s.mode == "average")}  # fmt: skip
-    now = datetime.datetime.now(datetime.timezone.utc)
-    return {
-        "results": results,
-        "higher_is_better": {key: False for key, _, _ in timed},  # flatter is lower
-        "config": {
-            "model": args.model,
-            "model_class": type(c["model"]).__name__,
-            "dtype": str(next(c["model"].parameters()).dtype),
-            "device": str(c["device"]),
-            "head": {"num_labels": args.num_labels, "seed": args.seed} if args.head else None,
-            "measures": c["keys"],
-            "settings": settings,
-            "trust_remote_code": args.trust_remote_code,
-        },  # fmt: skip
-        "data": {**dataclasses.asdict(c["spec"]), "n_examples_used": c["n_examples"]},
-        "n_batches": len(c["batches"]),
-        "world_size": c["world_size"],
-        "symmetry": c["symmetry"],
-        "model_class": type(c["model"]).__name__,
-        "model_name": args.model,
-        "model_source": _model_source(args.model),
-        "versions": _versions(),
-        "date": now.isoformat(),
-        "start_time": c["started"].isoformat(),
-        "total_evaluation_time_seconds": (now - c["started"]).total_seconds(),
-        "environment": _environment(c["device"]),
-        **({"interrupted": True} if interrupted else {}),
-    }

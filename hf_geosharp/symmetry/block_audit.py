@@ -261,67 +261,71 @@ def block_audit(
             m.training = mode
 
 
-def _audit_one(model: nn.Module, smap: SymmetryMap, name: str, blocks: list[PairBlock], heads: int, dims: int,
-               max_params: int, rtol: float, seed: int, log: Callable[[str], None]) -> BlockAuditResult:
-    start = time.perf_counter()
-    block = model.get_submodule(name)
-    local = dict(block.named_parameters())
-    n_block = sum(p.numel() for p in local.values())
-    vo = next((b for b in blocks if b.kind == "vo"), None)
-    o_bias = None
-    if vo is not None:
-        o_weight = _owner_names(smap, vo.H_index[0, :1, :1])[0]
-        o_bias = o_weight.removesuffix("weight") + "bias" if o_weight.endswith("weight") else None
-        o_bias = o_bias if o_bias in smap.param_names else None
-    pieces, extras, scope = _plan(smap, name, blocks, o_bias, max_params, heads, dims, n_block)
-    # audited coordinates as indices into the block's own flat vector
-    names = list(local)
-    offsets = dict(zip(names, [0] + list(torch.cumsum(torch.tensor([local[n].numel() for n in names]), 0)[:-1])))
-    global_to_local: dict[str, tuple[int, int]] = {}
-    prefix = name + "."
-    for n in names:
-        global_to_local[prefix + n] = (smap.offsets[smap.param_names.index(prefix + n)], int(offsets[n]))
-    if scope == "whole block":
-        coords = torch.arange(n_block)
+def _output_bias(smap: SymmetryMap, vo: PairBlock | None) -> str | None:
+    """The name of the output projection's bias, or ``None`` if it has none (or there is no VO block)."""
+    if vo is None:
+        return None
+    o_weight = _owner_names(smap, vo.H_index[0, :1, :1])[0]
+    o_bias = o_weight.removesuffix("weight") + "bias" if o_weight.endswith("weight") else None
+    return o_bias if o_bias in smap.param_names else None
+
+
+def _local_offsets(local: dict[str, nn.Parameter]) -> dict[str, int]:
+    """Where each of the block's parameters starts in the block's own flat vector."""
+    sizes = [p.numel() for p in local.values()]
+    return dict(zip(local, [0] + list(torch.cumsum(torch.tensor(sizes), 0)[:-1].tolist())))
+
+
+def _local_coords(smap: SymmetryMap, name: str, local: dict[str, nn.Parameter], pieces: list[_Piece],
+                  extras: list[str], whole: bool) -> torch.Tensor:
+    """The audited coordinates as indices into the block's own flat vector (the model's map indexes the model's)."""
+    if whole:
+        coords = torch.arange(sum(p.numel() for p in local.values()))
     else:
+        offsets = _local_offsets(local)
+        shift = {name + "." + n: offsets[n] - smap.offsets[smap.param_names.index(name + "." + n)] for n in local}
         flat = torch.cat([p.coords for p in pieces] + [smap.index_of(e).reshape(-1) for e in extras])
-        owners = _owner_names(smap, flat)
-        coords = torch.tensor([g - global_to_local[o][0] + global_to_local[o][1]
-                               for g, o in zip(flat.tolist(), owners)])
+        coords = torch.tensor([g + shift[o] for g, o in zip(flat.tolist(), _owner_names(smap, flat))])
     if coords.unique().numel() != coords.numel():
         raise ValueError(f"{name}: audited coordinates overlap (a parameter in two pairs)")
-    n = coords.numel()
-    audited_o_bias = o_bias is not None and (scope == "whole block" or o_bias in extras)
+    return coords
 
-    # inputs: enough tokens to span the input space and give more outputs than coordinates, in sequences long enough
-    # that one sequence's scores can show its share of the QK directions (see SEQ_LEN)
+
+def _block_inputs(
+    model: nn.Module, block: nn.Module, n: int, gen: torch.Generator
+) -> tuple[tuple, dict, torch.Tensor, int]:
+    """The block's captured arguments, its input as ``[tokens, width]`` float64, and its output width.
+
+    Enough tokens to span the input space and give more outputs than coordinates, in sequences long enough that one
+    sequence's scores can show its share of the QK directions (see :data:`SEQ_LEN`).
+    """
     make = random_inputs(model, seq_len=SEQ_LEN)
-    gen = torch.Generator().manual_seed(seed)
     args, kwargs = _capture(model, block, make(gen, 8))
-    x = args[0] if args else kwargs["hidden_states"]
-    width = x.shape[-1]
+    width = (args[0] if args else kwargs["hidden_states"]).shape[-1]
     out_width = _first_tensor(block(*args, **kwargs)).shape[-1]
     n_tokens = max(width + 1 + 16, math.ceil(1.25 * (n + SKETCH_OVERSAMPLE) / out_width))
     args, kwargs = _capture(model, block, make(gen, n_tokens))
     x = (args[0] if args else kwargs["hidden_states"]).reshape(-1, width).to(torch.float64)
-    ones = torch.ones(x.shape[0], 1, dtype=torch.float64)
-    rank_x = numerical_rank(torch.linalg.svdvals(x), rtol)
-    rank_x1 = numerical_rank(torch.linalg.svdvals(torch.cat([x, ones], 1)), rtol)
-    post_ln = vo is not None and _post_layernorm(model, smap, vo)
-    terms = _predict(smap, pieces, o_bias, audited_o_bias, post_ln, width, rank_x, rank_x1)
+    return args, kwargs, x, out_width
 
+
+def _block_function(block: nn.Module, local: dict[str, nn.Parameter], coords: torch.Tensor, args: tuple,
+                    kwargs: dict) -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]:
+    """The block's flat output as a function of the audited coordinates (all else frozen), and their values now."""
     base = torch.cat([p.detach().reshape(-1) for p in local.values()])
-    shapes = [local[k].shape for k in names]
-    sizes = [local[k].numel() for k in names]
+    shapes = [p.shape for p in local.values()]
+    sizes = [p.numel() for p in local.values()]
 
     def f(v: torch.Tensor) -> torch.Tensor:
         flat = base.index_put((coords,), v)
-        tensors = {k: t.view(s) for k, t, s in zip(names, flat.split(sizes), shapes)}
+        tensors = {k: t.view(s) for k, t, s in zip(local, flat.split(sizes), shapes)}
         return _first_tensor(functional_call(block, tensors, args=args, kwargs=kwargs)).reshape(-1)
 
-    n_outputs = x.shape[0] * out_width
-    log(f"{name}: {scope}; {n:,} coordinates, {x.shape[0]} tokens -> {n_outputs:,} outputs; sketch of "
-        f"{n + SKETCH_OVERSAMPLE:,} vector-Jacobian products ({8 * (n + SKETCH_OVERSAMPLE) * n / 2**20:,.0f} MiB)")
+    return f, base[coords].clone()
+
+
+def _estimator(name: str, n: int, log: Callable[[str], None]) -> Callable[[float, int], None]:
+    """Logs the time the sketch and its SVD will take, from the first chunk's time and a small timed SVD."""
 
     def estimate(seconds: float, n_chunks: int) -> None:
         probe = torch.randn(max(n // 4, 1), max(n // 4, 1), dtype=torch.float64)  # the SVD is cubic: x 64
@@ -330,21 +334,54 @@ def _audit_one(model: nn.Module, smap: SymmetryMap, name: str, blocks: list[Pair
         svd = (time.perf_counter() - t0) * 64
         log(f"{name}: estimated {seconds * n_chunks:,.0f} s for the sketch and ~{svd:,.0f} s for its SVD")
 
-    sketch, _ = sketch_jacobian(f, base[coords].clone(), generator=gen, on_first_chunk=estimate)
-    _, sv, vh = torch.linalg.svd(sketch, full_matrices=False)
-    rank = numerical_rank(sv, rtol)
-    # where the null directions live: each null basis vector has unit norm, so the shares add up to n - rank
+    return estimate
+
+
+def _null_shares(vh: torch.Tensor, rank: int, coords: torch.Tensor, local: dict[str, nn.Parameter]) -> dict[str, float]:
+    """Where the null directions live: each null basis vector has unit norm, so the shares add up to n - rank."""
     null = vh[rank:].square().sum(0)
-    local_owner = torch.searchsorted(torch.tensor([int(offsets[k]) for k in names]), coords, right=True) - 1
+    local_owner = torch.searchsorted(torch.tensor(list(_local_offsets(local).values())), coords, right=True) - 1
     shares: dict[str, float] = {}
-    for i, k in enumerate(names):
+    for i, k in enumerate(local):
         share = float(null[local_owner == i].sum())
         if share > 1e-6:
             shares[k] = round(share, 3)
+    return shares
+
+
+def _audit_one(model: nn.Module, smap: SymmetryMap, name: str, blocks: list[PairBlock], heads: int, dims: int,
+               max_params: int, rtol: float, seed: int, log: Callable[[str], None]) -> BlockAuditResult:
+    start = time.perf_counter()
+    block = model.get_submodule(name)
+    local = dict(block.named_parameters())
+    vo = next((b for b in blocks if b.kind == "vo"), None)
+    o_bias = _output_bias(smap, vo)
+    pieces, extras, scope = _plan(smap, name, blocks, o_bias, max_params, heads, dims,
+                                  sum(p.numel() for p in local.values()))
+    coords = _local_coords(smap, name, local, pieces, extras, scope == "whole block")
+    n = coords.numel()
+    audited_o_bias = o_bias is not None and (scope == "whole block" or o_bias in extras)
+
+    gen = torch.Generator().manual_seed(seed)
+    args, kwargs, x, out_width = _block_inputs(model, block, n, gen)
+    width = x.shape[1]
+    ones = torch.ones(x.shape[0], 1, dtype=torch.float64)
+    rank_x = numerical_rank(torch.linalg.svdvals(x), rtol)
+    rank_x1 = numerical_rank(torch.linalg.svdvals(torch.cat([x, ones], 1)), rtol)
+    post_ln = vo is not None and _post_layernorm(model, smap, vo)
+    terms = _predict(smap, pieces, o_bias, audited_o_bias, post_ln, width, rank_x, rank_x1)
+
+    f, theta = _block_function(block, local, coords, args, kwargs)
+    n_outputs = x.shape[0] * out_width
+    log(f"{name}: {scope}; {n:,} coordinates, {x.shape[0]} tokens -> {n_outputs:,} outputs; sketch of "
+        f"{n + SKETCH_OVERSAMPLE:,} vector-Jacobian products ({8 * (n + SKETCH_OVERSAMPLE) * n / 2**20:,.0f} MiB)")
+    sketch, _ = sketch_jacobian(f, theta, generator=gen, on_first_chunk=_estimator(name, n, log))
+    _, sv, vh = torch.linalg.svd(sketch, full_matrices=False)
+    rank = numerical_rank(sv, rtol)
     col = sketch.norm(dim=0)
     n_inactive = int((col <= 1e-12 * col.max()).sum())
     cut = [float(sv[rank - 1] / sv[0]) if rank else 0.0, float(sv[rank] / sv[0]) if rank < sv.numel() else 0.0]
     predicted = n - sum(terms.values())
     return BlockAuditResult(name, scope, n, x.shape[0], n_outputs, sketch.shape[0],
                             {"width": width, "x": rank_x, "x1": rank_x1}, terms, predicted, rank, n_inactive, cut,
-                            shares, rtol, time.perf_counter() - start)
+                            _null_shares(vh, rank, coords, local), rtol, time.perf_counter() - start)

@@ -84,7 +84,7 @@ def map_symmetries(
             f"map_symmetries(strict=True): {len(smap.fallbacks)} attention module(s) could not be mapped onto "
             f"GL(h) pairs:\n{listing}\nPass strict=False to treat them elementwise (they are listed in "
             "smap.fallbacks and in the symmetry report), or add an adapter for this layout in "
-            "hf_geosharp/symmetry/layouts.py."
+            "hf_geosharp/symmetry/layouts/."
         )
     return smap
 

@@ -1,0 +1,104 @@
+"""What ``geosharp leaderboard`` and ``geosharp demo`` share (not a sub-command itself): the data and measure options,
+and running a leaderboard into an output folder with the commands' exit codes."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from ..data import DataError, DataSpec
+from ..durable import OutputPathError, check_writable
+from ..leaderboard import (
+    KINDS,
+    GapSpec,
+    Leaderboard,
+    Measure,
+    Settings,
+    markdown,
+    resolve_models,
+    run_leaderboard,
+    write_outputs,
+)
+from ..store import STORE_FILE, ResultStore, StoreLockedError, output_lock
+from .common import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    EXIT_OK,
+    comma_list,
+    error,
+    keep_on_interrupt,
+    non_negative,
+    positive,
+    quiet_libraries,
+    seed,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def add_data_arguments(p: argparse.ArgumentParser, n_examples: int, batch_size: int) -> None:
+    """Data and measure options of both commands (``geosharp demo`` fills the dataset in itself)."""
+    p.add_argument("--n-examples", type=positive(int), default=n_examples,
+                   help=f"examples to measure on (default: {n_examples})")
+    p.add_argument("--batch-size", type=positive(int), default=batch_size,
+                   help=f"examples per batch (default: {batch_size})")
+    p.add_argument("--measures", type=comma_list(KINDS), default=list(KINDS),
+                   help="inv, mix, adaptive, relative_flatness (default: all)")
+    p.add_argument("--mode", type=comma_list(("worst", "average")), default=["worst"], help="worst and/or average")
+    p.add_argument("--rho", type=positive(float), default=0.1, help="perturbation radius (default: 0.1)")
+    p.add_argument("--steps", type=positive(int), default=20, help="solver steps per batch, worst case (default: 20)")
+    p.add_argument("--n-samples", type=positive(int), default=20, help="random directions per batch, average case")
+    p.add_argument("--epsilon", type=non_negative(float), default=1e-6, help="regulariser of the geodesic metric")
+    p.add_argument("--seed", type=seed, default=0, help="seed of the example shuffle, solver and bootstrap")
+    p.add_argument("--quiet", action="store_true", help="no progress bar and no table")
+
+
+def measures_of(args: argparse.Namespace) -> list[Measure]:
+    measures = [Measure(kind, mode) for mode in args.mode for kind in args.measures]
+    return list({m.name: m for m in measures}.values())  # relative flatness has no mode: once
+
+
+def settings_of(args: argparse.Namespace) -> Settings:
+    return Settings(rho=args.rho, steps=args.steps, n_samples=args.n_samples, seed=args.seed, epsilon=args.epsilon)
+
+
+def report(board: Leaderboard, paths: dict[str, Path]) -> None:
+    """Print the ranked table, the taus and where the files are."""
+    print(markdown(board))
+    for kind, path in paths.items():
+        print(f"{kind:9s}{path}")
+
+
+def execute(
+    args: argparse.Namespace, model_specs: list[str], data: DataSpec, gap: GapSpec | None
+) -> tuple[int, Leaderboard | None]:
+    """Run (or resume) the leaderboard into ``args.out`` and write its files; the exit code and the board."""
+    quiet_libraries()
+    store_path = args.out / STORE_FILE
+    try:
+        for name in ("leaderboard.md", STORE_FILE):  # before any work: a bad --out would lose the whole run
+            check_writable(args.out / name, what="--out file")
+        models = resolve_models(model_specs)
+        with output_lock(args.out):
+            store = ResultStore(store_path)  # warns about damaged lines, which it skips
+            keep_on_interrupt(f"finished results are kept in {store_path}; rerun the same command to resume")
+            trust = getattr(args, "trust_remote_code", False)  # geosharp demo has no such flag: its zoo has no code
+            board = run_leaderboard(models, data, measures_of(args), store, settings=settings_of(args), gap=gap,
+                                    progress=not args.quiet, trust_remote_code=trust)
+            paths = write_outputs(board, args.out)
+    except (DataError, OutputPathError, StoreLockedError) as err:
+        error(str(err))
+        return EXIT_BAD_INPUT, None
+    except OSError as err:  # disk full, a quota, a file-size limit: durable writes keep the old files
+        error(f"could not write into {str(args.out)!r} ({err.strerror or err}); previous files are unchanged and "
+              f"finished results are kept in {store_path}. Free space and rerun the same command to resume.")
+        return EXIT_FAILED, None
+    except Exception as err:  # noqa: BLE001 - a failed run keeps its finished results: say so, exit 1
+        logger.debug("leaderboard failed", exc_info=True)
+        error(f"{type(err).__name__}: {err}\nfinished results are kept in {store_path}; rerun the same command to "
+              "resume.")
+        return EXIT_FAILED, None
+    if not args.quiet:
+        report(board, paths)
+    return EXIT_OK, board

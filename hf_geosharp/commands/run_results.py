@@ -1,0 +1,173 @@
+"""What ``geosharp run`` prints and writes: the header, the results table and the results file."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import math
+import os
+import platform
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import __version__
+from ..durable import write_json
+from ..measures import result_fields
+from ..store import file_digest, model_identity
+
+VERSIONED = ("torch", "transformers", "datasets", "accelerate", "huggingface_hub", "evaluate")
+WEIGHT_SUFFIXES = (".safetensors", ".bin")
+
+
+def count(n: int, word: str) -> str:
+    """``1 batch``, ``3 batches``, ``22,713,986 parameters``."""
+    plural = word + ("es" if word.endswith(("s", "sh", "ch", "x")) else "s")
+    return f"{n:,} {word if n == 1 else plural}"
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+def print_header(c: dict) -> None:
+    """What is measured, on what, with which settings: four lines before the work."""
+    args, spec_, symmetry, model = c["args"], c["spec"], c["symmetry"], c["model"]
+    n_params = sum(p.numel() for p in model.parameters())
+    where = f"{spec_.dataset}" + (f":{spec_.config}" if spec_.config else "") + f" [{spec_.split}]"
+    dtype = next(model.parameters()).dtype
+    head = f", new {args.num_labels}-class head seeded {args.seed}" if args.head else ""
+    print(f"model    {args.model} ({type(model).__name__}{head}, {count(n_params, 'parameter')}, {dtype}, "
+          f"{c['device']})")  # fmt: skip
+    print(f"data     {where}: {count(c['n_examples'], 'example')} in {count(len(c['batches']), 'batch')} of up to "
+          f"{spec_.batch_size:,}")  # fmt: skip
+    print(
+        f"symmetry {count(symmetry['n_pairs_qk'], 'QK head pair')} and {symmetry['n_pairs_vo']:,} VO, head dims "
+        f"{symmetry['head_dims']}; {count(len(symmetry['fallbacks']), 'unmapped attention module')}"
+    )
+    s = c["settings"]
+    solver = f"steps={s.steps}" if s.mode == "worst" else f"n_samples={s.n_samples}"
+    print(f"settings rho={s.rho} mode={s.mode} {solver} seed={s.seed} processes={c['world_size']}")
+
+
+def results_table(timed: list[tuple[str, Any, float]]) -> str:
+    """One row per finished measure."""
+    rows = [["measure", "sharpness", "stderr", "clean loss", "batches", "converged", "solver", "seconds"]]
+    for key, res, seconds in timed:
+        stderr, converged = getattr(res, "stderr", math.nan), getattr(res, "converged", None)
+        rows.append([
+            key, f"{res.value:.6g}", "-" if not math.isfinite(stderr) else f"{stderr:.2g}", f"{res.clean_loss:.6g}",
+            f"{len(res.per_batch):,}", {True: "yes", False: "no", None: "-"}[converged], res.measure, f"{seconds:.1f}",
+        ])  # fmt: skip
+    return _table(rows)
+
+
+def model_folder_name(model: str) -> str:
+    """A folder name for ``--output-path``: a Hub id as ``org__name`` (as lm-evaluation-harness does), a local
+    folder by its own name."""
+    path = Path(model)
+    name = path.resolve().name if path.exists() else model
+    return re.sub(r"[\"<>:/|\\?*\[\]]+", "__", name) or "model"
+
+
+def _versions() -> dict[str, str | None]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(name: str) -> str | None:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+
+    return {"hf_geosharp": __version__, **{n: installed(n) for n in VERSIONED}, "python": platform.python_version()}
+
+
+def _environment(device: Any) -> dict[str, Any]:
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
+    return {"device": str(device), "device_name": name, "platform": platform.platform(),
+            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}  # fmt: skip
+
+
+def _model_source(model_id: str) -> dict[str, Any]:
+    """Which weights were measured: the content hash of the model folder's files and each weight file's sha256,
+    or the Hub revision."""
+    identity = model_identity(model_id)
+    folder = Path(model_id)
+    if folder.is_dir():
+        weights = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix in WEIGHT_SUFFIXES)
+        identity["weights_sha256"] = {p.name: file_digest(p) for p in weights}
+    return identity
+
+
+def payload(c: dict, timed: list[tuple[str, Any, float]], *, interrupted: bool = False) -> dict[str, Any]:
+    """The results file's contents (see :mod:`hf_geosharp.commands.run`)."""
+    args, s = c["args"], c["settings"]
+    results = {}
+    for key, res, seconds in timed:
+        entry = res.to_dict()
+        entry["clean_loss_per_batch"] = entry.pop("per_batch_clean_loss")  # one name across every face
+        fields = result_fields(key, res)
+        if not math.isfinite(fields[f"{key}_stderr"]):  # one batch has no spread: JSON null, not NaN
+            fields[f"{key}_stderr"] = None
+        entry.setdefault("converged", getattr(res, "converged", None))  # (older engines: no convergence report)
+        results[key] = {**fields, **entry, "seconds": seconds}
+    settings = {k: v for k, v in s.as_dict().items() if not (k == "n_samples" and s.mode == "worst")
+                and not (k == "steps" and s.mode == "average")}  # fmt: skip
+    now = datetime.datetime.now(datetime.timezone.utc)
+    return {
+        "results": results,
+        "higher_is_better": {key: False for key, _, _ in timed},  # flatter is lower
+        "config": {
+            "model": args.model,
+            "model_class": type(c["model"]).__name__,
+            "dtype": str(next(c["model"].parameters()).dtype),
+            "device": str(c["device"]),
+            "head": {"num_labels": args.num_labels, "seed": args.seed} if args.head else None,
+            "measures": c["keys"],
+            "settings": settings,
+            "trust_remote_code": args.trust_remote_code,
+        },  # fmt: skip
+        "data": {**dataclasses.asdict(c["spec"]), "n_examples_used": c["n_examples"]},
+        "n_batches": len(c["batches"]),
+        "world_size": c["world_size"],
+        "symmetry": c["symmetry"],
+        "model_class": type(c["model"]).__name__,
+        "model_name": args.model,
+        "model_source": _model_source(args.model),
+        "versions": _versions(),
+        "date": now.isoformat(),
+        "start_time": c["started"].isoformat(),
+        "total_evaluation_time_seconds": (now - c["started"]).total_seconds(),
+        "environment": _environment(c["device"]),
+        **({"interrupted": True} if interrupted else {}),
+    }
+
+
+def write_results(c: dict, timed: list[tuple[str, Any, float]], outputs: list[Path], show: bool) -> str | None:
+    """Warn about unmapped attention, print the table and write every results file (rank 0 only); the error
+    message when a file could not be written."""
+    for fallback in c["symmetry"]["fallbacks"]:  # warnings go to stderr even with --quiet
+        print(
+            f"warning: attention module {fallback['module']!r} could not be mapped ({fallback['reason']}); its "
+            "parameters are perturbed elementwise, so the geodesic numbers are not symmetry-invariant there.",
+            file=sys.stderr,
+        )
+    if show or not outputs:  # --quiet without a results file still says what it measured
+        print(results_table(timed))
+    content = payload(c, timed)
+    for path in outputs:
+        try:
+            write_json(path, content)  # durable: a failed write leaves the previous file intact
+        except OSError as err:  # disk full, quota, a file-size limit: the old file is intact
+            return (f"could not write {path} ({err.strerror or err}); its previous contents are unchanged. Free space "
+                    "or choose another path.")
+        if show:
+            print(f"wrote {path}")
+    return None

@@ -1,0 +1,160 @@
+"""Loading a model, its tokenizer or image processor, and the task its head implies, with errors that name the fix
+(what is missing and where, custom code, damaged weights)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from safetensors import SafetensorError
+
+from .spec import DataError, Task, not_found
+
+
+def task_of(model: torch.nn.Module) -> Task | None:
+    """What the model's own loss measures, read from its class (``None``: no supported head); it decides where the
+    labels come from."""
+    from transformers.models.auto import modeling_auto as auto  # lazy: ~0.2 s, and only this check needs it
+
+    def names(mapping: dict[str, Any]) -> set[str]:
+        return {n for v in mapping.values() for n in ((v,) if isinstance(v, str) else v)}
+
+    cls = type(model).__name__
+    if cls in names(auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+        return "causal-lm"
+    if cls in names(auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES):
+        return "masked-lm"
+    if cls in names(auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES) | names(
+        auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES
+    ):
+        return "classification"
+    return None
+
+
+def require_task(model: torch.nn.Module) -> Task:
+    """:func:`task_of`, for faces that can only use the model's own loss."""
+    task = task_of(model)
+    if task is None:
+        raise DataError(
+            f"{type(model).__name__} has no supported task head, so its outputs carry no loss to measure sharpness on. "
+            "Save a model with a sequence- or image-classification, causal-LM or masked-LM head (e.g. "
+            "BertForSequenceClassification), or call the Python API with loss_fn=."
+        )
+    return task
+
+
+REMOTE_CODE_FIX = (
+    "hf_geosharp runs it only when asked: read that code, then pass --trust-remote-code (command line) or "
+    "trust_remote_code=True (Python)"
+)
+_AUTO_HEADS = (  # the auto classes a custom model's config.auto_map may name, with a task head
+    "AutoModelForSequenceClassification", "AutoModelForImageClassification", "AutoModelForCausalLM",
+    "AutoModelForMaskedLM",
+)
+
+
+def _weights_error(model_id: str, err: Exception) -> DataError | None:
+    """The fix for a weights file that cannot be read safely, or ``None`` for other errors."""
+    if isinstance(err, SafetensorError):
+        return DataError(
+            f"a weights file of {model_id!r} is damaged (truncated, zeroed or not a safetensors file: {err}); "
+            "save the model again with model.save_pretrained() or download it again."
+        )
+    if isinstance(err, pickle.UnpicklingError):
+        return DataError(
+            f"the pickle weights (.bin) of {model_id!r} hold more than tensors, and torch.load(weights_only=True) "
+            "refuses to run the code they contain; hf_geosharp never unpickles code. If you trust the file, convert it "
+            "to safetensors elsewhere (load it, then model.save_pretrained(folder)) and measure that folder."
+        )
+    return None
+
+
+def _from_pretrained(loader: Any, model_id: str, what: str, fix: str, trust_remote_code: bool = False) -> Any:
+    """``loader.from_pretrained(model_id, trust_remote_code=...)`` with an error that says what is missing and where
+    (local, Hub, offline), and never transformers' interactive "run the custom code?" prompt (it appears only when
+    ``trust_remote_code`` is left ``None``)."""
+    try:
+        return loader.from_pretrained(model_id, trust_remote_code=bool(trust_remote_code))
+    except Exception as err:  # noqa: BLE001 - every loading failure becomes a DataError that names the fix
+        damaged = _weights_error(model_id, err)
+        if damaged is not None:
+            raise damaged from None
+        if isinstance(err, ValueError) and "trust_remote_code" in str(err):
+            message = f"the {what} {model_id!r} ships its own Python code (auto_map); {REMOTE_CODE_FIX}."
+            raise DataError(message) from None
+        if not isinstance(err, (OSError, ValueError, KeyError)):  # KeyError: an unknown model_type in config.json
+            raise
+        if Path(model_id).exists():
+            raise DataError(f"could not load the {what} from the folder {model_id!r}; {fix} ({err})") from None
+        raise not_found(what, model_id, err) from None
+
+
+CODE_CONFIGS = ("config.json", "tokenizer_config.json", "preprocessor_config.json", "processor_config.json")
+
+
+def _local_auto_map(model_id: str) -> dict[str, list[str]]:
+    """``{file: auto classes}`` for each file of a local model folder whose ``auto_map`` names custom code."""
+    found = {}
+    for name in CODE_CONFIGS:
+        try:
+            config = json.loads((Path(model_id) / name).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(config, dict) and config.get("auto_map"):
+            found[name] = sorted(config["auto_map"])
+    return found
+
+
+def load_model(model_id: str, *, trust_remote_code: bool = False) -> torch.nn.Module:
+    """Load a model with the task head its config names (``config.architectures``), in eval mode.
+
+    A folder whose config, tokenizer or processor files name custom code (``auto_map``) is refused before any of that
+    code is imported, unless ``trust_remote_code=True``."""
+    if not isinstance(model_id, (str, os.PathLike)):
+        raise DataError(f"model_id must be a folder path or a Hub id (a string), got {type(model_id).__name__}.")
+    model_id = str(model_id)
+    custom = _local_auto_map(model_id)
+    if custom and not trust_remote_code:
+        where = "; ".join(f"{name}: {', '.join(classes)}" for name, classes in custom.items())
+        raise DataError(f"the model folder {model_id!r} names custom Python code (auto_map in {where}); "
+                        f"{REMOTE_CODE_FIX}.")
+    save = "save it there with model.save_pretrained()"
+    config = _from_pretrained(transformers.AutoConfig, model_id, "model", save, trust_remote_code)
+    arch = (config.architectures or [None])[0]
+    cls = getattr(transformers, arch, None) if arch else None
+    auto_map = getattr(config, "auto_map", None) or {}
+    if cls is None and trust_remote_code:  # a custom class: its auto_map says which auto class builds it
+        cls = next((getattr(transformers, name) for name in _AUTO_HEADS if name in auto_map), None)
+    if cls is None:
+        raise DataError(
+            f"model {model_id!r} does not name a transformers class in config.architectures ({config.architectures}); "
+            "save it with model.save_pretrained() from a class with a task head."
+        )
+    return _from_pretrained(cls, model_id, "model", save, trust_remote_code).eval()
+
+
+def is_vision(model: torch.nn.Module) -> bool:
+    return getattr(model, "main_input_name", "input_ids") == "pixel_values"
+
+
+def load_processor(model_id: str, model: torch.nn.Module, *, trust_remote_code: bool = False) -> Any:
+    """The tokenizer (text models) or image processor (vision models) saved with the model.
+
+    A tokenizer without a pad token pads with its EOS token, and a model without ``config.pad_token_id`` gets that id
+    (GPT-2-style classification heads find each row's last token by it).
+    """
+    if is_vision(model):
+        fix = "save it next to the model with image_processor.save_pretrained()"
+        return _from_pretrained(transformers.AutoImageProcessor, model_id, "image processor", fix, trust_remote_code)
+    fix = "save it next to the model with tokenizer.save_pretrained()"
+    tokenizer = _from_pretrained(transformers.AutoTokenizer, model_id, "tokenizer", fix, trust_remote_code)
+    if tokenizer.pad_token is None:  # padding is masked out, so any token will do
+        tokenizer.pad_token = tokenizer.eos_token
+    if getattr(model.config, "pad_token_id", None) is None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+    return tokenizer

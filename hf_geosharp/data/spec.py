@@ -1,0 +1,77 @@
+"""The vocabulary every data step shares: what to read (:class:`DataSpec`), which columns feed the model
+(:class:`Columns`), the task of a model, and :class:`DataError`, the error a user can fix."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from huggingface_hub import constants
+
+Task = Literal["classification", "causal-lm", "masked-lm"]
+
+
+class DataError(ValueError):
+    """A problem with the user's model or data that the user can fix (the CLI's exit code 2)."""
+
+
+@dataclass
+class DataSpec:
+    """Which examples to measure on, and how to read them.
+
+    Attributes:
+        dataset: a Hub dataset name (``name`` or ``name:config``) or a local path: a csv/tsv/json/jsonl/parquet file,
+            a folder saved with ``save_to_disk``, or a folder of such files or of images in class sub-folders.
+        config: the Hub dataset's configuration (alternative to ``name:config``).
+        split: the split to read.
+        n_examples: how many examples to use (``None``: all of the split).
+        batch_size: examples per batch; the last batch holds the remainder.
+        seed: seed of the shuffle that picks the examples (and of the masked-LM masking).
+        shuffle: ``False`` takes the first ``n_examples`` in file order.
+        max_length: tokenizer truncation length.
+        text_column, text_pair_column, label_column, image_column: column names; found automatically when ``None``.
+    """
+
+    dataset: str
+    config: str | None = None
+    split: str = "train"
+    n_examples: int | None = 1024
+    batch_size: int = 128
+    seed: int = 0
+    shuffle: bool = True
+    max_length: int = 128
+    text_column: str | None = None
+    text_pair_column: str | None = None
+    label_column: str | None = None
+    image_column: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.n_examples is not None and self.n_examples < 1:
+            raise DataError(f"n_examples must be at least 1 (got {self.n_examples}).")
+        if self.batch_size < 1:
+            raise DataError(f"batch_size must be at least 1 (got {self.batch_size}).")
+
+
+@dataclass
+class Columns:
+    """The dataset columns that feed the model (``None``: not used)."""
+
+    text: str | None = None
+    text_pair: str | None = None
+    label: str | None = None
+    image: str | None = None
+
+
+def hub_offline() -> bool:
+    """Whether huggingface_hub runs offline (``HF_HUB_OFFLINE=1``), so that errors can say so."""
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def not_found(what: str, name: str, err: Exception) -> DataError:
+    """The error for a model or dataset that is neither a local path nor reachable on the Hub (offline said so)."""
+    if hub_offline():
+        return DataError(
+            f"{what} {name!r} is not a local path and not in the local Hugging Face cache, and the Hub is offline "
+            f"(HF_HUB_OFFLINE=1). Pass a local path, or unset HF_HUB_OFFLINE on a machine with network access."
+        )
+    return DataError(f"could not load {what} {name!r} from a local path or the Hugging Face Hub: {err}")

@@ -1,0 +1,25 @@
+"""Leaderboards: rank many models by sharpness and ask whether sharpness predicts their generalisation gap.
+
+A generalisation measure is judged by how well it ranks models, so the leaderboard measures every model on the same
+batches, correlates every measure with the gap (Kendall tau, as in the paper's Section 5, with bootstrap 95 % intervals)
+and always puts two trivial predictors beside the sharpness measures, the parameter norm and the clean training loss:
+a measure that does not beat them tells the reader little.
+
+Long runs must survive being killed, so every number goes into a :class:`~hf_geosharp.store.ResultStore` the moment
+it is computed, keyed by a fingerprint of the content of the model and the data (:mod:`hf_geosharp.store`). A rerun
+with the same settings skips every finished (model, measure) and only computes what is missing. Every output file is
+written durably (:mod:`hf_geosharp.durable`).
+
+One job per module: :mod:`.inputs` (models, measures, settings, gap), :mod:`.run` (measuring into the store),
+:mod:`.statistics` (Kendall taus) and :mod:`.report` (Markdown, CSV, plot).
+"""
+
+from .inputs import KINDS, GapMetric, GapSpec, Kind, Measure, Mode, ModelRef, Settings, read_gap_file, resolve_models
+from .report import markdown, ranked, scatter_plot, table_markdown, taus_markdown, write_csv, write_outputs
+from .run import TRIVIAL, Leaderboard, evaluate_split, run_leaderboard
+from .statistics import MIN_MODELS_FOR_CI, kendall_taus
+
+__all__ = ["KINDS", "MIN_MODELS_FOR_CI", "TRIVIAL", "GapMetric", "GapSpec", "Kind", "Leaderboard", "Measure",
+           "ModelRef", "Mode", "Settings", "evaluate_split", "kendall_taus", "markdown", "ranked", "read_gap_file",
+           "resolve_models", "run_leaderboard", "scatter_plot", "table_markdown", "taus_markdown", "write_csv",
+           "write_outputs"]

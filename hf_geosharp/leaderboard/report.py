@@ -1,0 +1,96 @@
+"""A leaderboard's outputs: the ranked table and the taus as Markdown, the table as CSV, the scatter plot, and the
+folder of files, each written durably."""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+from typing import Any
+
+from ..durable import atomic_path, write_json, write_text
+from .run import TRIVIAL, Leaderboard
+
+
+def ranked(board: Leaderboard) -> list[dict[str, Any]]:
+    """Rows sorted by the first measure, flattest first, with a 1-based ``rank``."""
+    key = board.measures[0]
+    order = sorted(board.rows, key=lambda r: (math.isnan(r[key]), r[key], r["model"]))
+    return [{"rank": i, **row} for i, row in enumerate(order, 1)]
+
+
+def _fmt(value: Any, spec: str = ".4g") -> str:
+    if isinstance(value, float) and math.isnan(value):
+        return "n/a"
+    return format(value, spec) if isinstance(value, float) else str(value)
+
+
+def table_markdown(board: Leaderboard) -> str:
+    """The ranked table as Markdown."""
+    table = ranked(board)
+    cols = list(table[0])
+    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    lines += ["| " + " | ".join(_fmt(row[c]) for c in cols) + " |" for row in table]
+    return "\n".join(lines) + "\n"
+
+
+def taus_markdown(board: Leaderboard) -> str:
+    """Each predictor's Kendall tau against the gap, with its interval, as Markdown (empty without a gap)."""
+    if not board.taus:
+        return ""
+    lines = [f"Kendall tau against the generalisation gap (test minus train {board.gap_metric}), "
+             f"{len(board.rows)} models, bootstrap 95 % interval:", "",
+             "| predictor | tau | 95 % CI | p-value |", "|---|---|---|---|"]
+    for name, t in board.taus.items():
+        ci = f"[{_fmt(t['ci_low'], '+.3f')}, {_fmt(t['ci_high'], '+.3f')}]"
+        lines.append(f"| {name} | {_fmt(t['tau'], '+.3f')} | {ci} | {_fmt(t['p_value'], '.3g')} |")
+    return "\n".join(lines) + "\n"
+
+
+def markdown(board: Leaderboard) -> str:
+    """The ranked table and, when there is a gap, the taus."""
+    return "\n".join(filter(None, (table_markdown(board), taus_markdown(board))))
+
+
+def write_csv(board: Leaderboard, path: Path) -> None:
+    table = ranked(board)
+    with atomic_path(path) as tmp, open(tmp, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(table[0]))
+        writer.writeheader()
+        writer.writerows({k: repr(v) if isinstance(v, float) else v for k, v in row.items()} for row in table)
+
+
+def scatter_plot(board: Leaderboard, path: Path) -> None:
+    """One panel per predictor, gap on the y axis, tau and its interval in the title (like the paper's Figs 3-5)."""
+    from matplotlib.figure import Figure  # no pyplot: no global backend switch, no GUI, safe in threads
+
+    names = board.predictors
+    fig = Figure(figsize=(3.2 * len(names), 3.2))
+    axes = fig.subplots(1, len(names), squeeze=False, sharey=True)
+    gap = [r["gap"] for r in board.rows]
+    for ax, name in zip(axes[0], names):
+        ax.scatter([r[name] for r in board.rows], gap, s=18, color="#c44e52" if name in TRIVIAL else "#4c72b0")
+        t = board.taus[name]
+        ci = f"[{_fmt(t['ci_low'], '+.2f')}, {_fmt(t['ci_high'], '+.2f')}]"
+        ax.set_title(f"{name}\n\u03c4 = {_fmt(t['tau'], '+.2f')} {ci}", fontsize=9)
+        ax.set_xlabel(name, fontsize=8)
+        ax.tick_params(labelsize=7)
+    axes[0][0].set_ylabel(f"generalisation gap ({board.gap_metric})", fontsize=8)
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=120)
+
+
+def write_outputs(board: Leaderboard, out_dir: Path) -> dict[str, Path]:
+    """``leaderboard.md``, ``leaderboard.csv`` and, with a gap, ``taus.json`` and ``scatter.png``, each replaced
+    durably (a failed write leaves the previous file intact)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"markdown": out_dir / "leaderboard.md", "csv": out_dir / "leaderboard.csv"}
+    write_text(paths["markdown"], markdown(board))
+    write_csv(board, paths["csv"])
+    if board.taus:
+        paths["taus"] = out_dir / "taus.json"
+        write_json(paths["taus"], {"gap_metric": board.gap_metric, "taus": board.taus})
+        paths["plot"] = out_dir / "scatter.png"
+        scatter_plot(board, paths["plot"])
+    return paths

@@ -1,0 +1,185 @@
+"""Running a leaderboard: measure every model on the same batches, with its trivial predictors and (optionally) its
+split metrics, storing each number the moment it exists so that a rerun computes only what is missing."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from ..api import SharpnessResult, adaptive_sharpness, collected_convergence_notes, geodesic_sharpness
+from ..data import DataError, DataSpec, load_batches, load_model, load_processor, load_split, require_task
+from ..relative_flatness import relative_flatness
+from ..store import ResultStore, data_identity, fingerprint, model_identity
+from ..symmetry import map_symmetries
+from .inputs import GapSpec, Measure, ModelRef, Settings, read_gap_file
+from .statistics import kendall_taus
+
+logger = logging.getLogger(__name__)
+
+TRIVIAL = ("param_norm", "clean_loss")  # the baselines every measure must beat
+
+
+
+@torch.no_grad()
+def evaluate_split(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+    """Example-weighted mean loss and (for classifiers) error rate over ``batches``."""
+    n = loss_sum = wrong = 0.0
+    for batch in batches:
+        out = model(**batch)
+        size = len(batch["labels"])
+        n += size
+        loss_sum += float(out.loss) * size
+        wrong += float((out.logits.argmax(-1) != batch["labels"]).sum()) if batch["labels"].dim() == 1 else math.nan
+    return {"loss": loss_sum / n, "error": wrong / n}
+
+
+def _measure(
+    measure: Measure, model: torch.nn.Module, batches: list, settings: Settings, smap: Any
+) -> SharpnessResult:
+    common = dict(rho=settings.rho, mode=measure.mode, steps=settings.steps, seed=settings.seed,
+                  n_samples=settings.n_samples, progress=False)
+    if measure.kind == "relative_flatness":
+        return relative_flatness(model, batches, n_samples=settings.n_samples, seed=settings.seed)
+    if measure.kind == "adaptive":
+        return adaptive_sharpness(model, batches, **common)
+    return geodesic_sharpness(
+        model, batches, metric=measure.kind, epsilon=settings.epsilon, symmetry_map=smap, **common
+    )
+
+
+@dataclass
+class Leaderboard:
+    """Results of a leaderboard run: one row per model, and the Kendall taus of every predictor against the gap."""
+
+    rows: list[dict[str, Any]]
+    measures: list[str]
+    gap_metric: str | None
+    results: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # model -> its stored measure records
+    taus: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    @property
+    def predictors(self) -> list[str]:
+        return [*self.measures, *TRIVIAL]
+
+
+def run_leaderboard(
+    models: list[ModelRef],
+    data: DataSpec,
+    measures: list[Measure],
+    store: ResultStore,
+    *,
+    settings: Settings | None = None,
+    gap: GapSpec | None = None,
+    progress: bool = True,
+    trust_remote_code: bool = False,
+) -> Leaderboard:
+    """Measure every model (skipping whatever ``store`` already holds) and assemble the ranked table.
+
+    Each (model, measure) result, each model's trivial predictors and each model's split metrics is written to the
+    store as soon as it exists, so killing the run loses at most the computation in flight. Results are keyed by the
+    content of each model's files and of the data, so editing either recomputes them.
+    """
+    if not measures:
+        raise ValueError("no measures given; pick some of 'inv', 'mix', 'adaptive'.")
+    settings = Settings() if settings is None else settings
+    gap_table = read_gap_file(gap.file) if gap is not None and gap.file is not None else None
+    data_key = data_identity(data, None if Path(data.dataset).exists() else load_split(data))
+    rows, results = [], {}
+    todo = len(models) * (len(measures) + 1 + (gap is not None and gap_table is None))
+    bar = tqdm(total=todo, desc="leaderboard", unit="result", disable=not progress)
+    not_converged = 0
+    for ref in models:
+        model = model_identity(ref.source)
+        keys = {m.name: fingerprint(kind="measure", model=model, measure=m.name, data=data_key, **asdict(settings))
+                for m in measures}
+        keys["stats"] = fingerprint(kind="stats", model=model, data=data_key)
+        if gap is not None and gap_table is None:
+            splits = {k: v for k, v in asdict(gap).items() if k not in ("file", "metric")}  # both metrics are stored
+            keys["splits"] = fingerprint(kind="splits", model=model, data=data_key, splits=splits)
+        missing = [k for k, key in keys.items() if store.get(key) is None]
+        bar.update(len(keys) - len(missing))
+        if missing:
+            with collected_convergence_notes() as notes:  # one summary line below, not a warning per result
+                _compute_missing(ref, data, measures, settings, gap, store, keys, missing, bar, trust_remote_code)
+            not_converged += len(notes)
+        rows.append(_row(ref, measures, store, keys, gap, gap_table))
+        results[ref.name] = [store.get(keys[m.name]) for m in measures]
+    bar.close()
+    if not_converged:
+        logger.warning("%d of the results computed in this run are not converged at steps=%s (the worst-case value "
+                       "was still rising; each stored record says so in 'converged'); raise --steps for tighter "
+                       "values.", not_converged, settings.steps)
+    board = Leaderboard(rows, [m.name for m in measures], gap.metric if gap is not None else None, results)
+    if gap is not None:
+        board.taus = kendall_taus(rows, board.predictors, seed=settings.seed)
+    return board
+
+
+def _compute_missing(
+    ref: ModelRef, data: DataSpec, measures: list[Measure], settings: Settings, gap: GapSpec | None,
+    store: ResultStore, keys: dict[str, str], missing: list[str], bar: tqdm, trust_remote_code: bool,
+) -> None:
+    bar.set_postfix(model=ref.name)
+    model = load_model(ref.source, trust_remote_code=trust_remote_code)
+    require_task(model)
+    processor = load_processor(ref.source, model, trust_remote_code=trust_remote_code)
+    batches = load_batches(model, processor, data)
+    smap = None
+    if any(m.kind in ("inv", "mix") and m.name in missing for m in measures):
+        smap = map_symmetries(model)
+    for m in measures:
+        if m.name not in missing:
+            continue
+        bar.set_postfix(model=ref.name, measure=m.name)
+        start = time.perf_counter()
+        res = _measure(m, model, batches, settings, smap)
+        store.put({"key": keys[m.name], "kind": "measure", "model": ref.name, "source": ref.source,
+                   "measure": res.measure, "value": res.value, "stderr": res.stderr, "converged": res.converged,
+                   "convergence_gain": res.convergence_gain, "clean_loss": res.clean_loss,
+                   "per_batch": res.per_batch, "config": res.config, "seconds": time.perf_counter() - start})
+        bar.update()
+    if "stats" in missing:
+        clean = evaluate_split(model, batches)
+        norm = float(torch.linalg.vector_norm(torch.cat([p.detach().reshape(-1) for p in model.parameters()])))
+        store.put({"key": keys["stats"], "kind": "stats", "model": ref.name, "source": ref.source, "param_norm": norm,
+                   "clean_loss": clean["loss"], "n_params": sum(p.numel() for p in model.parameters())})
+        bar.update()
+    if "splits" in missing:
+        record = {"key": keys["splits"], "kind": "splits", "model": ref.name, "source": ref.source}
+        for role, split in (("train", gap.train_split), ("test", gap.test_split)):
+            spec = DataSpec(**{**asdict(data), "split": split, "n_examples": gap.n_examples,
+                               "batch_size": gap.batch_size, "shuffle": gap.n_examples is not None})
+            result = evaluate_split(model, load_batches(model, processor, spec))
+            record.update({f"{role}_loss": result["loss"], f"{role}_error": result["error"]})
+        store.put(record)
+        bar.update()
+
+
+def _row(
+    ref: ModelRef, measures: list[Measure], store: ResultStore, keys: dict[str, str], gap: GapSpec | None,
+    gap_table: dict[str, float] | None,
+) -> dict[str, Any]:
+    stats_record = store.get(keys["stats"])
+    records = {m.name: store.get(keys[m.name]) for m in measures}
+    row: dict[str, Any] = {"model": ref.name, **{name: r["value"] for name, r in records.items()},
+                           **{f"{name}_stderr": r.get("stderr", math.nan) for name, r in records.items()},
+                           "param_norm": stats_record["param_norm"], "clean_loss": stats_record["clean_loss"]}
+    if gap is None:
+        return row
+    if gap_table is not None:
+        value = gap_table.get(ref.name, gap_table.get(ref.source))
+        if value is None:
+            raise DataError(f"the gap file has no row for model {ref.name!r} (nor {ref.source!r}).")
+        row["gap"] = value
+    else:
+        splits = store.get(keys["splits"])
+        row.update({k: splits[k] for k in ("train_loss", "train_error", "test_loss", "test_error")})
+        row["gap"] = splits[f"test_{gap.metric}"] - splits[f"train_{gap.metric}"]
+    return row

@@ -1,0 +1,76 @@
+"""One rank of the sharded-sharpness checks in ``tests/test_sharded_sharpness.py``, run under ``torchrun`` (gloo).
+
+``python -m torch.distributed.run --standalone --nproc_per_node N tests/fsdp_sharpness_worker.py ARCH OUT [--shard1]``.
+Every rank builds the same seeded float64 model, measures it unsharded (the single-process reference), shards it
+with ``shard_model``, measures it again with the same batches on every rank and with each rank given its share of
+every batch, and checks the shards bit for bit afterwards. Rank 0 writes the numbers to ``OUT`` (JSON).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+import hf_geosharp as gs
+from hf_geosharp.sharding import shard_model
+
+sys.path.insert(0, __file__.rsplit("/", 2)[0])
+from tests.fsdp_worker import build, placement_fn  # noqa: E402
+
+KW = dict(rho=0.05, steps=6, progress=False, n_samples=4)
+
+
+def measure(model: torch.nn.Module, batches: list[dict], smap: gs.SymmetryMap) -> dict[str, float]:
+    out = {}
+    for metric in ("inv", "mix"):
+        for mode in ("worst", "average"):
+            res = gs.geodesic_sharpness(model, batches, metric=metric, mode=mode, symmetry_map=smap, **KW)
+            out[res.measure] = res.value
+    out["adaptive_clean_worst"] = gs.adaptive_sharpness(model, batches, **KW).value
+    out["adaptive_average"] = gs.adaptive_sharpness(model, batches, mode="average", **KW).value
+    return out
+
+
+def main() -> None:
+    arch, path, shard1 = sys.argv[1], sys.argv[2], "--shard1" in sys.argv
+    model, batch, frozen = build(arch)
+    model.get_parameter(frozen).requires_grad_(True)
+    g = torch.Generator().manual_seed(2)
+    batches = []
+    for _ in range(2):  # 6 examples: shares of 3 + 3 over two ranks, 2 + 2 + 1 + 1 over four (uneven)
+        more = {k: v.clone() for k, v in batch.items()}
+        more["input_ids"] = torch.randint(1, 50, more["input_ids"].shape, generator=g)
+        batches.append({k: torch.cat([batch[k], more[k]]) for k in batch})
+    smap = gs.map_symmetries(model)
+    single = measure(model, batches, smap)
+    shard_model(model, placement=placement_fn(model) if shard1 else None)
+    dist.barrier()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    shards = {n: p.to_local().clone() for n, p in model.named_parameters()}
+    flags = {n: p.requires_grad for n, p in model.named_parameters()}
+    sharded = measure(model, batches, smap)
+    rows = [torch.arange(b["labels"].shape[0]).tensor_split(world)[rank] for b in batches]
+    shares = [{k: v[r] for k, v in b.items()} for b, r in zip(batches, rows)]
+    shared = measure(model, shares, smap)
+    intact = all(torch.equal(p.to_local(), shards[n]) for n, p in model.named_parameters())
+    intact &= all(p.requires_grad == flags[n] for n, p in model.named_parameters())
+    intact &= not any(m.training for m in model.modules())  # the fixture is in eval mode; still in it
+    everyone = [None] * world
+    dist.all_gather_object(everyone, intact)
+    if rank == 0:
+        with open(path, "w") as f:
+            json.dump({"single": single, "sharded": sharded, "shares": shared, "intact": everyone}, f)
+    dist.barrier()  # every rank is done talking
+    # Leave without running C++ destructors: under load, gloo's threads sometimes abort interpreter shutdown
+    # ("terminate called without an active exception") after all the work is done and written.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""Sharpness of an FSDP2-sharded model equals the single-process number (issue: sharded measurement).
+
+Each case runs ``tests/fsdp_sharpness_worker.py`` under ``torchrun`` on CPU with gloo: a tiny float64 BERT with a
+3-class head (unevenly sharded; empty shards over 4 ranks) and a tiny Llama with GQA and RoPE (whose query/key pairs
+have the reduced RoPE group), sharded with FSDP's default ``Shard(0)`` (heads cut across ranks: shared rows) or with
+``Shard(1)`` on the q/k/v weights (rows owned, bias rows shared). Geodesic inv and mix, worst and average case, and
+adaptive sharpness (clean worst case and average) must equal the unsharded model's values to 1e-6 relative, both when
+every rank passes the same batches and when each rank passes its own uneven share of every batch; the shards,
+``requires_grad`` and modes must be bit-exact afterwards on every rank."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CASES = {  # ranks, model, Shard(1) for the q/k/v weights
+    "bert-2": (2, "bert", False),
+    "bert-4": (4, "bert", False),
+    "bert-2-shard1-qkv": (2, "bert", True),
+    "llama-2-shard1-qkv": (2, "llama", True),
+    "llama-4": (4, "llama", False),
+}
+
+
+@pytest.mark.parametrize("nproc, arch, shard1", list(CASES.values()), ids=list(CASES))
+def test_sharded_sharpness_equals_the_single_process_value(nproc, arch, shard1, tmp_path):
+    out = tmp_path / "numbers.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1",
+           "TRANSFORMERS_OFFLINE": "1"}
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+    args = [str(ROOT / "tests" / "fsdp_sharpness_worker.py"), arch, str(out), *(["--shard1"] if shard1 else [])]
+    proc = subprocess.run([*launch, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    found = json.loads(out.read_text())
+    assert found["intact"] == [True] * nproc
+    single = found["single"]
+    assert len(single) == 6 and all(v != 0 for v in single.values())
+    for how in ("sharded", "shares"):
+        for measure, value in single.items():
+            assert found[how][measure] == pytest.approx(value, rel=1e-6), (how, measure)
