@@ -45,14 +45,13 @@ def _measure(case: str, w: Workload, device: str, rho: float) -> dict[str, int]:
     import hf_geosharp as gs
 
     from .common import forward_backward, peak_rss_bytes, reset_peak_rss, rss_bytes
-    from .models import SIZES, bert_batches, bert_classifier, symmetry_map
+    from .models import SIZES, bert_batches, bert_classifier
 
     cuda = device.startswith("cuda")
     now = (lambda: torch.cuda.memory_allocated()) if cuda else rss_bytes
     baseline = now()
     model = bert_classifier(SIZES[w.size], device=device)
     batches = bert_batches(model, n_batches=w.n_batches, batch_size=w.batch_size, seq_len=w.seq_len)
-    smap = symmetry_map(model)[0] if case.startswith("geodesic") else None
     before = now()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -64,7 +63,8 @@ def _measure(case: str, w: Workload, device: str, rho: float) -> dict[str, int]:
     elif case.startswith("adaptive"):
         gs.adaptive_sharpness(model, batches, variant=case.split("_")[1], **kw)
     else:
-        gs.geodesic_sharpness(model, batches, metric=case.split("_")[1], symmetry_map=smap, **kw)
+        # the default call: the symmetry map is built inside and dropped once the space has read it
+        gs.geodesic_sharpness(model, batches, metric=case.split("_")[1], **kw)
     peak = torch.cuda.max_memory_allocated() if cuda else peak_rss_bytes()
     return {"baseline": baseline, "before_call": before, "peak": peak,
             "footprint": peak - baseline, "workload": peak - before,
