@@ -64,6 +64,12 @@ class Launch:
         dist.all_gather_object(codes, code)
         return max(codes)
 
+    def close(self) -> None:
+        """Leave the process group this launch joined (a clean exit; gloo's threads can abort a shutdown that
+        finds them still running)."""
+        if self.fsdp and dist.is_initialized():
+            dist.destroy_process_group()
+
     def shard(self, model: torch.nn.Module, symmetry_map: Any) -> torch.nn.Module:
         """Shard ``model`` (mapped beforehand into ``symmetry_map``) with pair rows kept whole where possible."""
         return shard_model(model, placement=attention_placement(model, symmetry_map))

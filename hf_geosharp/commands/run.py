@@ -261,6 +261,13 @@ def run(args: argparse.Namespace) -> int:
     except DataError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    try:
+        return _run(args, launch)
+    finally:
+        launch.close()
+
+
+def _run(args: argparse.Namespace, launch: Launch) -> int:
     main = launch.main
     if args.quiet or not main:  # sharded, every rank has rank 0's results, and its warnings
         logging.getLogger("hf_geosharp").setLevel(logging.ERROR if launch.fsdp and not main else logging.WARNING)
