@@ -1,6 +1,7 @@
-"""The sharded launch paths give the one-process numbers: ``torchrun -m hf_geosharp run --fsdp`` (every rank loads the
-model and all batches; rank 0 alone prints and writes) and the evaluate module with ``fsdp=True`` (every rank passes
-its own share of the examples). Both run two CPU ranks with gloo; the misuse cases (no launcher, a model the caller
+"""The sharded launch paths give the one-process numbers: ``torchrun -m hf_geosharp run --fsdp`` and ``accelerate
+launch --config_file examples/accelerate_fsdp2.yaml -m hf_geosharp run`` (every rank loads the model and all batches;
+rank 0 alone prints and writes) and the evaluate module with ``fsdp=True`` (every rank passes its own share of the
+examples). Both run two CPU ranks with gloo; the misuse cases (no launcher, a model the caller
 passed unsharded) fail at once with a message that says what to do.
 
 Run as ``torchrun --nproc_per_node 2 -m tests.test_launch_fsdp DATA MODEL OUT``, this module is one rank of the
@@ -43,14 +44,23 @@ def _values(report: dict) -> dict[str, list[float]]:
     return {name: [res["value"], res["clean_loss"], *res["per_batch"]] for name, res in report["results"].items()}
 
 
-def test_torchrun_fsdp_run_matches_one_process_and_writes_once(tmp_path):
+LAUNCHERS = {  # the sharded launch paths of `geosharp run`: torchrun with --fsdp, accelerate with an FSDP config
+    "torchrun": [*TORCHRUN, "-m", "hf_geosharp"],
+    "accelerate": [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                   str(ROOT / "examples" / "accelerate_fsdp2.yaml"), "--num_processes", "2", "-m", "hf_geosharp"],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("launcher", list(LAUNCHERS))
+def test_sharded_run_matches_one_process_and_writes_once(launcher, tmp_path):
     model, data = save_text_model(tmp_path / "bert"), write_csv(tmp_path / "reviews.csv", 20)
     argv = ["run", "--model", str(model), "--dataset", str(data), "--n-examples", "10", "--batch-size", "4",
             "--steps", "3", "--rho", "0.05", "--dtype", "float64"]  # fmt: skip  # 3 batches, the last one short
     assert cli.main([*argv, "--quiet", "--json", str(tmp_path / "one.json")]) == 0
     out = tmp_path / "results"
-    proc = subprocess.run([*TORCHRUN, "-m", "hf_geosharp", *argv, "--fsdp", "--output-path", str(out)], cwd=ROOT,
-                          env=_env(), capture_output=True, text=True, timeout=300)  # fmt: skip
+    flag = ["--fsdp"] if launcher == "torchrun" else []  # the accelerate config says FSDP itself
+    proc = subprocess.run([*LAUNCHERS[launcher], *argv, *flag, "--output-path", str(out)], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     written = list(out.rglob("*.json"))
     assert len(written) == 1, written  # rank 0 alone writes
