@@ -204,7 +204,10 @@ def _parameters_of(blocks: list[PairBlock], sizes: list[int]) -> set[int]:
 
 
 def _remap(blocks: list[PairBlock], sizes: list[int], covered: list[bool]) -> list[PairBlock]:
-    """The blocks whose parameters are all covered, re-indexed into the concatenation of the covered parameters."""
+    """The blocks whose parameters are all covered, re-indexed into the concatenation of the covered parameters
+    (the blocks themselves when every parameter is covered: index maps are 8 bytes per pair coordinate)."""
+    if all(covered):
+        return blocks
     ends = torch.tensor(sizes).cumsum(0)
     skipped = torch.tensor([0 if c else n for n, c in zip(sizes, covered)]).cumsum(0) - torch.tensor(
         [0 if c else n for n, c in zip(sizes, covered)])
