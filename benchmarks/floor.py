@@ -15,7 +15,7 @@ import hf_geosharp as gs
 
 from .common import forward_backward, interleaved
 from .config import RunConfig, Workload
-from .models import SIZES, bert_batches, bert_classifier, symmetry_map
+from .models import workload_inputs
 
 TARGET = 0.05
 
@@ -31,9 +31,7 @@ def workloads(cfg: RunConfig) -> list[Workload]:
 def run(cfg: RunConfig) -> dict[str, Any]:
     rows = []
     for w in workloads(cfg):
-        model = bert_classifier(SIZES[w.size], device=cfg.device)
-        batches = bert_batches(model, n_batches=w.n_batches, batch_size=w.batch_size, seq_len=w.seq_len)
-        smap, source = symmetry_map(model)
+        model, batches, smap, source = workload_inputs(w, cfg.device)
         kw = dict(rho=cfg.rho, steps=w.steps, progress=False)
         cases = {
             "forward_backward": lambda: forward_backward(model, batches[0]),

@@ -7,11 +7,15 @@ symmetry map comes from ``gs.map_symmetries`` (the library's mapper).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import BertConfig, BertForSequenceClassification
 
 from hf_geosharp.symmetry import SymmetryMap, map_symmetries
+
+if TYPE_CHECKING:
+    from .config import Workload
 
 
 @dataclass(frozen=True)
@@ -77,3 +81,14 @@ def bert_batches(
 def symmetry_map(model: BertForSequenceClassification) -> tuple[SymmetryMap, str]:
     """The library's map of the model, and its source (recorded in the JSON results)."""
     return map_symmetries(model), "hf_geosharp.symmetry.map_symmetries"
+
+
+def workload_inputs(
+    w: Workload, device: str
+) -> tuple[BertForSequenceClassification, list[dict[str, torch.Tensor]], SymmetryMap, str]:
+    """The model, batches and symmetry map (with where it came from) of one benchmark workload."""
+    model = bert_classifier(SIZES[w.size], device=device)
+    batches = bert_batches(model, n_batches=w.n_batches, batch_size=w.batch_size, seq_len=w.seq_len)
+    smap, source = symmetry_map(model)
+    return model, batches, smap, source
+

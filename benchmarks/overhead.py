@@ -21,7 +21,7 @@ from hf_geosharp.objective import Objective
 
 from .common import forward_backward, interleaved
 from .config import RunConfig, Workload
-from .models import SIZES, bert_batches, bert_classifier, symmetry_map
+from .models import workload_inputs
 
 TARGET = 1.05
 SOLVES = ("adaptive_clean", "geodesic_inv", "geodesic_mix", "adaptive_as23")
@@ -63,9 +63,7 @@ def workloads(cfg: RunConfig) -> list[Workload]:
 def run(cfg: RunConfig) -> dict[str, Any]:
     rows = []
     for w in workloads(cfg):
-        model = bert_classifier(SIZES[w.size], device=cfg.device)
-        batches = bert_batches(model, n_batches=w.n_batches, batch_size=w.batch_size, seq_len=w.seq_len)
-        smap, source = symmetry_map(model)
+        model, batches, smap, source = workload_inputs(w, cfg.device)
         kw = dict(rho=cfg.rho, steps=w.steps, progress=False)
         cases = {name: _counting(solve) for name, solve in {
             "adaptive_clean": lambda: gs.adaptive_sharpness(model, batches, variant="clean", **kw).value,

@@ -199,3 +199,13 @@ def stack_alike(blocks: list[PairBlock]) -> list[tuple[Tensor, Tensor, Tensor | 
         (torch.cat([b.G_index for b in members]), torch.cat([b.H_index for b in members]), members[0].lie_basis)
         for members in groups.values()
     ]
+
+
+def pair_parameters(blocks: list[PairBlock], sizes: list[int]) -> set[int]:
+    """The positions of the parameters that hold pair coordinates."""
+    ends = torch.tensor(sizes).cumsum(0)
+    found: set[int] = set()
+    for b in blocks:
+        for index in (b.G_index, b.H_index):
+            found.update(torch.bucketize(index.reshape(-1).cpu(), ends, right=True).unique().tolist())
+    return found

@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 from . import __version__
 from .as23 import apgd_as23
 from .checks import Steps, check_inputs
+from .coordinates import pair_parameters
 from .objective import LossFn, Objective, default_loss, measured_parameters, preserved_model_state, to_device
 from .result import SharpnessResult, average_stderr, batch_stderr, warn_not_converged
 from .sharded_run import build_sharded
@@ -166,7 +167,7 @@ def _build(
     _warn_half_precision(params)
     blocks = _pair_blocks(model, names, settings, symmetry_map)
     sizes = [p.numel() for p in params]
-    pair_params = _parameters_of(blocks, sizes)
+    pair_params = pair_parameters(blocks, sizes)
     trainable = [settings.params == "all" or p.requires_grad for p in params]
     if settings.params not in ("all", "trainable"):
         raise ValueError(f"params must be 'all' or 'trainable', got {settings.params!r}.")
@@ -204,16 +205,6 @@ def _pair_blocks(model: nn.Module, names: list[str], settings: RunSettings,
             "gs.map_symmetries(model)."
         )
     return symmetry_map.blocks
-
-
-def _parameters_of(blocks: list[PairBlock], sizes: list[int]) -> set[int]:
-    """The positions of the parameters that hold pair coordinates."""
-    ends = torch.tensor(sizes).cumsum(0)
-    found: set[int] = set()
-    for b in blocks:
-        for index in (b.G_index, b.H_index):
-            found.update(torch.bucketize(index.reshape(-1).cpu(), ends, right=True).unique().tolist())
-    return found
 
 
 def _remap(blocks: list[PairBlock], sizes: list[int], covered: list[bool]) -> list[PairBlock]:

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from .coordinates import pair_parameters
 from .objective import LossFn, Objective, measured_parameters, refuse_reentrant_checkpointing
 from .sharding import ShardedLayout
 from .space import PerturbationSpace, SpaceOptions
@@ -131,7 +132,10 @@ def build_sharded(model: nn.Module, layout: ShardedLayout, settings: Any, blocks
     if names != layout.names:
         raise ValueError("The FSDP layout and the model's parameters disagree; shard every parameter with FSDP2.")
     movable = None
-    if settings.params == "trainable":
+    if settings.params == "trainable":  # pairs on frozen weights stay still: they are measured elementwise (as 0)
+        frozen = {i for i, p in enumerate(params) if not p.requires_grad}
+        sizes = [shape.numel() for shape in layout.global_shapes]
+        blocks = [b for b in blocks if not pair_parameters([b], sizes) & frozen]
         movable = torch.cat([torch.full((n,), p.requires_grad, dtype=torch.bool, device=layout.device)
                              for p, n in zip(params, layout.local_sizes)])
         if not bool(layout.all_reduce(movable.any().double().reshape(1))):

@@ -8,10 +8,8 @@ points the attribute at ``theta``'s segments for the duration of a measurement: 
 perturbed weights while the model's own shards, the base point, are never written to, and restoring the attribute
 restores the model bit for bit. Gradients arrive per parameter after FSDP's reduce-scatter (which averages over the
 ranks) and ``stream_gradients`` copies each into the matching segment of a flat buffer, so sharded gradients are
-never all alive at once.
-
-Global flat indices (the symmetry map's, into the unsharded ``named_parameters`` concatenation) are turned into
-``(owner rank, position in the owner's local vector)`` by ``ShardedLayout.localize``.
+never all alive at once. ``ShardedLayout.localize`` maps the symmetry map's global flat indices (into the unsharded
+``named_parameters`` concatenation) to ``(owner rank, position in the owner's local vector)``.
 """
 
 from __future__ import annotations
@@ -182,18 +180,23 @@ class ShardedLayout:
         A row (an index along ``n``, across all heads) is this rank's when every entry of it, in every head, is
         stored here; it is absent when every entry is stored on one other rank; otherwise it is shared (a head cut
         by a shard boundary, a bias row split like its weight): assembled on every rank, counted by rank 0."""
-        owner, local = self.localize(index)
-        owner, local = owner.cpu(), local.cpu()
-        flat = owner.permute(1, 0, 2).reshape(index.shape[1], -1)
-        mine = (flat == self.rank).all(1)
-        single = (flat == flat[:, :1]).all(1)
+        (K, n, h), first = index.shape, None
+        mine, single = torch.ones(n, dtype=torch.bool), torch.ones(n, dtype=torch.bool)
+        step = max(1, (1 << 20) // max(1, n * h))  # a few heads at a time: localize makes int64 temporaries
+        for k in range(0, K, step):
+            owner = self.localize(index[k : k + step])[0].cpu().permute(1, 0, 2).reshape(n, -1)
+            first = owner[:, :1] if first is None else first
+            single &= (owner == first).all(1)
+            mine &= (owner == self.rank).all(1)
         own_rows = mine.nonzero().flatten()
         shared_rows = (~single).nonzero().flatten()
-        positions = torch.where(owner == self.rank, local, -1)[:, shared_rows].to(device)
+        local = self.localize(index[:, own_rows])[1].cpu()
+        owner_s, local_s = self.localize(index[:, shared_rows])
+        positions = torch.where(owner_s == self.rank, local_s, -1).to(device)
         shared = SharedRows(positions, self.all_reduce) if len(shared_rows) else None
-        factor = Factor.of(local[:, own_rows], device, shared)
+        factor = Factor.of(local, device, shared)
         counted = len(own_rows) + (len(shared_rows) if self.rank == 0 else 0)
-        return factor, counted, torch.cat([own_rows, shared_rows]), index.shape[1]
+        return factor, counted, torch.cat([own_rows, shared_rows]), n
 
     def local_part(self, i: int, full: Tensor) -> Tensor:
         """Parameter ``i``'s local padded shard of ``full`` (the whole parameter, any layout-independent values)."""

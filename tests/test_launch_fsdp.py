@@ -24,15 +24,11 @@ import hf_geosharp as gs
 from hf_geosharp import cli
 
 from .fixtures.hf_models import one_thread, save_text_model, sentences, tiny_bert, tiny_tokenizer, write_csv  # noqa: F401
+from .fixtures.torchrun import offline_env
 
 ROOT = Path(__file__).resolve().parent.parent
 SETTINGS = dict(rho=0.05, steps=3, seed=0)
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}  # fmt: skip
 
 
 def model_loss(model, batch):
@@ -59,7 +55,7 @@ def test_sharded_run_matches_one_process_and_writes_once(launcher, tmp_path):
     assert cli.main([*argv, "--quiet", "--json", str(tmp_path / "one.json")]) == 0
     out = tmp_path / "results"
     flag = ["--fsdp"] if launcher == "torchrun" else []  # the accelerate config says FSDP itself
-    proc = subprocess.run([*LAUNCHERS[launcher], *argv, *flag, "--output-path", str(out)], cwd=ROOT, env=_env(),
+    proc = subprocess.run([*LAUNCHERS[launcher], *argv, *flag, "--output-path", str(out)], cwd=ROOT, env=offline_env(),
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     written = list(out.rglob("*.json"))
@@ -109,7 +105,7 @@ def test_evaluate_fsdp_on_shards_matches_one_process(tmp_path):
     own = module.compute(model_id=str(model), **data, batch_size=3, loss_fn=model_loss, **SETTINGS)
     (tmp_path / "data.json").write_text(json.dumps(data))
     args = [str(tmp_path / "data.json"), str(model), str(tmp_path)]
-    proc = subprocess.run([*TORCHRUN, "-m", "tests.test_launch_fsdp", *args], cwd=ROOT, env=_env(),
+    proc = subprocess.run([*TORCHRUN, "-m", "tests.test_launch_fsdp", *args], cwd=ROOT, env=offline_env(),
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]

@@ -11,14 +11,11 @@ every rank passes the same batches and when each rank passes its own uneven shar
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from .fixtures.torchrun import ROOT, torchrun
+
 CASES = {  # ranks, model, Shard(1) for the q/k/v weights
     "bert-2": (2, "bert", False),
     "bert-4": (4, "bert", False),
@@ -31,11 +28,8 @@ CASES = {  # ranks, model, Shard(1) for the q/k/v weights
 @pytest.mark.parametrize("nproc, arch, shard1", list(CASES.values()), ids=list(CASES))
 def test_sharded_sharpness_equals_the_single_process_value(nproc, arch, shard1, tmp_path):
     out = tmp_path / "numbers.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1",
-           "TRANSFORMERS_OFFLINE": "1"}
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
     args = [str(ROOT / "tests" / "fsdp_sharpness_worker.py"), arch, str(out), *(["--shard1"] if shard1 else [])]
-    proc = subprocess.run([*launch, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = torchrun(nproc, *args)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     found = json.loads(out.read_text())
     assert found["intact"] == [True] * nproc

@@ -9,7 +9,6 @@ also after an exception or a KeyboardInterrupt inside ``serving``; unsupported s
 from __future__ import annotations
 
 import ast
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,15 +18,13 @@ import torch
 
 from hf_geosharp.sharding import fsdp_state
 
+from .fixtures.torchrun import torchrun
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1",
-           "TRANSFORMERS_OFFLINE": "1"}  # fmt: skip
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-    return subprocess.run([*launch, str(ROOT / "tests" / "fsdp_worker.py"), *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=240)  # fmt: skip
+    return torchrun(nproc, str(ROOT / "tests" / "fsdp_worker.py"), *args, timeout=240)
 
 
 CASES = {  # ranks, model, Shard(1) for the q/k/v weights
