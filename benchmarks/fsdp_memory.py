@@ -50,11 +50,14 @@ def workloads(cfg: RunConfig) -> list[Workload]:
     )
 
 
-def _cases(w: Workload) -> list[tuple[int, str]]:
-    """(ranks, placement) per launch; ranks 0 is the plain single process without FSDP."""
+def _cases(w: Workload, device: str) -> list[tuple[int, str]]:
+    """(ranks, placement) per launch; ranks 0 is the plain single process without FSDP. On CUDA every rank needs a
+    device of its own (NCCL), so launches with more ranks than devices are left out."""
     cases = [(0, "none")] + [(n, "shard1-qkv") for n in RANKS]
     if w.size == "minilm":
         cases.append((4, "default"))
+    if device.startswith("cuda"):
+        cases = [(n, p) for n, p in cases if n <= torch.cuda.device_count()]
     return cases
 
 
@@ -93,7 +96,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     rows = []
     for w in workloads(cfg):
         single: dict[str, Any] | None = None
-        for ranks, placement in _cases(w):
+        for ranks, placement in _cases(w, cfg.device):
             print(f"[fsdp_memory: {w.size} {w.batch_size}x{w.seq_len}, "
                   f"{f'{ranks} rank(s), {placement}' if ranks else 'single process'}]", flush=True)
             found = _launch(w, ranks, placement, cfg)
