@@ -16,6 +16,13 @@ Distributed use: every rank calls ``compute`` on its own shard, with ``evaluate.
 shards are all-gathered in rank order, batched exactly as one process would batch the concatenation, and the engine
 then spreads the batches over the ranks (through ``accelerate``) and gathers the per-batch values, so every rank returns
 the one-process result. Do not use evaluate's ``num_process``/``process_id`` options: they make rank 0 compute alone.
+
+Sharded use (FSDP2): under ``torchrun``, ``compute(model_id=..., fsdp=True)`` loads the model on every rank, maps its
+symmetries and shards it (:func:`hf_geosharp.sharding.shard_model`); a ``model=`` the user sharded is measured sharded
+without the flag. The shards of the examples are joined and batched as above, and every rank then solves every batch
+together with the others: for a loss that is a mean over examples (classification) each rank passes the engine its
+rows of every batch (compute is shared too); otherwise (token-averaged losses, a custom ``loss_fn``, a batch with
+fewer rows than ranks) every rank passes the whole batches. Either way every rank returns the one-process result.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from .data import (
     task_of,
 )
 from .measures import DEFAULT_MEASURES, MEASURES, Settings, parse_measures, result_fields, run_measures, spec
+from .sharding import attention_placement, init_distributed, is_sharded, shard_model
 from .symmetry import map_symmetries
 
 INPUTS = ("predictions", "input_ids", "attention_mask", "token_type_ids", "pixel_values", "labels")
@@ -101,6 +109,9 @@ Args:
     epsilon (`float`, *optional*): regulariser of the metric's Gram matrices (the engine's default).
     loss_fn (`callable`, *optional*): `loss_fn(model, batch) -> scalar tensor` instead of the model's own loss.
     accelerator (`accelerate.Accelerator`, *optional*): created automatically when torch.distributed is running.
+    fsdp (`bool`, default False): under `torchrun`, load `model_id` on every rank and shard it with FSDP2 before
+        measuring (each rank holds its share of the weights and of the solver state); each rank passes its own
+        share of the examples. A `model=` sharded by the user is measured sharded without it.
     progress (`bool`, default False): show progress bars.
 Returns:
     for every measure key (`geodesic_sharpness_inv`, `geodesic_sharpness_mix`, `adaptive_sharpness`, ...), whichever
@@ -195,15 +206,17 @@ def _keys(measures: Any, metric: Any, baseline: bool | None) -> list[str]:
     return parse_measures(metrics + (["adaptive"] if baseline is not False else []))
 
 
-def _model(model: torch.nn.Module | None, model_id: str | None, device: Any) -> torch.nn.Module:
-    """The model to measure: the one given (never moved), or ``model_id`` loaded onto ``device``."""
+def _model(model: torch.nn.Module | None, model_id: str | None, device: Any, fsdp: bool) -> torch.nn.Module:
+    """The model to measure: the one given (never moved), or ``model_id`` loaded onto ``device`` (with ``fsdp``:
+    where it loads; sharding moves each rank's shards to its device)."""
     if (model is None) == (model_id is None):
         raise ValueError("pass exactly one of model= (a loaded model) or model_id= (a local path or Hub id).")
     want = torch.device(device) if device is not None else None
+    if fsdp:
+        _start_fsdp(model, device)
     if model is None:
-        return load_model(model_id, trust_remote_code=False).to(
-            want or torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        )
+        loaded = load_model(model_id, trust_remote_code=False)
+        return loaded if fsdp else loaded.to(want or torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model= must be a loaded torch.nn.Module, got {type(model).__name__}; pass a folder or Hub id "
                         "as model_id= instead.")  # fmt: skip
@@ -214,6 +227,47 @@ def _model(model: torch.nn.Module | None, model_id: str | None, device: Any) -> 
             f"model.to({str(want)!r}) first, or pass model_id= with device=."
         )
     return model
+
+
+def _start_fsdp(model: torch.nn.Module | None, device: Any) -> None:
+    """Join the launcher's process group for ``fsdp=True``, or say why it cannot apply."""
+    if model is not None and not is_sharded(model):
+        raise ValueError("fsdp=True shards a model that compute loads (model_id=); compute never modifies a model "
+                         "it is given. Shard yours with hf_geosharp.sharding.shard_model(model), then "
+                         "compute(model=model) measures it sharded.")  # fmt: skip
+    if device is not None:
+        raise ValueError("device= does not apply with fsdp=True: each rank uses its own GPU (LOCAL_RANK), or the CPU.")
+    try:
+        init_distributed()
+    except RuntimeError as err:
+        raise ValueError(f"fsdp=True needs a distributed launch: {err}") from None
+
+
+def _sharded_batches(model: torch.nn.Module, batches: list[dict], task: Any, loss_fn: Any) -> list[dict]:
+    """What this rank passes the sharded engine: its rows of every batch when the loss is a mean over examples and
+    every batch has a row for every rank, else the whole batches (see the module docstring)."""
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    rows = [len(next(iter(b.values()))) for b in batches]
+    if task != "classification" or loss_fn is not None or min(rows) < world:
+        return batches
+    return [{k: v.tensor_split(world)[rank] for k, v in b.items()} for b in batches]
+
+
+def _output(results: dict, settings: Settings, keys: list[str], config: dict[str, Any], smap: Any) -> dict[str, Any]:
+    """Every measure key (``None`` for those not asked for), the clean loss and the configuration."""
+    out: dict[str, Any] = {}
+    for key in MEASURES:  # every key, always: a result table keeps its columns whatever was asked for
+        empty = {key: None, f"{key}_stderr": None, f"{key}_per_batch": None}
+        out.update(result_fields(key, results[key]) if key in results else empty)
+    first = next(iter(results.values()))
+    out["clean_loss"], out["clean_loss_per_batch"] = first.clean_loss, list(first.per_batch_clean_loss)
+    out["config"] = {
+        **settings.as_dict(), "measures": keys, **config,
+        "results": {key: {"measure": res.measure, "converged": getattr(res, "converged", None),
+                          "config": res.config} for key, res in results.items()},
+        "unmapped_attention": [{"module": f.module, "reason": f.reason} for f in (smap.fallbacks if smap else [])],
+    }  # fmt: skip
+    return out
 
 
 class GeodesicSharpness(evaluate.Measurement):
@@ -289,11 +343,12 @@ class GeodesicSharpness(evaluate.Measurement):
         loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None,
         accelerator: Any = None,
         progress: bool = False,
+        fsdp: bool = False,
     ) -> dict[str, Any]:
         keys = _keys(measures, metric, baseline)
         given = dict(rho=rho, mode=mode, steps=steps, n_samples=n_samples, seed=seed, epsilon=epsilon)
         settings = dataclasses.replace(DEFAULTS, **{k: v for k, v in given.items() if v is not None})
-        model = _model(model, model_id, device)
+        model = _model(model, model_id, device, fsdp)
         task = task_of(model)
         if task is None and loss_fn is None:
             require_task(model)  # says which heads have a loss (the real cause, before any word about labels)
@@ -315,28 +370,21 @@ class GeodesicSharpness(evaluate.Measurement):
                 "labels= is missing: pass class ids (or per-token ids with -100 for ignored positions); only causal "
                 "language models take their labels from input_ids."
             )
+        smap = map_symmetries(model) if fsdp or any(spec(k).family == "geodesic" for k in keys) else None
+        if fsdp and not is_sharded(model):  # mapped above, on the unsharded model
+            shard_model(model, placement=attention_placement(model, smap))
+        sharded = is_sharded(model)
         world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         if world_size > 1:
             columns = _gather_shards(columns)
-            accelerator = accelerator or launch_accelerator()
+            accelerator = None if sharded else accelerator or launch_accelerator()
         try:
             batches = make_batches(columns, batch_size, pad_token_id=pad_token_id, task=task)
         except DataError as err:
             raise ValueError(str(err)) from None
-        options: dict[str, Any] = dict(loss_fn=loss_fn, accelerator=accelerator, progress=progress)
-        smap = map_symmetries(model) if any(spec(k).family == "geodesic" for k in keys) else None
-        results = run_measures(keys, model, batches, settings, symmetry_map=smap, **options)
-        out: dict[str, Any] = {}
-        for key in MEASURES:  # every key, always: a result table keeps its columns whatever was asked for
-            empty = {key: None, f"{key}_stderr": None, f"{key}_per_batch": None}
-            out.update(result_fields(key, results[key]) if key in results else empty)
-        first = next(iter(results.values()))
-        out["clean_loss"], out["clean_loss_per_batch"] = first.clean_loss, list(first.per_batch_clean_loss)
-        out["config"] = {
-            **settings.as_dict(), "measures": keys, "batch_size": batch_size,
-            "n_examples": len(next(iter(columns.values()))), "n_batches": len(batches), "world_size": world_size,
-            "results": {key: {"measure": res.measure, "converged": getattr(res, "converged", None),
-                              "config": res.config} for key, res in results.items()},
-            "unmapped_attention": [{"module": f.module, "reason": f.reason} for f in (smap.fallbacks if smap else [])],
-        }  # fmt: skip
-        return out
+        given = _sharded_batches(model, batches, task, loss_fn) if sharded and world_size > 1 else batches
+        results = run_measures(keys, model, given, settings, symmetry_map=smap, loss_fn=loss_fn,
+                               accelerator=accelerator, progress=progress)  # fmt: skip
+        config = {"batch_size": batch_size, "n_examples": len(next(iter(columns.values()))),
+                  "n_batches": len(batches), "world_size": world_size, "fsdp": sharded}  # fmt: skip
+        return _output(results, settings, keys, config, smap)

@@ -8,6 +8,7 @@ i)`` only), and collects the per-batch values. Everything that determines the nu
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
 import math
@@ -117,6 +118,7 @@ def run(
     rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator is not None else (0, 1)
     with preserved_model_state(model):
         space, objective = _build(model, settings, symmetry_map, loss_fn or default_loss)
+        release_freed_memory()
         logger.info("%s: %d GL pairs, %s parameters, %d batch%s", settings.measure, space.n_pairs,
                     f"{space.numel:,}", len(batches), "" if len(batches) == 1 else "es")
         results = _solve_batches(space, objective, settings, batches, range(rank, len(batches), world),
@@ -131,6 +133,16 @@ def run(
     return _result(settings, [results[i] for i in range(len(batches))], world)
 
 
+def release_freed_memory() -> None:
+    """Give the memory freed while building (the symmetry map's index maps, masks, the flat copy of the weights) back
+    to the operating system before the solver's buffers and the activations arrive: glibc keeps freed small blocks
+    in its heap, where they would count towards the run's peak. A no-op elsewhere."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def _run_sharded(model: nn.Module, layout: ShardedLayout, batches: list[Any], settings: RunSettings,
                  loss_fn: LossFn, progress: bool, symmetry_map: SymmetryMap | None) -> SharpnessResult:
     """Every rank solves every batch together (see :mod:`hf_geosharp.sharded_run`) and returns the full result."""
@@ -138,6 +150,7 @@ def _run_sharded(model: nn.Module, layout: ShardedLayout, batches: list[Any], se
         names, params = measured_parameters(model)
         blocks = _pair_blocks(model, names, settings, symmetry_map)
         space, objective = build_sharded(model, layout, settings, blocks, loss_fn, batches)
+        release_freed_memory()
         logger.info("%s: %d GL pairs, %s parameters on this rank of %d, %d batch%s", settings.measure,
                     space.n_pairs, f"{space.numel:,}", layout.world, len(batches), "" if len(batches) == 1 else "es")
         results = _solve_batches(space, objective, settings, batches, range(len(batches)),
@@ -204,7 +217,10 @@ def _parameters_of(blocks: list[PairBlock], sizes: list[int]) -> set[int]:
 
 
 def _remap(blocks: list[PairBlock], sizes: list[int], covered: list[bool]) -> list[PairBlock]:
-    """The blocks whose parameters are all covered, re-indexed into the concatenation of the covered parameters."""
+    """The blocks whose parameters are all covered, re-indexed into the concatenation of the covered parameters
+    (the blocks themselves when every parameter is covered: index maps are 8 bytes per pair coordinate)."""
+    if all(covered):
+        return blocks
     ends = torch.tensor(sizes).cumsum(0)
     skipped = torch.tensor([0 if c else n for n, c in zip(sizes, covered)]).cumsum(0) - torch.tensor(
         [0 if c else n for n, c in zip(sizes, covered)])

@@ -30,7 +30,8 @@ from .coordinates import Factor, SharedRows
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ShardedLayout", "fsdp_state", "shard_model"]
+__all__ = ["ShardedLayout", "attention_placement", "fsdp_state", "init_distributed", "is_sharded",
+           "shard_model"]
 
 
 def _fsdp_modules(model: nn.Module) -> list[nn.Module]:
@@ -329,3 +330,67 @@ def shard_model(
     fully_shard(model, mesh=mesh, shard_placement_fn=placement)
     logger.info("FSDP2: %d blocks and the root sharded over %d ranks", len(blocks), mesh.size())
     return model
+
+
+def init_distributed() -> torch.device:
+    """Join the launcher's process group as ``shard_model`` does (NCCL and this rank's GPU where CUDA is available,
+    else gloo) and return this rank's device; faces call it before any collective of their own (gathering inputs,
+    agreeing on an exit code). Raises ``RuntimeError`` outside a distributed launch (no ``RANK``/``WORLD_SIZE``)."""
+    if not dist.is_initialized():
+        if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+            raise RuntimeError("no distributed launch found (RANK and WORLD_SIZE are not set); start the processes "
+                               "with torchrun --nproc_per_node N (or accelerate launch)")  # fmt: skip
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    local = int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count()))
+    torch.cuda.set_device(local)
+    return torch.device("cuda", local)
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether any module of ``model`` is an FSDP2 module (then the engine measures it sharded)."""
+    return bool(_fsdp_modules(model))
+
+
+def _row_dims(shape: torch.Size, coords: Tensor, rows: Tensor) -> set[int]:
+    """The dimensions of a parameter of ``shape`` along which each pair row's entries (flat positions ``coords``
+    in the parameter, row number ``rows``) share one coordinate: sharding on such a dimension keeps rows whole."""
+    dims = set()
+    for d in range(len(shape)):
+        along = torch.div(coords, int(torch.Size(shape[d + 1 :]).numel()), rounding_mode="floor") % shape[d]
+        low = torch.full((int(rows.max()) + 1,), shape[d], dtype=torch.int64).scatter_reduce(0, rows, along, "amin")
+        high = torch.full_like(low, -1).scatter_reduce(0, rows, along, "amax")
+        if bool(((low == high) | (high < 0)).all()):
+            dims.add(d)
+    return dims
+
+
+def attention_placement(model: nn.Module, symmetry_map: Any) -> Callable[[nn.Parameter], Any]:
+    """A ``placement`` for :func:`shard_model` that keeps the rows of every pair factor on one rank where it can.
+
+    A pair row (an index along ``n`` of a ``[k, n, h]`` factor, across all heads) cut between ranks is assembled on
+    every rank at every step. A parameter holding pair coordinates is sharded on the first dimension along which
+    every row keeps one coordinate, when that is not FSDP's default dim 0: ``Shard(1)`` for q/k/v ``nn.Linear``
+    weights (rows are input features). Call it on the unsharded model with the map built from it."""
+    from torch.distributed.tensor import Shard
+
+    named = list(model.named_parameters())
+    if [n for n, _ in named] != symmetry_map.param_names:
+        raise ValueError("The symmetry map was built for another model; map this one with gs.map_symmetries(model).")
+    ends = torch.tensor(symmetry_map.offsets[1:] + [symmetry_map.n_params])
+    ok: dict[int, set[int]] = {}
+    for block in symmetry_map.blocks:
+        for index in (block.G_index, block.H_index):
+            flat = index.permute(1, 0, 2).reshape(index.shape[1], -1)
+            rows = torch.arange(index.shape[1]).unsqueeze(1).expand_as(flat).reshape(-1)
+            owner = torch.searchsorted(ends, flat.reshape(-1), right=True)
+            for i in owner.unique().tolist():
+                mine = owner == i
+                coords = flat.reshape(-1)[mine] - symmetry_map.offsets[i]
+                dims = _row_dims(torch.Size(symmetry_map.param_shapes[i]), coords, rows[mine])
+                ok[i] = ok.get(i, dims) & dims
+    chosen = {id(named[i][1]): min(dims) for i, dims in ok.items() if dims and 0 not in dims}
+    logger.info("FSDP2 placement: %d pair weight(s) sharded on a dimension other than 0", len(chosen))
+    return lambda p: Shard(chosen[id(p)]) if id(p) in chosen else None
+

@@ -147,12 +147,12 @@ class PerturbationSpace:
         self.workspace = workspace or Workspace(self.dtype, self.device)
         self._reduce = shard.all_reduce if shard is not None else _identity
         movable = None if movable is None else movable.to(device=self.device, dtype=torch.bool)
-        self.blocks = [
+        blocks = [  # only while building: the index maps cost 8 bytes per pair coordinate
             b for b in (blocks if options.metric is not None else [])
             if shard is not None or movable is None
             or bool(movable[b.G_index.to(self.device)].all() and movable[b.H_index.to(self.device)].all())
         ]
-        self.pairs = self._build_pairs(probe_seed)
+        self.pairs = self._build_pairs(blocks, probe_seed)
         pair_mask = self._pair_mask()
         measure = pair_mask.logical_not() if pair_mask is not None else movable
         if pair_mask is not None and movable is not None:
@@ -170,15 +170,15 @@ class PerturbationSpace:
         pairs_in = [k is not False for k in keep]
         self._segment_moves = [a or b for a, b in zip(self.elementwise.segment_moves(), pairs_in)]
 
-    def _build_pairs(self, probe_seed: int) -> list[PairGroup]:
+    def _build_pairs(self, blocks: list[PairBlock], probe_seed: int) -> list[PairGroup]:
         """Stack the blocks into groups and build each group's geometry at the base point (one flat copy of the
         weights exists while this runs)."""
-        if not self.blocks:
+        if not blocks:
             return []
         flat = torch.cat([b.to(self.dtype) for b in self.base])
         probe = torch.Generator().manual_seed(probe_seed)
         groups = []
-        for gi, hi, basis in stack_alike(self.blocks):
+        for gi, hi, basis in stack_alike(blocks):
             if self.shard is None:
                 g, h = Factor.of(gi, self.device), Factor.of(hi, device=self.device)
                 rows, global_rows = None, None

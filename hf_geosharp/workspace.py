@@ -15,8 +15,9 @@ import math
 import torch
 from torch import Tensor
 
-#: Default scratch size, in entries of the working dtype (16 Mi entries: 64 MiB in float32).
-DEFAULT_ENTRIES = 1 << 24
+#: Default scratch size, in entries of the working dtype (4 Mi entries: 16 MiB in float32, a layer of BERT-base's
+#: heads per chunk; a parameter-sized vector of BERT-base is 110 Mi entries).
+DEFAULT_ENTRIES = 1 << 22
 
 
 class Workspace:

@@ -52,12 +52,15 @@ def test_a_model_without_fsdp_has_no_layout():
 
 
 def test_the_layer_imports_only_torch():
-    """The layer sits under the engine: no transformers, accelerate or other hf_geosharp module."""
+    """The layer sits under the engine: no transformers or accelerate, and of the package only the pure-torch
+    coordinates module (where pair factors live in a flat vector)."""
     tree = ast.parse((ROOT / "hf_geosharp" / "sharding.py").read_text())
     imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    imported |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    relative = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level}
+    imported |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and not n.level}
     third_party = {m.split(".")[0] for m in imported} - set(sys.stdlib_module_names) - {"__future__"}
     assert third_party == {"torch"}, imported
+    assert relative == {"coordinates"}, relative
 
 
 def test_the_accelerate_fsdp2_config_parses_into_an_fsdp2_plugin(monkeypatch):

@@ -30,8 +30,8 @@ from huggingface_hub import SpaceCard
 
 from .. import __version__
 from ..durable import write_bytes, write_text
+from .common import EXIT_BAD_INPUT, EXIT_OK, error
 
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 MODULE_DIR = Path("hf_geosharp", "geodesic_sharpness")  # the evaluate module's one folder, in the source
 MINILM_REPO = "sentence-transformers/all-MiniLM-L6-v2"
 MINILM_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "vocab.txt",
@@ -171,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         files = export_space(args.out, space_id=args.space_id, source=args.source)
     except ExportError as err:
-        print(f"error: {err}", file=sys.stderr)
+        error(str(err))
         return EXIT_BAD_INPUT
     print("\n".join(str(f) for f in files))
     hint = "" if args.space_id else " (pass --space-id OWNER/NAME before uploading to the Hub)"

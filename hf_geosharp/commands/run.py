@@ -2,7 +2,9 @@
 
 Under ``accelerate launch --multi_gpu --num_processes N -m hf_geosharp run ...`` or ``torchrun`` (``WORLD_SIZE`` > 1)
 every process loads the same model and builds the same batches; the engine shares the batches out, gathers the
-per-batch values, and only rank 0 prints and writes files.
+per-batch values, and only rank 0 prints and writes files. With ``--fsdp`` (``torchrun --nproc_per_node N -m
+hf_geosharp run --fsdp ...``) the model is sharded over the ranks instead, which solve every batch together (see
+:mod:`hf_geosharp.commands.launch`).
 
 Results files (``--json PATH``, or ``--output-path DIR`` for ``DIR/<model>/results_<timestamp>.json`` as
 lm-evaluation-harness lays them out) carry the results per measure key (``<key>``, ``<key>_stderr``, per-batch values,
@@ -14,28 +16,23 @@ Hub revision).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
 import datetime
 import logging
 import math
 import os
 import sys
-import time
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..data import DataError, DataSpec, launch_accelerator, load_batches, load_model, load_processor, require_task
+from ..data import DataError, DataSpec, load_batches, load_model, load_processor, require_task
 from ..durable import OutputPathError, check_writable, write_json
 from ..measures import (
     DEFAULT_MEASURES,
     MEASURES,
     Settings,
     parse_measures,
-    run_measure,
     run_measures,
     spec,
 )  # fmt: skip
@@ -51,21 +48,23 @@ from .common import (
     quiet_libraries,
     seed,
 )
-from .run_results import model_folder_name, payload, print_header, write_results
+from .launch import FSDP_LAUNCH, Launch, start
+from .run_results import estimate_seconds, model_folder_name, payload, print_header, write_results
 
 logger = logging.getLogger(__name__)
 
 DEFAULTS = Settings()
 METRICS = tuple(m.metric for m in MEASURES.values() if m.metric)  # the geodesic metrics: inv, mix
 DTYPES = ("float32", "float64", "bfloat16", "float16")
-AUTO_FIRST_STEPS = 20  # steps="auto" starts with this many steps, then continues while the value still rises
 
 EPILOG = """\
 examples are the first --n-examples rows of the split after a shuffle seeded by --seed (--no-shuffle: file order);
 a split with fewer rows is used whole, with a warning.
 --head measures the encoder together with a NEW linear head initialised from --seed, not a trained classifier.
+--fsdp needs a distributed launch: torchrun --nproc_per_node N -m hf_geosharp run --fsdp ... (gloo on CPU, NCCL on
+GPUs); every rank loads the model and all batches, and holds its shard of the weights and of the solver state.
 exit codes: 0 success; 1 the run failed or a value is not finite; 2 bad usage or input (model, dataset, columns);
-130 interrupted (Ctrl-C).
+130 interrupted (Ctrl-C). Under --fsdp every rank exits with the same code.
 """
 
 
@@ -162,6 +161,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="write DIR/<model>/results_<timestamp>.json (lm-evaluation-harness layout)")  # fmt: skip
     p.add_argument("--quiet", action="store_true",
                    help="no progress bars and no header; the table only when no results file is written")  # fmt: skip
+    p.add_argument("--fsdp", action="store_true",
+                   help="shard the model with FSDP2 over the ranks of a distributed launch, each holding its share "
+                   f"of the weights and of the solver state ({FSDP_LAUNCH})")  # fmt: skip
     add_trust_remote_code(p)
     p.set_defaults(func=run)
 
@@ -249,69 +251,53 @@ def _cast_inputs(batches: list[dict], dtype: Any) -> list[dict]:
     return [{k: v.to(dtype) if v.is_floating_point() else v for k, v in b.items()} for b in batches]
 
 
-def _estimate(model: Any, batches: list, keys: list[str], settings: Settings, smap: Any, world_size: int) -> float:
-    """Seconds the run will take: each measure solves the first batch with one solver step (timed: its set-up, the
-    clean loss and one step, so two passes), scaled to the passes of the run (``steps + 1`` per batch, or
-    ``n_samples + 1``) on this process's share of the batches. Runs locally, on any rank; costs about
-    ``1 / (steps + 1)`` of one batch per measure. With ``steps="auto"`` it is the time of the first 20 steps, which
-    the solver then extends while the value still rises: a lower bound."""
-    probe = dataclasses.replace(settings, steps=1, n_samples=1)
-    steps = settings.steps if isinstance(settings.steps, int) else AUTO_FIRST_STEPS
-
-    def passes(key: str) -> int:  # relative flatness draws n_samples Hutchinson probes whatever the mode
-        sampled = settings.mode == "average" or spec(key).family == "relative_flatness"
-        return (settings.n_samples if sampled else steps) + 1
-
-    seconds = 0.0
-    library = logging.getLogger("hf_geosharp")
-    level = library.level
-    library.setLevel(logging.ERROR)  # one step never converges: that is no news about the run
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            for key in keys:
-                start = time.perf_counter()
-                run_measure(key, model, batches[:1], probe, symmetry_map=smap, progress=False)
-                seconds += (time.perf_counter() - start) * passes(key) / 2
-    finally:
-        library.setLevel(level)
-    return seconds * math.ceil(len(batches) / world_size)
-
-
 # ------------------------------------------------------------------------------------------------------------- run
 
 
 def run(args: argparse.Namespace) -> int:
     quiet_libraries()
-    accelerator = launch_accelerator()
-    main = accelerator is None or accelerator.is_main_process
-    if args.quiet or not main:
-        logging.getLogger("hf_geosharp").setLevel(logging.WARNING)
+    try:
+        launch = start(args.fsdp)
+    except DataError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        return _run(args, launch)
+    finally:
+        launch.close()
+
+
+def _run(args: argparse.Namespace, launch: Launch) -> int:
+    main = launch.main
+    if args.quiet or not main:  # sharded, every rank has rank 0's results, and its warnings
+        logging.getLogger("hf_geosharp").setLevel(logging.ERROR if launch.fsdp and not main else logging.WARNING)
 
     def fail(code: int, message: str) -> int:
         if main:
             print(f"error: {message}", file=sys.stderr)
-        return code
+        return launch.agree(code)
 
-    world_size = accelerator.num_processes if accelerator is not None else 1
-    warning = launch_warning(world_size)
+    warning = None if launch.fsdp else launch_warning(launch.world)
     if warning and main:
         print(f"warning: {warning}", file=sys.stderr)
     keys, settings, spec_ = _what_to_run(args)
     started = datetime.datetime.now(datetime.timezone.utc)
     try:
         outputs = _outputs(args, started, check=main)
-        device, model, batches = _model_and_batches(args, accelerator, spec_)
+        device, model, batches = _model_and_batches(args, launch, spec_)
     except (DataError, OutputPathError) as err:
         return fail(EXIT_BAD_INPUT, str(err))
+    if code := launch.agree(EXIT_OK):  # another rank could not start (its code): stop here with it
+        return code
 
     n_examples = sum(len(next(iter(b.values()))) for b in batches)
     show = main and not args.quiet
     timed: list[tuple[str, Any, float]] = []
     context = dict(args=args, model=model, spec=spec_, batches=batches, n_examples=n_examples, keys=keys,
-                   settings=settings, world_size=world_size, device=device, started=started)  # fmt: skip
+                   settings=settings, world_size=launch.world, device=device, started=started,
+                   fsdp=launch.fsdp, model_class=type(model).__name__)  # fmt: skip
     try:
-        _measure(context, accelerator, show, timed, outputs if main else [])
+        _measure(context, launch, show, timed, outputs if main else [])
     except ValueError as err:  # the engine refuses inputs it cannot measure (dtype, parameters, ...)
         return fail(EXIT_BAD_INPUT, str(err))
     except Exception as err:  # noqa: BLE001 - any other failure is a failed run: exit 1, traceback with -v
@@ -323,7 +309,7 @@ def run(args: argparse.Namespace) -> int:
     bad = [key for key, res, _ in timed if not math.isfinite(res.value)]
     if bad:
         return fail(EXIT_FAILED, f"non-finite sharpness for {', '.join(bad)}; try a smaller --rho or check the model.")
-    return EXIT_OK
+    return launch.agree(EXIT_OK)
 
 
 def _what_to_run(args: argparse.Namespace) -> tuple[list[str], Settings, DataSpec]:
@@ -355,36 +341,45 @@ def _outputs(args: argparse.Namespace, started: datetime.datetime, *, check: boo
     return outputs
 
 
-def _model_and_batches(args: argparse.Namespace, accelerator: Any, spec_: DataSpec) -> tuple[Any, Any, list]:
-    """The device, the model on it (in ``--dtype``) and the batches."""
-    device = _device(args, accelerator)
+def _model_and_batches(args: argparse.Namespace, launch: Launch, spec_: DataSpec) -> tuple[Any, Any, list]:
+    """The device, the model on it (in ``--dtype``) and the batches. Under ``--fsdp`` the model stays where it was
+    loaded until it is sharded: sharding moves each rank's shards to its device."""
+    if launch.fsdp and args.device:
+        raise DataError("--device does not apply with --fsdp: each rank uses its own GPU (LOCAL_RANK), or the CPU.")
+    device = launch.device if launch.fsdp else _device(args, launch.accelerator)
     model = _load(args)
     require_task(model)  # before any data work: a model without a loss cannot be measured
-    model.to(device=device, **({"dtype": getattr(torch, args.dtype)} if args.dtype else {}))
+    dtype = {"dtype": getattr(torch, args.dtype)} if args.dtype else {}
+    model.to(**dtype) if launch.fsdp else model.to(device=device, **dtype)
     processor = load_processor(args.model, model, trust_remote_code=args.trust_remote_code)
-    first = accelerator.main_process_first() if accelerator is not None else contextlib.nullcontext()
-    with first:  # rank 0 fills the datasets cache, the others then read it
+    with launch.main_first():  # rank 0 fills the datasets cache, the others then read it
         batches = load_batches(model, processor, spec_)
     if args.dtype:
         batches = _cast_inputs(batches, next(model.parameters()).dtype)
     return device, model, batches
 
 
-def _measure(c: dict, accelerator: Any, show: bool, timed: list, outputs: list[Path]) -> None:
-    """Map the symmetries, print the header and the time estimate, and run every measure, appending to ``timed``.
-    On Ctrl-C the finished measures are written to ``outputs`` (marked interrupted) before it propagates."""
+def _measure(c: dict, launch: Launch, show: bool, timed: list, outputs: list[Path]) -> None:
+    """Map the symmetries (under ``--fsdp`` on the unsharded model, which is then sharded), print the header and
+    the time estimate, and run every measure, appending to ``timed``. On Ctrl-C the finished measures are written
+    to ``outputs`` (marked interrupted) before it propagates."""
     model, batches, keys, settings = c["model"], c["batches"], c["keys"], c["settings"]
     try:
         smap = map_symmetries(model)
         c["symmetry"] = smap.summary()
+        if launch.fsdp:
+            launch.shard(model, smap)
         if show:
             print_header(c)
-            estimate = _estimate(model, batches, keys, settings, smap, c["world_size"])
+        if show or (launch.fsdp and not c["args"].quiet):  # sharded, every rank takes part in the estimate's solve
+            per_rank = 1 if launch.fsdp else c["world_size"]
+            estimate = estimate_seconds(model, batches, keys, settings, smap, per_rank)
             shown = f"{estimate:,.0f}" if estimate >= 10 else f"{estimate:.1f}"
             bound = "at least " if settings.steps == "auto" else ""
-            print(f"estimated {bound}{shown} s (from a timed first solver step per measure)\n", flush=True)
-        run_measures(keys, model, batches, settings, symmetry_map=smap, accelerator=accelerator, progress=show,
-                     on_result=lambda key, res, seconds: timed.append((key, res, seconds)))  # fmt: skip
+            if show:
+                print(f"estimated {bound}{shown} s (from a timed first solver step per measure)\n", flush=True)
+        run_measures(keys, model, batches, settings, symmetry_map=smap, accelerator=launch.accelerator,
+                     progress=show, on_result=lambda key, res, seconds: timed.append((key, res, seconds)))
     except KeyboardInterrupt:
         if timed and outputs:
             for path in outputs:

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import logging
 import math
 import os
 import platform
 import re
 import sys
+import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -16,11 +19,12 @@ import torch
 
 from .. import __version__
 from ..durable import write_json
-from ..measures import result_fields
+from ..measures import Settings, result_fields, run_measure, spec
 from ..store import file_digest, model_identity
 
 VERSIONED = ("torch", "transformers", "datasets", "accelerate", "huggingface_hub", "evaluate")
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
+AUTO_FIRST_STEPS = 20  # steps="auto" starts with this many steps, then continues while the value still rises
 
 
 def count(n: int, word: str) -> str:
@@ -43,7 +47,7 @@ def print_header(c: dict) -> None:
     where = f"{spec_.dataset}" + (f":{spec_.config}" if spec_.config else "") + f" [{spec_.split}]"
     dtype = next(model.parameters()).dtype
     head = f", new {args.num_labels}-class head seeded {args.seed}" if args.head else ""
-    print(f"model    {args.model} ({type(model).__name__}{head}, {count(n_params, 'parameter')}, {dtype}, "
+    print(f"model    {args.model} ({c['model_class']}{head}, {count(n_params, 'parameter')}, {dtype}, "
           f"{c['device']})")  # fmt: skip
     print(f"data     {where}: {count(c['n_examples'], 'example')} in {count(len(c['batches']), 'batch')} of up to "
           f"{spec_.batch_size:,}")  # fmt: skip
@@ -53,7 +57,8 @@ def print_header(c: dict) -> None:
     )
     s = c["settings"]
     solver = f"steps={s.steps}" if s.mode == "worst" else f"n_samples={s.n_samples}"
-    print(f"settings rho={s.rho} mode={s.mode} {solver} seed={s.seed} processes={c['world_size']}")
+    print(f"settings rho={s.rho} mode={s.mode} {solver} seed={s.seed} processes={c['world_size']}"
+          f"{' (FSDP2-sharded)' if c['fsdp'] else ''}")
 
 
 def results_table(timed: list[tuple[str, Any, float]]) -> str:
@@ -66,6 +71,36 @@ def results_table(timed: list[tuple[str, Any, float]]) -> str:
             f"{len(res.per_batch):,}", {True: "yes", False: "no", None: "-"}[converged], res.measure, f"{seconds:.1f}",
         ])  # fmt: skip
     return _table(rows)
+
+
+def estimate_seconds(model: Any, batches: list, keys: list[str], settings: Settings, smap: Any, ranks: int) -> float:
+    """Seconds the run will take: each measure solves the first batch with one solver step (timed: its set-up, the
+    clean loss and one step, so two passes), scaled to the passes of the run (``steps + 1`` per batch, or
+    ``n_samples + 1``) on this process's share of the batches (``ranks``: the processes sharing them out; 1 when
+    the model is sharded, and then every rank must call it). Costs about ``1 / (steps + 1)`` of one batch per
+    measure. With ``steps="auto"`` it is the time of the first 20 steps, which
+    the solver then extends while the value still rises: a lower bound."""
+    probe = dataclasses.replace(settings, steps=1, n_samples=1)
+    steps = settings.steps if isinstance(settings.steps, int) else AUTO_FIRST_STEPS
+
+    def passes(key: str) -> int:  # relative flatness draws n_samples Hutchinson probes whatever the mode
+        sampled = settings.mode == "average" or spec(key).family == "relative_flatness"
+        return (settings.n_samples if sampled else steps) + 1
+
+    seconds = 0.0
+    library = logging.getLogger("hf_geosharp")
+    level = library.level
+    library.setLevel(logging.ERROR)  # one step never converges: that is no news about the run
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for key in keys:
+                start = time.perf_counter()
+                run_measure(key, model, batches[:1], probe, symmetry_map=smap, progress=False)
+                seconds += (time.perf_counter() - start) * passes(key) / 2
+    finally:
+        library.setLevel(level)
+    return seconds * math.ceil(len(batches) / ranks)
 
 
 def model_folder_name(model: str) -> str:
@@ -126,7 +161,7 @@ def payload(c: dict, timed: list[tuple[str, Any, float]], *, interrupted: bool =
         "higher_is_better": {key: False for key, _, _ in timed},  # flatter is lower
         "config": {
             "model": args.model,
-            "model_class": type(c["model"]).__name__,
+            "model_class": c["model_class"],
             "dtype": str(next(c["model"].parameters()).dtype),
             "device": str(c["device"]),
             "head": {"num_labels": args.num_labels, "seed": args.seed} if args.head else None,
@@ -137,8 +172,9 @@ def payload(c: dict, timed: list[tuple[str, Any, float]], *, interrupted: bool =
         "data": {**dataclasses.asdict(c["spec"]), "n_examples_used": c["n_examples"]},
         "n_batches": len(c["batches"]),
         "world_size": c["world_size"],
+        "fsdp": c["fsdp"],
         "symmetry": c["symmetry"],
-        "model_class": type(c["model"]).__name__,
+        "model_class": c["model_class"],
         "model_name": args.model,
         "model_source": _model_source(args.model),
         "versions": _versions(),

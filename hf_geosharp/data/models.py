@@ -24,15 +24,16 @@ def task_of(model: torch.nn.Module) -> Task | None:
     def names(mapping: dict[str, Any]) -> set[str]:
         return {n for v in mapping.values() for n in ((v,) if isinstance(v, str) else v)}
 
-    cls = type(model).__name__
-    if cls in names(auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
-        return "causal-lm"
-    if cls in names(auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES):
-        return "masked-lm"
-    if cls in names(auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES) | names(
-        auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES
-    ):
-        return "classification"
+    tasks = {
+        "causal-lm": names(auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES),
+        "masked-lm": names(auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES),
+        "classification": names(auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES)
+        | names(auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES),
+    }
+    for cls in type(model).__mro__:  # through wrappers that subclass the model's class (FSDP2's FSDPBert...)
+        for task, classes in tasks.items():
+            if cls.__name__ in classes:
+                return task
     return None
 
 

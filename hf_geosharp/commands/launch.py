@@ -1,0 +1,96 @@
+"""How ``geosharp run`` runs under a launcher: data parallel through ``accelerate``, or FSDP2-sharded (``--fsdp``).
+
+Data parallel: every process holds the whole model and the engine shares the batches out. Sharded (``torchrun ...
+-m hf_geosharp run --fsdp``, or ``accelerate launch`` with an FSDP config such as ``examples/accelerate_fsdp2.yaml``):
+every rank loads the model and all batches, maps the symmetries on the unsharded model, shards it with
+:func:`hf_geosharp.sharding.shard_model` and solves every batch together with the other ranks, each holding its
+shard of the weights and of the solver's state. Rank 0 prints and writes; every rank exits with the same code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..data import DataError, launch_accelerator
+from ..sharding import attention_placement, init_distributed, shard_model
+
+logger = logging.getLogger(__name__)
+
+FSDP_LAUNCH = "torchrun --nproc_per_node N -m hf_geosharp run --fsdp ..."
+
+
+@dataclass(frozen=True)
+class Launch:
+    """The processes of one run. ``accelerator``: data parallel (else ``None``); ``fsdp``: the model is sharded over
+    ``world`` ranks on ``device`` (this rank's)."""
+
+    accelerator: Any = None
+    fsdp: bool = False
+    rank: int = 0
+    world: int = 1
+    device: torch.device | None = None
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    @contextlib.contextmanager
+    def main_first(self) -> Iterator[None]:
+        """Rank 0 runs the body first (it fills the datasets cache), the others then read what it left."""
+        if self.accelerator is not None:
+            with self.accelerator.main_process_first():
+                yield
+            return
+        if self.fsdp and not self.main:
+            dist.barrier()
+        yield
+        if self.fsdp and self.main:
+            dist.barrier()
+
+    def agree(self, code: int) -> int:
+        """Under FSDP, the highest of every rank's exit codes, on every rank: one rank that cannot go on (an
+        unwritable results file on rank 0) stops them all, instead of leaving the others waiting in a collective."""
+        if not self.fsdp:
+            return code
+        codes: list[Any] = [None] * self.world
+        dist.all_gather_object(codes, code)
+        return max(codes)
+
+    def close(self) -> None:
+        """Leave the process group this launch joined (a clean exit; gloo's threads can abort a shutdown that
+        finds them still running)."""
+        if self.fsdp and dist.is_initialized():
+            dist.destroy_process_group()
+
+    def shard(self, model: torch.nn.Module, symmetry_map: Any) -> torch.nn.Module:
+        """Shard ``model`` (mapped beforehand into ``symmetry_map``) with pair rows kept whole where possible."""
+        return shard_model(model, placement=attention_placement(model, symmetry_map))
+
+
+def accelerate_fsdp() -> bool:
+    """Whether ``accelerate launch`` was given an FSDP config (it says so in the environment of every process)."""
+    return os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true")
+
+
+def start(fsdp: bool) -> Launch:
+    """The launch this process belongs to; with ``fsdp`` a ``DataError`` when no distributed launcher started it."""
+    if not (fsdp or accelerate_fsdp()):
+        accelerator = launch_accelerator()
+        if accelerator is None:
+            return Launch()
+        return Launch(accelerator, rank=accelerator.process_index, world=accelerator.num_processes)
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise DataError(f"--fsdp shards the model over the processes of a distributed launch, and none was found "
+                        f"(RANK/WORLD_SIZE are not set); start it with {FSDP_LAUNCH}")  # fmt: skip
+    device = init_distributed()
+    if not fsdp:
+        logger.info("accelerate launch with an FSDP config: the model is sharded as with --fsdp")
+    return Launch(fsdp=True, rank=dist.get_rank(), world=dist.get_world_size(), device=device)
