@@ -9,6 +9,7 @@ builds the same seeded float64 model, keeps an unsharded copy as the reference, 
 from __future__ import annotations
 
 import copy
+import os
 import sys
 
 import torch
@@ -232,7 +233,10 @@ def main(arch: str, shard1: bool) -> None:
         check_refusals(layout.world)
     dist.barrier()
     print(f"FSDP-WORKER-OK rank {layout.rank} local sizes {layout.local_sizes[-2:]}", flush=True)
-    dist.destroy_process_group()
+    # Leave without the interpreter's shutdown: under load, gloo's threads sometimes abort it (SIGABRT, "terminate
+    # called without an active exception") after all the work is done.
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

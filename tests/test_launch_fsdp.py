@@ -150,7 +150,8 @@ def _evaluate_rank(data_path: str, model: str, out_dir: str) -> None:
                          loss_fn=model_loss, **SETTINGS)  # fmt: skip
     Path(out_dir, f"user{rank}.json").write_text(json.dumps(out))
     dist.barrier()
-    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # skip the interpreter's shutdown, which gloo's threads can abort under load
 
 
 if __name__ == "__main__":

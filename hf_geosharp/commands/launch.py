@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -68,7 +69,20 @@ class Launch:
         """Leave the process group this launch joined (a clean exit; gloo's threads can abort a shutdown that
         finds them still running)."""
         if self.fsdp and dist.is_initialized():
+            dist.barrier()
             dist.destroy_process_group()
+
+    def exit(self, code: int) -> int:
+        """``code``, returned; under FSDP the process ends here, with ``code``, after flushing the logs and the
+        console. gloo's worker threads can still abort the interpreter's own shutdown (SIGABRT, "terminate called
+        without an active exception", under load) after every result is written; skipping that shutdown keeps the
+        exit code the one the run earned. Files are already durable (fsync, atomic rename)."""
+        if self.fsdp:
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        return code
 
     def shard(self, model: torch.nn.Module, symmetry_map: Any) -> torch.nn.Module:
         """Shard ``model`` (mapped beforehand into ``symmetry_map``) with pair rows kept whole where possible."""

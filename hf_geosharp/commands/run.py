@@ -262,9 +262,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
-        return _run(args, launch)
+        code = _run(args, launch)
     finally:
         launch.close()
+    return launch.exit(code)
 
 
 def _run(args: argparse.Namespace, launch: Launch) -> int:
