@@ -15,7 +15,7 @@ import hf_geosharp as gs
 
 from .common import forward_backward, interleaved
 from .config import RunConfig, Workload
-from .models import workload_inputs
+from .models import SIZES, workload_inputs
 
 TARGET = 0.05
 

@@ -21,7 +21,7 @@ from hf_geosharp.objective import Objective
 
 from .common import forward_backward, interleaved
 from .config import RunConfig, Workload
-from .models import workload_inputs
+from .models import SIZES, workload_inputs
 
 TARGET = 1.05
 SOLVES = ("adaptive_clean", "geodesic_inv", "geodesic_mix", "adaptive_as23")
