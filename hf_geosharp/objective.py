@@ -171,11 +171,7 @@ class Objective:
         self._buffer: Tensor | None = None  # the perturbed weights of gradient-free calls that pass no ``out``
 
     def __call__(self, xi: Tensor, need_grad: bool, out: Tensor | None = None) -> tuple[float, Tensor | None]:
-        if out is None and need_grad:  # the caller keeps the gradient
-            out = self.space.empty()
-        elif out is None:
-            self._buffer = self.space.empty() if self._buffer is None else self._buffer
-            out = self._buffer
+        out = self._buffer_for(out, need_grad)
         pullback = self.space.exp_point(xi, out, need_grad)
         tensors, leaves = {}, []
         for name, p, offset in zip(self.names, self.params, self.offsets):
@@ -196,6 +192,16 @@ class Objective:
         if pullback is not None:
             pullback(out)
         return value, out
+
+    def _buffer_for(self, out: Tensor | None, need_grad: bool) -> Tensor:
+        """``out``, or a fresh buffer for a gradient the caller keeps, or the reused one of gradient-free calls."""
+        if out is not None:
+            return out
+        if need_grad:
+            return self.space.empty()
+        if self._buffer is None:
+            self._buffer = self.space.empty()
+        return self._buffer
 
     def _checked_value(self, loss: Any, xi: Tensor) -> float:
         if not isinstance(loss, Tensor) or loss.numel() != 1:

@@ -49,9 +49,7 @@ class ShardedObjective(Objective):
         self._served: Tensor | None = None  # a copy in the model's dtype, only for half-precision models
 
     def __call__(self, xi: Tensor, need_grad: bool, out: Tensor | None = None) -> tuple[float, Tensor | None]:
-        if out is None:
-            out = self.space.empty() if need_grad else self._buffer if self._buffer is not None else self.space.empty()
-            self._buffer = out if not need_grad else self._buffer
+        out = self._buffer_for(out, need_grad)
         pullback = self.space.exp_point(xi, out, need_grad)
         served = out
         if self.served_dtype != out.dtype:
