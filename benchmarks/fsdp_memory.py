@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from .common import live_memory_env
 from .config import RunConfig, Workload
 
 TARGET = 1.2
@@ -64,9 +65,7 @@ def _cases(w: Workload, device: str) -> list[tuple[int, str]]:
 def _launch(w: Workload, ranks: int, placement: str, cfg: RunConfig) -> list[dict[str, Any]]:
     """One launch (plain process or ``torchrun``); returns every rank's numbers."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
-           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    if not cfg.device.startswith("cuda"):
-        env["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)
+           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **live_memory_env(cfg.device)}
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "ranks.json"
         args = ["-m", "benchmarks.fsdp_memory", "--device", cfg.device, "--rho", str(cfg.rho),

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import stateless
 
+from .embedding_rows import RowLookup, UsedRows
 from .space import PerturbationSpace
 
 LossFn = Callable[[nn.Module, Any], Tensor]
@@ -156,16 +157,22 @@ class Objective:
 
     Args:
         names, params: the parameters the space covers (its base segments, in order); the others stay the model's.
+        used_rows: ``{position in params: rows}`` for embedding weights of which the space holds only the rows the
+            batches look up (:mod:`hf_geosharp.embedding_rows`); their lookups read the perturbed rows, and the
+            model keeps its own weight.
     """
 
     def __init__(
         self, model: nn.Module, names: list[str], params: list[Tensor], space: PerturbationSpace, loss_fn: LossFn,
-        rho: float,
+        rho: float, used_rows: dict[int, UsedRows] | None = None,
     ) -> None:
         self.model, self.space, self.loss_fn, self.rho = model, space, loss_fn, rho
         self.batch: Any = None
         self.names, self.params = names, params
-        self.numels = [p.numel() for p in params]
+        self.used_rows = used_rows or {}
+        self.shapes = [torch.Size((self.used_rows[i].rows.numel(), *p.shape[1:])) if i in self.used_rows else p.shape
+                       for i, p in enumerate(params)]
+        self.numels = [shape.numel() for shape in self.shapes]
         self.offsets = [0, *torch.tensor(self.numels).cumsum(0).tolist()][:-1]
         self.graph_checked = False
         self._buffer: Tensor | None = None  # the perturbed weights of gradient-free calls that pass no ``out``
@@ -173,17 +180,21 @@ class Objective:
     def __call__(self, xi: Tensor, need_grad: bool, out: Tensor | None = None) -> tuple[float, Tensor | None]:
         out = self._buffer_for(out, need_grad)
         pullback = self.space.exp_point(xi, out, need_grad)
-        tensors, leaves = {}, []
-        for name, p, offset in zip(self.names, self.params, self.offsets):
-            t = _aliased(out, offset, p.shape)
+        tensors, leaves, looked_up = {}, [], {}
+        for i, (name, p, offset, shape) in enumerate(zip(self.names, self.params, self.offsets, self.shapes)):
+            t = _aliased(out, offset, shape)
             if t.dtype != p.dtype:  # a half-precision model computes with its own dtype (a copy)
                 t = t.to(p.dtype)
             if need_grad:
                 leaves.append(t.requires_grad_(True))
-            tensors[name] = t
+            if i in self.used_rows:
+                looked_up[id(p)] = (self.used_rows[i], t)
+            else:
+                tensors[name] = t
+        lookups = RowLookup(looked_up) if looked_up else contextlib.nullcontext()
         # Backward runs inside the reparametrisation too: activation checkpointing recomputes the forward during
         # backward, and must see the perturbed weights, not the user's.
-        with torch.set_grad_enabled(need_grad), reparametrized(self.model, tensors):
+        with torch.set_grad_enabled(need_grad), reparametrized(self.model, tensors), lookups:
             loss = self.loss_fn(self.model, self.batch)
             value = self._checked_value(loss, xi)
             if not need_grad:

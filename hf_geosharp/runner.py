@@ -8,12 +8,13 @@ i)`` only), and collects the per-batch values. Everything that determines the nu
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import logging
 import math
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -25,6 +26,7 @@ from . import __version__
 from .as23 import apgd_as23
 from .checks import Steps, check_inputs
 from .coordinates import pair_parameters
+from .embedding_rows import UsedRows, scan_used_rows
 from .objective import LossFn, Objective, default_loss, measured_parameters, preserved_model_state, to_device
 from .result import SharpnessResult, average_stderr, batch_stderr, warn_not_converged
 from .sharded_run import build_sharded
@@ -118,12 +120,12 @@ def run(
         return _run_sharded(model, layout, batches, settings, loss_fn or default_loss, progress, symmetry_map)
     rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator is not None else (0, 1)
     with preserved_model_state(model):
-        space, objective = _build(model, settings, symmetry_map, loss_fn or default_loss)
+        mine = range(rank, len(batches), world)
+        space, objective = _build(model, settings, symmetry_map, loss_fn or default_loss, {i: batches[i] for i in mine})
         release_freed_memory()
         logger.info("%s: %d GL pairs, %s parameters, %d batch%s", settings.measure, space.n_pairs,
                     f"{space.numel:,}", len(batches), "" if len(batches) == 1 else "es")
-        results = _solve_batches(space, objective, settings, batches, range(rank, len(batches), world),
-                                 progress and rank == 0)
+        results = _solve_batches(space, objective, settings, batches, mine, progress and rank == 0)
     if world > 1:
         from accelerate.utils import gather_object
 
@@ -160,9 +162,11 @@ def _run_sharded(model: nn.Module, layout: ShardedLayout, batches: list[Any], se
 
 
 def _build(
-    model: nn.Module, settings: RunSettings, symmetry_map: SymmetryMap | None, loss_fn: LossFn
+    model: nn.Module, settings: RunSettings, symmetry_map: SymmetryMap | None, loss_fn: LossFn,
+    batches: Mapping[int, Any],
 ) -> tuple[PerturbationSpace, Objective]:
-    """The space over the parameters that can move (all of them for a full-gradient solver) and its objective."""
+    """The space over the parameters that can move (all of them for a full-gradient solver; of an embedding that
+    only lookups read, the rows ``batches`` use, for the clean worst case) and its objective."""
     names, params = measured_parameters(model)
     _warn_half_precision(params)
     blocks = _pair_blocks(model, names, settings, symmetry_map)
@@ -181,14 +185,39 @@ def _build(
         covered = [t and (i in pair_params or bool((p.detach().abs() >= ZERO_TOL).any()))
                    for i, (p, t) in enumerate(zip(params, trainable))]
         movable = None
-    base = [p for p, c in zip(params, covered) if c] or params[:1]
-    blocks = _remap(blocks, sizes, covered)
-    dtype = torch.promote_types(torch.float32, max((p.dtype for p in base), key=lambda d: torch.finfo(d).bits))
     ids = [i for i, c in enumerate(covered) if c] or [0]
+    used = _used_rows(model, names, params, settings, pair_params | {i for i, c in enumerate(covered) if not c},
+                      batches, loss_fn)
+    kept_sizes = [0 if not c else used[i].rows.numel() * (n // params[i].shape[0]) if i in used else n
+                  for i, (n, c) in enumerate(zip(sizes, covered))]
+    blocks = _remap(blocks, sizes, kept_sizes)
+    base = [params[i].detach().index_select(0, used[i].rows) if i in used else params[i] for i in ids]
+    dtype = torch.promote_types(torch.float32, max((p.dtype for p in base), key=lambda d: torch.finfo(d).bits))
     space = PerturbationSpace(base, blocks, settings.options or SpaceOptions(metric=None), movable, settings.seed,
-                              workspace=Workspace(dtype, base[0].device), segment_ids=ids)
-    kept = [n for n, c in zip(names, covered) if c] or names[:1]
-    return space, Objective(model, kept, base, space, loss_fn, settings.rho)
+                              workspace=Workspace.sized_for(sum(kept_sizes), dtype, base[0].device), segment_ids=ids)
+    rows = {position: used[i] for position, i in enumerate(ids) if i in used}
+    return space, Objective(model, [names[i] for i in ids], [params[i] for i in ids], space, loss_fn, settings.rho,
+                            used_rows=rows)
+
+
+def _used_rows(model: nn.Module, names: list[str], params: list[Tensor], settings: RunSettings, skip: set[int],
+               batches: Mapping[int, Any], loss_fn: LossFn) -> dict[int, UsedRows]:
+    """The embedding rows the batches (by index) look up, for the solver that starts at zero and follows the
+    gradient (the clean worst case; AS23 and the Euclidean step normalisation read the global gradient, the average
+    case draws every coordinate)."""
+    if settings.mode != "worst" or settings.full_gradient:
+        return {}
+
+    def forward() -> None:
+        for index, batch in batches.items():
+            with _measuring(settings.measure, index, batch):
+                loss_fn(model, to_device(batch, params[0].device))
+
+    used = scan_used_rows(params, skip, forward)
+    if used:
+        logger.info("embedding rows held (the rest are never looked up): %s", ", ".join(
+            f"{names[i]} {u.rows.numel():,} of {params[i].shape[0]:,}" for i, u in used.items()))
+    return used
 
 
 def _pair_blocks(model: nn.Module, names: list[str], settings: RunSettings,
@@ -207,15 +236,16 @@ def _pair_blocks(model: nn.Module, names: list[str], settings: RunSettings,
     return symmetry_map.blocks
 
 
-def _remap(blocks: list[PairBlock], sizes: list[int], covered: list[bool]) -> list[PairBlock]:
-    """The blocks whose parameters are all covered, re-indexed into the concatenation of the covered parameters
-    (the blocks themselves when every parameter is covered: index maps are 8 bytes per pair coordinate)."""
-    if all(covered):
+def _remap(blocks: list[PairBlock], sizes: list[int], kept_sizes: list[int]) -> list[PairBlock]:
+    """The blocks whose parameters are all wholly kept, re-indexed into the concatenation of what the vector holds
+    of each parameter (``kept_sizes``: 0 for a parameter left out, fewer than its size for an embedding's used rows;
+    the blocks themselves when everything is kept: index maps are 8 bytes per pair coordinate)."""
+    if kept_sizes == sizes:
         return blocks
     ends = torch.tensor(sizes).cumsum(0)
-    skipped = torch.tensor([0 if c else n for n, c in zip(sizes, covered)]).cumsum(0) - torch.tensor(
-        [0 if c else n for n, c in zip(sizes, covered)])
-    keep = torch.tensor(covered)
+    removed = torch.tensor([n - k for n, k in zip(sizes, kept_sizes)])
+    skipped = removed.cumsum(0) - removed
+    keep = removed == 0
     out = []
     for b in blocks:
         owners = [torch.bucketize(i.cpu(), ends, right=True) for i in (b.G_index, b.H_index)]
@@ -254,16 +284,23 @@ def _solve_batches(space: PerturbationSpace, objective: Objective, settings: Run
             bar.set_postfix(step=f"{k + 1}/{n_steps}", sharpness=f"{sharpness:.4g}", refresh=False)
             bar.refresh()
 
-        try:
+        with _measuring(settings.measure, index, batches[index]):
             out = settings.solve(space, objective, generator, on_step)
-        except Exception as err:
-            keys = ", ".join(map(str, batches[index])) if isinstance(batches[index], Mapping) else "-"
-            err.add_note(f"hf_geosharp: raised while measuring batch {index} (inputs: {keys}) for {settings.measure}.")
-            raise
         samples = [loss - out.clean_loss for loss in out.losses[1:]] if settings.mode == "average" else None
         results[index] = (out.sharpness, out.clean_loss, samples, out.convergence_gain, out.steps_used)
         bar.set_postfix(sharpness=f"{out.sharpness:.4g}")
     return results
+
+
+@contextlib.contextmanager
+def _measuring(measure: str, index: int, batch: Any) -> Iterator[None]:
+    """Say in any exception which batch (and which of its inputs) was being measured."""
+    try:
+        yield
+    except Exception as err:
+        keys = ", ".join(map(str, batch)) if isinstance(batch, Mapping) else "-"
+        err.add_note(f"hf_geosharp: raised while measuring batch {index} (inputs: {keys}) for {measure}.")
+        raise
 
 
 def _result(settings: RunSettings, ordered: list[tuple], world: int) -> SharpnessResult:

@@ -143,6 +143,7 @@ def build_sharded(model: nn.Module, layout: ShardedLayout, settings: Any, blocks
             p.requires_grad_(True)
     base = layout.base()
     dtype = torch.promote_types(torch.float32, base[0].dtype)
+    # the default workspace on every rank (not sized by the local shard): all ranks must cut the heads alike
     space = PerturbationSpace(base, blocks, settings.options or SpaceOptions(metric=None), movable, settings.seed,
                               workspace=Workspace(dtype, layout.device), shard=layout)
     return space, ShardedObjective(model, layout, space, loss_fn, settings.rho, batches_are_shares(layout, batches))

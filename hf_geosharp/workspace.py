@@ -18,6 +18,8 @@ from torch import Tensor
 #: Default scratch size, in entries of the working dtype (4 Mi entries: 16 MiB in float32, a layer of BERT-base's
 #: heads per chunk; a parameter-sized vector of BERT-base is 110 Mi entries).
 DEFAULT_ENTRIES = 1 << 22
+#: The least scratch :meth:`Workspace.sized_for` gives (1 Mi entries: 4 MiB in float32).
+MIN_ENTRIES = 1 << 20
 
 
 class Workspace:
@@ -34,6 +36,13 @@ class Workspace:
         self.dtype, self.device, self.entries = dtype, torch.device(device), int(entries)
         self._buffer: Tensor | None = None
         self._used = 0
+
+    @classmethod
+    def sized_for(cls, coordinates: int, dtype: torch.dtype, device: torch.device | str) -> Workspace:
+        """Scratch of at most a sixteenth of one solver vector of ``coordinates`` entries (between
+        :data:`MIN_ENTRIES` and :data:`DEFAULT_ENTRIES`): on a small model the default would be a visible share of
+        the peak (16 MiB against MiniLM's 44 MiB vectors), and chunks of fewer heads cost it little time."""
+        return cls(dtype, device, min(DEFAULT_ENTRIES, max(MIN_ENTRIES, coordinates // 16)))
 
     def fresh(self) -> Workspace:
         """Start an operation: everything taken before is free again."""

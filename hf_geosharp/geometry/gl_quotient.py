@@ -35,7 +35,7 @@ Metric = Literal["inv", "mix"]
 Pair = tuple[Tensor, Tensor]
 Reduce = Callable[[Tensor], Tensor]
 #: Tensors with one entry per head: what :meth:`GLQuotient.heads` slices.
-_PER_HEAD = ("G", "H", "_GtG", "_HtH", "_P64", "_Q64", "_P_inv64", "_Q_inv64", "P", "Q", "P_inv", "Q_inv", "_VA",
+_PER_HEAD = ("G", "H", "_P64", "_Q64", "_P_inv64", "_Q_inv64", "_VA",
              "_VA_inv", "_VB", "_VB_inv", "_sylvester_inv", "_K_pinv")
 
 
@@ -142,9 +142,6 @@ class GLQuotient:
             ) from err
         P_inv, Q_inv = torch.cholesky_inverse(L_P), torch.cholesky_inverse(L_Q)
         self._P64, self._Q64, self._P_inv64, self._Q_inv64 = P, Q, P_inv, Q_inv
-        cast = lambda t: t.to(self.dtype)  # noqa: E731  (n x h products run in the working dtype)
-        self.P, self.Q, self.P_inv, self.Q_inv = cast(P), cast(Q), cast(P_inv), cast(Q_inv)
-
         self.lie_basis = None if lie_basis is None else lie_basis.to(device=G.device, dtype=torch.float64)
         if self.lie_basis is None:
             # The projection solves A Lam + Lam B = C (module docstring); A and B are cached as V diag(d) V^-1.
@@ -164,11 +161,30 @@ class GLQuotient:
             d, U = torch.linalg.eigh(0.5 * (K + K.mT))
             keep = d > 1e-13 * d.amax(-1, keepdim=True).clamp_min(1e-300)
             self._K_pinv = (U * torch.where(keep, 1.0 / d.clamp_min(1e-300), 0.0).unsqueeze(-2)) @ U.mT
+        del self._GtG, self._HtH  # what the projection needs of them is in its cached factors
 
         # Equivariant square roots of the metric for sampling (R^T R = P, R -> R A^{-1} under the action), made on
         # first use: a worst-case run never samples, and the probe is as large as the pair itself.
         self._probe_generator = probe_generator
         self._roots: tuple[Tensor, Tensor] | None = None
+
+    # The metric's factors in the working dtype, for the n x h products; cast per use (an h x h copy per head chunk)
+    # rather than kept, since the float64 ones are kept anyway.
+    @property
+    def P(self) -> Tensor:
+        return self._P64.to(self.dtype)
+
+    @property
+    def Q(self) -> Tensor:
+        return self._Q64.to(self.dtype)
+
+    @property
+    def P_inv(self) -> Tensor:
+        return self._P_inv64.to(self.dtype)
+
+    @property
+    def Q_inv(self) -> Tensor:
+        return self._Q_inv64.to(self.dtype)
 
     @staticmethod
     def relaxed_grams(GtG: Tensor, HtH: Tensor, epsilon: float) -> tuple[Tensor, Tensor]:

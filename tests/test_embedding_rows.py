@@ -1,0 +1,159 @@
+"""The worst case holds only the embedding rows its batches look up (hf_geosharp.embedding_rows).
+
+Properties: the scan finds exactly the rows the batches use and leaves whole every weight that something other than
+a lookup reads; the value with the rows left out equals the value with whole weights (the left-out rows have zero
+gradient, so a zero-started solve never moves them); the model comes back bit-exact; a lookup of a row the scan did
+not see is refused, not answered with a wrong row.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import hf_geosharp as gs
+from hf_geosharp import runner
+from hf_geosharp.embedding_rows import RowLookup, UsedRows, scan_used_rows
+from hf_geosharp.objective import default_loss
+
+from .fixtures import architectures
+from .fixtures.hf_models import one_thread  # noqa: F401  (autouse: one torch thread for tiny models)
+from .fixtures.intact import assert_intact, snapshot, tiny_batches, tiny_bert
+
+SOLVE = dict(rho=0.05, steps=8, progress=False)
+
+
+def _whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Measure with whole embedding weights: the reference."""
+    monkeypatch.setattr(runner, "scan_used_rows", lambda *args, **kwargs: {})
+
+
+def _used(model: nn.Module, batches: list, loss_fn=default_loss) -> dict[str, int]:
+    """``{parameter name: rows held}`` of the default worst-case build."""
+    _, objective = runner._build(model, runner.RunSettings(0.05), None, loss_fn, dict(enumerate(batches)))
+    return {objective.names[i]: u.rows.numel() for i, u in objective.used_rows.items()}
+
+
+class TiedLM(nn.Module):
+    """An embedding that also serves as the output layer (``F.linear`` reads every row), a second one that only
+    lookups read, with a padding row, and a checkpointed (non-reentrant) middle."""
+
+    def __init__(self, vocab: int = 40, dim: int = 6) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, dim)
+        self.extra = nn.Embedding(vocab, dim, padding_idx=0)
+        self.mid = nn.Linear(dim, dim)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.tokens(ids) + self.extra(ids)
+        h = checkpoint(lambda x: torch.tanh(self.mid(x)), h, use_reentrant=False)
+        return F.linear(h, self.tokens.weight)
+
+
+def _lm_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    logits = model(batch[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+
+
+def _lm(seed: int = 0) -> tuple[nn.Module, list[torch.Tensor]]:
+    torch.manual_seed(seed)
+    model = TiedLM().double().eval()
+    with torch.no_grad():
+        model.extra.weight[0].normal_()  # a non-zero padding row, which the metric lets move (but no gradient reaches)
+    g = torch.Generator().manual_seed(seed)
+    return model, [torch.randint(0, 12, (3, 7), generator=g) for _ in range(2)]  # ids 0..11 of 40, padding included
+
+
+def test_scan_finds_the_rows_the_batches_use():
+    model, batches = tiny_bert(), tiny_batches(2, rows=3, length=6)
+    ids = torch.cat([b["input_ids"].reshape(-1) for b in batches]).unique()
+    assert _used(model, batches) == {
+        "bert.embeddings.word_embeddings.weight": ids.numel(),
+        "bert.embeddings.position_embeddings.weight": 6,
+        "bert.embeddings.token_type_embeddings.weight": 1,
+    }
+    names, params = zip(*model.named_parameters())
+    used = scan_used_rows(list(params), set(), lambda: [default_loss(model, b) for b in batches])
+    word = names.index("bert.embeddings.word_embeddings.weight")
+    assert torch.equal(used[word].rows, ids)
+    assert torch.equal(used[word].place[ids], torch.arange(ids.numel()))
+    assert int((used[word].place >= 0).sum()) == ids.numel()
+
+
+def test_weights_read_otherwise_stay_whole():
+    model, batches = _lm()
+    looked_up = torch.cat([b[:, :-1].reshape(-1) for b in batches]).unique().numel()
+    assert _used(model, batches, _lm_loss) == {"extra.weight": looked_up}  # `tokens` is read by F.linear too
+    capped = nn.Embedding(40, 6, max_norm=1.0).double()  # renormalises its weight in place: left whole
+    assert scan_used_rows([capped.weight], set(), lambda: capped(torch.arange(5))) == {}
+
+
+@pytest.mark.parametrize("measure", ["inv", "mix", "adaptive"])
+def test_value_equals_whole_weights(measure, monkeypatch):
+    model, batches = tiny_bert(), tiny_batches(2, rows=3, length=6)
+    run = (lambda: gs.adaptive_sharpness(model, batches, **SOLVE)) if measure == "adaptive" else (
+        lambda: gs.geodesic_sharpness(model, batches, metric=measure, **SOLVE))
+    snap = snapshot(model)
+    with pytest.warns(UserWarning) if measure == "mix" else contextlib.nullcontext():  # mix is still rising at 8 steps
+        rows = run()
+    assert_intact(model, snap)
+    _whole(monkeypatch)
+    with pytest.warns(UserWarning) if measure == "mix" else contextlib.nullcontext():
+        whole = run()
+    assert whole.value != 0
+    assert rows.per_batch == pytest.approx(whole.per_batch, rel=1e-12, abs=0)
+    assert rows.per_batch_clean_loss == whole.per_batch_clean_loss
+
+
+@pytest.mark.parametrize("name", ["t5", "bart", "llama_gqa", "gemma_mqa", "gpt2_conv1d", "deberta_v2_shared",
+                                  "albert", "mha"])
+def test_architectures_equal_whole_weights(name, monkeypatch):
+    """Shared, scaled, tied, relative-position and bare-PyTorch embeddings: the same value either way."""
+    tiny = architectures.build(name)
+    snap = snapshot(tiny.model)
+    rows = gs.adaptive_sharpness(tiny.model, [tiny.batch], rho=0.05, steps=4, progress=False)
+    assert_intact(tiny.model, snap)
+    _whole(monkeypatch)
+    whole = gs.adaptive_sharpness(tiny.model, [tiny.batch], rho=0.05, steps=4, progress=False)
+    assert whole.value != 0
+    assert rows.value == pytest.approx(whole.value, rel=1e-10, abs=0)
+
+
+def test_padding_checkpointing_and_tied_weights(monkeypatch):
+    model, batches = _lm()
+    snap = snapshot(model)
+    rows = gs.adaptive_sharpness(model, batches, loss_fn=_lm_loss, **SOLVE)
+    assert_intact(model, snap)
+    _whole(monkeypatch)
+    whole = gs.adaptive_sharpness(model, batches, loss_fn=_lm_loss, **SOLVE)
+    assert whole.value > 0
+    assert rows.per_batch == pytest.approx(whole.per_batch, rel=1e-12, abs=0)
+
+
+def test_space_holds_only_the_used_rows():
+    model, batches = tiny_bert(), tiny_batches(2, rows=3, length=6)
+    space, objective = runner._build(model, runner.RunSettings(0.05), None, default_loss, dict(enumerate(batches)))
+    left_out = sum((p.shape[0] - objective.used_rows[i].rows.numel()) * p.shape[1]
+                   for i, p in enumerate(objective.params) if i in objective.used_rows)
+    assert left_out > 0
+    assert space.numel == sum(p.numel() for p in model.parameters()) - left_out
+    whole, _ = runner._build(model, runner.RunSettings(0.05, mode="average"), None, default_loss,
+                             dict(enumerate(batches)))
+    assert whole.numel == sum(p.numel() for p in model.parameters())  # the average case draws every coordinate
+
+
+def test_lookup_of_an_unseen_row_is_refused():
+    emb = nn.Embedding(10, 3).double()
+    used = UsedRows.of(torch.tensor([1, 4]), 10)
+    rows = emb.weight.detach()[used.rows].clone()
+    with RowLookup({id(emb.weight): (used, rows)}):
+        assert torch.equal(emb(torch.tensor([4, 1, 4])), rows[[1, 0, 1]])
+        with pytest.raises(RuntimeError, match="did not see"):
+            emb(torch.tensor([2]))
+        with pytest.raises(RuntimeError, match="only lookups"):
+            emb.weight.sum()
