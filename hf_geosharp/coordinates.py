@@ -158,6 +158,34 @@ class Factor:
                 views.append((where, p.r, x.as_strided(p.size, p.stride, x.storage_offset() + p.offset)))
         return views
 
+    def segment_views(self, segments: list[Tensor]) -> list[tuple[Piece, Tensor]] | None:
+        """Each piece as a strided view into the segment (a 1-D tensor, e.g. a parameter) of the flat layout
+        ``cat(segments)`` that holds it, so that the base point's factor can be read from the weights themselves;
+        None where a factor has no pieces, shared rows, or a piece that spans two segments."""
+        if self.pieces is None or self.shared is not None:
+            return None
+        starts = [0, *torch.tensor([s.numel() for s in segments]).cumsum(0).tolist()]
+        views = []
+        for piece in self.pieces:
+            last = piece.offset + sum((n - 1) * st for n, st in zip(piece.size, piece.stride))
+            i = int(torch.bucketize(torch.tensor(piece.offset), torch.tensor(starts[1:]), right=True))
+            if last >= starts[i + 1]:
+                return None
+            seg = segments[i]
+            views.append((piece, seg.as_strided(piece.size, piece.stride, seg.storage_offset() + piece.offset
+                                                - starts[i])))
+        return views
+
+    def gather_views(self, views: list[tuple[Piece, Tensor]], out: Tensor, heads: slice = ALL_HEADS) -> Tensor:
+        """``out <-`` this factor for ``heads``, read from :meth:`segment_views`."""
+        for piece, view in views:
+            cut = piece.restricted(heads, self.shape[0])
+            if cut is not None:
+                p, where = cut
+                first = p.k.start - piece.k.start
+                out[where, p.r].copy_(view[first : first + p.size[0]])
+        return out
+
     def _own_index(self, heads: slice) -> Tensor:
         return self.index[heads].reshape(-1)
 

@@ -38,13 +38,14 @@ from torch import Tensor
 from .coordinates import Factor, stack_alike
 from .geometry.elementwise import Curvature, ElementwiseGeometry, per_segment
 from .geometry.gl_quotient import GLQuotient, Metric
+from .pair_group import PairGroup
 from .symmetry.base import PairBlock
 from .workspace import Workspace
 
 Pullback = Callable[[Tensor], None]
 Pair = tuple[Tensor, Tensor]
-#: Head-sized temporaries one operation holds at most (the pullback: cotangent, point and result).
-_TEMPORARIES = 3
+#: Head-sized temporaries one operation holds at most (the pullback: base point, cotangent, point and result).
+_TEMPORARIES = 4
 
 
 @dataclass(frozen=True)
@@ -77,32 +78,6 @@ class Shard(Protocol):
     def all_reduce(self, t: Tensor) -> Tensor: ...
     def pair_factors(self, index: Tensor, device: torch.device) -> tuple[Factor, int, Tensor, int]: ...
     def local_part(self, i: int, full: Tensor) -> Tensor: ...
-
-
-@dataclass
-class PairGroup:
-    """Pair blocks of one shape, stacked: their ``G`` and ``H`` factors, the geometry, and the head chunks in which
-    operations run (rank-independent, so that sharded runs reduce in step)."""
-
-    g: Factor
-    h: Factor
-    geometry: GLQuotient
-    chunks: list[slice]
-
-    def gather(self, x: Tensor, ws: Workspace, heads: slice) -> Pair:
-        """This group's coordinates of the flat vector ``x`` for ``heads``, in workspace tensors."""
-        g, h = self.g, self.h
-        return g.gather(x, ws.take(g.rows(heads)), heads), h.gather(x, ws.take(h.rows(heads)), heads)
-
-    def write(self, out: Tensor, pair: Pair, heads: slice, add: bool = False) -> None:
-        self.g.write(out, pair[0], heads, add)
-        self.h.write(out, pair[1], heads, add)
-
-    def own_dot(self, a: Pair, b: Pair) -> Tensor:
-        """``<a, b>`` (Frobenius) over the rows this rank counts (shared rows on one rank only), float64."""
-        nG, nH = self.geometry._rows
-        return (torch.dot(a[0][:, :nG].reshape(-1), b[0][:, :nG].reshape(-1)).double()
-                + torch.dot(a[1][:, :nH].reshape(-1), b[1][:, :nH].reshape(-1)).double())
 
 
 def _identity(t: Tensor) -> Tensor:
@@ -191,10 +166,15 @@ class PerturbationSpace:
             geometry = GLQuotient(G, H, self.options.metric, self.options.epsilon, basis, probe,
                                   reduce=None if self.shard is None else self._reduce, reduce_rows=rows,
                                   global_rows=global_rows)
+            views = None if self.shard is not None else (g.segment_views(self.base), h.segment_views(self.base))
+            if views is not None and None in views:
+                views = None
+            if views is not None:
+                geometry.G = geometry.H = None  # read from the weights, a head chunk at a time
             per_head = (gi.shape[1] + hi.shape[1]) * gi.shape[2]  # global sizes: every rank chunks alike
             step = self.workspace.heads_per_chunk(per_head, _TEMPORARIES)
             chunks = [slice(k, min(k + step, gi.shape[0])) for k in range(0, gi.shape[0], step)]
-            groups.append(PairGroup(g, h, geometry, chunks))
+            groups.append(PairGroup(g, h, geometry, chunks, views))
         return groups
 
     # ------------------------------------------------------------------ helpers
@@ -227,14 +207,13 @@ class PerturbationSpace:
 
     @property
     def n_pairs(self) -> int:
-        return sum(g.geometry.G.shape[0] for g in self.pairs)
+        return sum(group.g.shape[0] for group in self.pairs)
 
     def _chunks(self) -> Iterator[tuple[PairGroup, slice, GLQuotient]]:
         """Every (group, heads, geometry of those heads), with a fresh workspace for each."""
         for group in self.pairs:
             for heads in group.chunks:
-                self.workspace.fresh()
-                yield group, heads, group.geometry.heads(heads)
+                yield group, heads, group.part(self.workspace.fresh(), heads)
 
     def _map_pairs(self, x: Tensor, out: Tensor, fn: Callable[[GLQuotient, Pair], Pair]) -> None:
         """``out``'s pair coordinates <- ``fn(geometry, x's pair coordinates)``, a few heads at a time."""
@@ -344,7 +323,7 @@ class PerturbationSpace:
                 x = group.gather(xi, self.workspace, heads)
                 correction, pull = geometry.exp2_correction_with_pullback(x, out=self._like(x))
                 group.write(out, correction, heads, add=True)
-                pulls.append((group, heads, pull))
+                pulls.append((group, heads, pull, geometry))
         if not need_grad or (curvature is None and not pulls):
             return None
 
@@ -352,8 +331,9 @@ class PerturbationSpace:
             # Every product reads dL/dtheta before any is added to it: the curvature's product is made first, and
             # each head chunk reads and writes only its own coordinates.
             extra = None if curvature is None else torch.autograd.grad(curvature[0], curvature[1], grad)[0]
-            for group, heads, pull in pulls:
+            for group, heads, pull, geometry in pulls:
                 ws = self.workspace.fresh()
+                group.part(ws, heads, geometry)  # the base point again (the workspace was used in between)
                 x = group.gather(xi, ws, heads)
                 group.write(grad, pull(group.gather(grad, ws, heads), x, self._like(x)), heads, add=True)
             if extra is not None:
@@ -384,5 +364,6 @@ class PerturbationSpace:
             z = z + self.pair_elementwise.random_tangent_vector(generator, draw)
         else:
             for group in self.pairs:
-                group.write(z, group.geometry.random_tangent_vector(generator), slice(None))
+                with group.whole_base() as geometry:
+                    group.write(z, geometry.random_tangent_vector(generator), slice(None))
         return self.horizontal(z)

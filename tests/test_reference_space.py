@@ -44,7 +44,7 @@ def spaces(request) -> tuple[PerturbationSpace, ReferenceSpace, torch.Tensor]:
     options = SpaceOptions(metric, eps)
     workspace = Workspace(torch.float64, "cpu", 7) if eps else None
     fast = PerturbationSpace(theta, blocks, options, workspace=workspace)
-    assert not eps or all(len(group.chunks) == group.geometry.G.shape[0] for group in fast.pairs)
+    assert not eps or all(len(group.chunks) == group.g.shape[0] for group in fast.pairs)
     return fast, ReferenceSpace(theta, blocks, options), theta
 
 

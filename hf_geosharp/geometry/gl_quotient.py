@@ -56,14 +56,15 @@ def _sym_inv_sqrt(S: Tensor) -> Tensor:
 
 def _inv_factor(
     x: Tensor, W: Tensor, P_inv: Tensor, out: Tensor | None, row_sum: Callable[[Tensor, Tensor], Tensor]
-) -> tuple[Tensor, Callable[[Tensor, Tensor, Tensor | None], Tensor]]:
-    """One factor of the inv correction ``c = (x A - W B) / 2`` and its pullback (``exp2_correction_with_pullback``);
-    ``row_sum(a, b)`` is ``a^T b`` over the factor's rows (summed over ranks on a shard)."""
+) -> tuple[Tensor, Callable[[Tensor, Tensor, Tensor, Tensor | None], Tensor]]:
+    """One factor of the inv correction ``c = (x A - W B) / 2`` and its pullback ``(d, x, W, out)``
+    (``exp2_correction_with_pullback``); ``row_sum(a, b)`` is ``a^T b`` over the factor's rows (summed over ranks on
+    a shard)."""
     S = row_sum(x, W)
     A_half = 0.5 * P_inv @ (S + S.mT)
     c = torch.bmm(x, A_half, out=out).baddbmm_(W, 0.5 * P_inv @ row_sum(x, x), alpha=-1)
 
-    def pullback(d: Tensor, x: Tensor, out: Tensor | None) -> Tensor:
+    def pullback(d: Tensor, x: Tensor, W: Tensor, out: Tensor | None) -> Tensor:
         M, N = row_sum(d, x) @ P_inv, row_sum(d, W) @ P_inv
         g = torch.bmm(d, A_half.mT, out=out)
         return g.baddbmm_(W, 0.5 * (M + M.mT)).baddbmm_(x, 0.5 * (N + N.mT), alpha=-1)
@@ -225,7 +226,7 @@ class GLQuotient:
         operation can run on a few heads at a time with small temporaries."""
         part = copy.copy(self)
         for name in _PER_HEAD:
-            if hasattr(self, name):
+            if getattr(self, name, None) is not None:  # G and H are None when the space reads them per chunk
                 setattr(part, name, getattr(self, name)[heads])
         part._roots = None if self._roots is None else (self._roots[0][heads], self._roots[1][heads])
         return part
@@ -324,14 +325,16 @@ class GLQuotient:
         :math:`N = \delta^T W P^{-1}`. The mix metric couples the factors the same way (G's correction depends on
         :math:`\xi_H` and vice versa). Checked against autograd of :meth:`exp2_correction` in the tests.
 
-        The pullback is called as ``pullback(delta, xi, out)`` with the same ``xi``: it keeps only ``h x h`` factors,
-        so no ``n x h`` tensor stays alive through the model's forward and backward passes in between. Both write into
+        The pullback is called as ``pullback(delta, xi, out)`` with the same ``xi``: it keeps only ``h x h`` factors
+        and reads the base point ``self.G``, ``self.H`` when called, so no ``n x h`` tensor stays alive through the
+        model's forward and backward passes in between (the space may set them again from the weights). Both write into
         ``out`` buffers when given (``None``: fresh tensors), so that a caller can lend them memory it already has."""
         (xG, xH), (oG, oH) = xi, out or (None, None)
         if self.metric == "inv":
             cG, pull_G = _inv_factor(xG, self.G, self.P_inv, oG, lambda a, b: self._row_sum(a, b, 0))
             cH, pull_H = _inv_factor(xH, self.H, self.Q_inv, oH, lambda a, b: self._row_sum(a, b, 1))
-            return (cG, cH), lambda d, x, o=None: (pull_G(d[0], x[0], o and o[0]), pull_H(d[1], x[1], o and o[1]))
+            return (cG, cH), lambda d, x, o=None: (pull_G(d[0], x[0], self.G, o and o[0]),
+                                                   pull_H(d[1], x[1], self.H, o and o[1]))
         sG, sH = self._row_sum(xG, self.G, 0), self._row_sum(xH, self.H, 1)
         tG, tH = self._row_sum(xG, xG, 0), self._row_sum(xH, xH, 1)
         half_G = -0.5 * (sH + sH.mT) @ self.Q_inv  # cG = xG @ half_G + G @ (T_H Q^-1 / 2)

@@ -1,0 +1,72 @@
+"""A group of equal-shaped attention pairs as the perturbation space works on it: where its factors sit in the flat
+vector (:class:`~hf_geosharp.coordinates.Factor`), its geometry at the base point, the head chunks in which every
+operation runs, and, where the layout allows, views of its base point into the weights, so that no copy of the
+paired weights is kept (each chunk reads its own into the workspace).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .coordinates import Factor
+from .geometry.gl_quotient import GLQuotient
+from .workspace import Workspace
+
+Pair = tuple[Tensor, Tensor]
+
+
+@dataclass
+class PairGroup:
+    """Pair blocks of one shape, stacked: their ``G`` and ``H`` factors, the geometry, and the head chunks in which
+    operations run (rank-independent, so that sharded runs reduce in step)."""
+
+    g: Factor
+    h: Factor
+    geometry: GLQuotient
+    chunks: list[slice]
+    #: The base point's factors as views into the weights (see :meth:`Factor.segment_views`); the geometry then
+    #: keeps no copy of them, and each head chunk reads its own into the workspace (:meth:`part`).
+    base_views: tuple[list, list] | None = None
+
+    def part(self, ws: Workspace, heads: slice, geometry: GLQuotient | None = None) -> GLQuotient:
+        """The geometry of ``heads`` (or ``geometry`` again), with its base point read into ``ws`` if not kept."""
+        part = geometry or self.geometry.heads(heads)
+        if self.base_views is not None:
+            part.G = self.g.gather_views(self.base_views[0], ws.take(self.g.rows(heads)), heads)
+            part.H = self.h.gather_views(self.base_views[1], ws.take(self.h.rows(heads)), heads)
+        return part
+
+    @contextlib.contextmanager
+    def whole_base(self) -> Iterator[GLQuotient]:
+        """The whole group's geometry with its base point (a fresh copy while the block runs, if not kept)."""
+        geometry = self.geometry
+        if self.base_views is None:
+            yield geometry
+            return
+        dtype, device = geometry.dtype, geometry._P64.device
+        geometry.G = self.g.gather_views(self.base_views[0], torch.empty(self.g.shape, dtype=dtype, device=device))
+        geometry.H = self.h.gather_views(self.base_views[1], torch.empty(self.h.shape, dtype=dtype, device=device))
+        try:
+            yield geometry
+        finally:
+            geometry.G = geometry.H = None
+
+    def gather(self, x: Tensor, ws: Workspace, heads: slice) -> Pair:
+        """This group's coordinates of the flat vector ``x`` for ``heads``, in workspace tensors."""
+        g, h = self.g, self.h
+        return g.gather(x, ws.take(g.rows(heads)), heads), h.gather(x, ws.take(h.rows(heads)), heads)
+
+    def write(self, out: Tensor, pair: Pair, heads: slice, add: bool = False) -> None:
+        self.g.write(out, pair[0], heads, add)
+        self.h.write(out, pair[1], heads, add)
+
+    def own_dot(self, a: Pair, b: Pair) -> Tensor:
+        """``<a, b>`` (Frobenius) over the rows this rank counts (shared rows on one rank only), float64."""
+        nG, nH = self.geometry._rows
+        return (torch.dot(a[0][:, :nG].reshape(-1), b[0][:, :nG].reshape(-1)).double()
+                + torch.dot(a[1][:, :nH].reshape(-1), b[1][:, :nH].reshape(-1)).double())
