@@ -13,6 +13,8 @@ its own entries to zeros) and written back only where this rank owns the entries
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -164,11 +166,11 @@ class Factor:
         None where a factor has no pieces, shared rows, or a piece that spans two segments."""
         if self.pieces is None or self.shared is not None:
             return None
-        starts = [0, *torch.tensor([s.numel() for s in segments]).cumsum(0).tolist()]
+        starts = [0, *itertools.accumulate(s.numel() for s in segments)]
         views = []
         for piece in self.pieces:
             last = piece.offset + sum((n - 1) * st for n, st in zip(piece.size, piece.stride))
-            i = int(torch.bucketize(torch.tensor(piece.offset), torch.tensor(starts[1:]), right=True))
+            i = bisect.bisect_right(starts, piece.offset) - 1  # the segment that holds the piece's first entry
             if last >= starts[i + 1]:
                 return None
             seg = segments[i]

@@ -166,10 +166,10 @@ class PerturbationSpace:
             geometry = GLQuotient(G, H, self.options.metric, self.options.epsilon, basis, probe,
                                   reduce=None if self.shard is None else self._reduce, reduce_rows=rows,
                                   global_rows=global_rows)
-            views = None if self.shard is not None else (g.segment_views(self.base), h.segment_views(self.base))
-            if views is not None and None in views:
-                views = None
-            if views is not None:
+            views = (g.segment_views(self.base), h.segment_views(self.base)) if self.shard is None else (None, None)
+            if None in views:
+                views = None  # the geometry keeps its copy of the base point
+            else:
                 geometry.G = geometry.H = None  # read from the weights, a head chunk at a time
             per_head = (gi.shape[1] + hi.shape[1]) * gi.shape[2]  # global sizes: every rank chunks alike
             step = self.workspace.heads_per_chunk(per_head, _TEMPORARIES)
