@@ -86,7 +86,7 @@ def _left_out(model: torch.nn.Module, batches: list) -> int:
     from hf_geosharp.objective import default_loss
 
     params = list(model.parameters())
-    used = scan_used_rows(params, set(), lambda: [default_loss(model, b) for b in batches])
+    used = scan_used_rows(dict(enumerate(params)), lambda: [default_loss(model, b) for b in batches])
     return sum((params[i].shape[0] - u.rows.numel()) * params[i].shape[1] for i, u in used.items())
 
 

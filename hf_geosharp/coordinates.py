@@ -162,9 +162,9 @@ class Factor:
 
     def segment_views(self, segments: list[Tensor]) -> list[tuple[Piece, Tensor]] | None:
         """Each piece as a strided view into the segment (a 1-D tensor, e.g. a parameter) of the flat layout
-        ``cat(segments)`` that holds it, so that the base point's factor can be read from the weights themselves;
-        None where a factor has no pieces, shared rows, or a piece that spans two segments."""
-        if self.pieces is None or self.shared is not None:
+        ``cat(segments)`` that holds it, so that the base point's own rows can be read from the weights themselves
+        (shared rows are not covered); None where a factor has no pieces, or a piece that spans two segments."""
+        if self.pieces is None:
             return None
         starts = [0, *itertools.accumulate(s.numel() for s in segments)]
         views = []
@@ -179,7 +179,7 @@ class Factor:
         return views
 
     def gather_views(self, views: list[tuple[Piece, Tensor]], out: Tensor, heads: slice = ALL_HEADS) -> Tensor:
-        """``out <-`` this factor for ``heads``, read from :meth:`segment_views`."""
+        """``out <-`` this factor's own rows for ``heads``, read from :meth:`segment_views`."""
         for piece, view in views:
             cut = piece.restricted(heads, self.shape[0])
             if cut is not None:

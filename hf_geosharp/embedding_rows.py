@@ -83,23 +83,31 @@ class _Scan(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def scan_used_rows(params: list[Tensor], skip: set[int], forward: Callable[[], Any]) -> dict[int, UsedRows]:
-    """``{position in params: rows}`` for the 2-D weights (positions not in ``skip``) that only embedding lookups
-    read while ``forward()`` runs the model on every batch (gradient-free here), and that leaves partly unused."""
-    weights = {id(p): i for i, p in enumerate(params) if i not in skip and p.dim() == 2}
+def scan_used_rows(weights: dict[int, Tensor], forward: Callable[[], Any],
+                   reduce: Callable[[Tensor], Tensor] | None = None) -> dict[int, UsedRows]:
+    """``{position: rows}`` for the candidate 2-D ``weights`` (by position) that only embedding lookups read while
+    ``forward()`` runs the model on every batch (gradient-free here), and that it leaves partly unused.
+
+    ``reduce`` (an in-place sum over the ranks of a sharded run, called once on every rank) makes the rows those of
+    every rank's batches, and leaves a weight whole when any rank saw it read otherwise."""
     if not weights:
         return {}
-    scan = _Scan(weights)
+    scan = _Scan({id(w): position for position, w in weights.items()})
     with torch.no_grad(), scan:
         forward()
+    device = next(iter(weights.values())).device
+    seen = [torch.zeros(w.shape[0] + 1, dtype=torch.int32, device=device) for w in weights.values()]
+    for counts, position in zip(seen, weights):  # the last entry counts the ranks that saw another read
+        for ids in scan.ids[position]:
+            counts[ids.to(device)] = 1
+        counts[-1] = int(position in scan.excluded)
+    if reduce is not None:
+        seen = list(reduce(torch.cat(seen)).split([counts.numel() for counts in seen]))
     found = {}
-    for position, ids in scan.ids.items():
-        num_rows = params[position].shape[0]
-        if position in scan.excluded or not ids:
-            continue
-        rows = torch.cat(ids).unique()
-        if rows.numel() < num_rows:
-            found[position] = UsedRows.of(rows.to(params[position].device), num_rows)
+    for counts, (position, weight) in zip(seen, weights.items()):
+        rows = counts[:-1].nonzero().flatten()
+        if not bool(counts[-1]) and 0 < rows.numel() < weight.shape[0]:
+            found[position] = UsedRows.of(rows, weight.shape[0])
     return found
 
 
@@ -133,3 +141,27 @@ class RowLookup(TorchFunctionMode):
             raise RuntimeError(f"{getattr(func, '__name__', func)} read an embedding weight that only lookups were "
                                "seen to read; this is a bug in hf_geosharp (please report it with the model).")
         return func(*args, **kwargs)
+
+
+class _RowsOfEveryRank(torch.autograd.Function):
+    """Each rank's perturbed rows in their places among all the used rows, summed over the ranks (every row is held
+    by one rank, so the sum is exact); the backward hands each rank its rows of the ranks' mean gradient, as FSDP's
+    reduce-scatter does for the sharded weights."""
+
+    @staticmethod
+    def forward(ctx: Any, local: Tensor, slots: Tensor, n_rows: int, reduce: Callable[[Tensor], Tensor],
+                world: int) -> Tensor:
+        ctx.slots, ctx.reduce, ctx.world = slots, reduce, world
+        return reduce(local.new_zeros((n_rows, local.shape[1])).index_copy_(0, slots, local))
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        mean = ctx.reduce(grad.clone(memory_format=torch.contiguous_format)).div_(ctx.world)
+        return mean.index_select(0, ctx.slots), None, None, None, None
+
+
+def rows_of_every_rank(local: Tensor, slots: Tensor, n_rows: int, reduce: Callable[[Tensor], Tensor],
+                       world: int) -> Tensor:
+    """The ``[n_rows, width]`` used rows of a sharded embedding, assembled on every rank from each rank's ``local``
+    rows (at positions ``slots``) by ``reduce`` (an in-place sum over the ranks); differentiable in ``local``."""
+    return _RowsOfEveryRank.apply(local, slots, n_rows, reduce, world)

@@ -32,14 +32,24 @@ class PairGroup:
     #: The base point's factors as views into the weights (see :meth:`Factor.segment_views`); the geometry then
     #: keeps no copy of them, and each head chunk reads its own into the workspace (:meth:`part`).
     base_views: tuple[list, list] | None = None
+    #: With ``base_views`` on a shard: the base point's shared rows of ``G`` and ``H`` (a copy; None without any).
+    shared_base: tuple[Tensor | None, Tensor | None] = (None, None)
 
     def part(self, ws: Workspace, heads: slice, geometry: GLQuotient | None = None) -> GLQuotient:
         """The geometry of ``heads`` (or ``geometry`` again), with its base point read into ``ws`` if not kept."""
         part = geometry or self.geometry.heads(heads)
         if self.base_views is not None:
-            part.G = self.g.gather_views(self.base_views[0], ws.take(self.g.rows(heads)), heads)
-            part.H = self.h.gather_views(self.base_views[1], ws.take(self.h.rows(heads)), heads)
+            part.G, part.H = (self._read(f, views, shared, ws.take(f.rows(heads)), heads) for f, views, shared
+                              in zip((self.g, self.h), self.base_views, self.shared_base))
         return part
+
+    @staticmethod
+    def _read(factor: Factor, views: list, shared: Tensor | None, out: Tensor, heads: slice = slice(None)) -> Tensor:
+        """``out <-`` the base point's ``factor`` for ``heads``: own rows from the weights, shared ones copied."""
+        factor.gather_views(views, out, heads)
+        if shared is not None:
+            out[:, factor.n_own :].copy_(shared[heads])
+        return out
 
     @contextlib.contextmanager
     def whole_base(self) -> Iterator[GLQuotient]:
@@ -49,8 +59,8 @@ class PairGroup:
             yield geometry
             return
         dtype, device = geometry.dtype, geometry._P64.device
-        geometry.G = self.g.gather_views(self.base_views[0], torch.empty(self.g.shape, dtype=dtype, device=device))
-        geometry.H = self.h.gather_views(self.base_views[1], torch.empty(self.h.shape, dtype=dtype, device=device))
+        geometry.G, geometry.H = (self._read(f, views, shared, torch.empty(f.shape, dtype=dtype, device=device))
+                                  for f, views, shared in zip((self.g, self.h), self.base_views, self.shared_base))
         try:
             yield geometry
         finally:

@@ -29,8 +29,8 @@ from .coordinates import pair_parameters
 from .embedding_rows import UsedRows, scan_used_rows
 from .objective import LossFn, Objective, default_loss, measured_parameters, preserved_model_state, to_device
 from .result import SharpnessResult, average_stderr, batch_stderr, warn_not_converged
+from .shard_layout import ShardedLayout, fsdp_state
 from .sharded_run import build_sharded
-from .sharding import ShardedLayout, fsdp_state
 from .solver import AUTO_MAX_STEPS, CONVERGENCE_TOL, SolveResult, StepNormalization, apgd, average_case
 from .space import PerturbationSpace, SpaceOptions
 from .symmetry.base import PairBlock, SymmetryMap
@@ -152,7 +152,8 @@ def _run_sharded(model: nn.Module, layout: ShardedLayout, batches: list[Any], se
     with preserved_model_state(model):
         names, params = measured_parameters(model)
         blocks = _pair_blocks(model, names, settings, symmetry_map)
-        space, objective = build_sharded(model, layout, settings, blocks, loss_fn, batches)
+        forward = _scan_forward(model, settings, dict(enumerate(batches)), loss_fn, layout.device)
+        space, objective = build_sharded(model, layout, settings, blocks, loss_fn, batches, forward)
         release_freed_memory()
         logger.info("%s: %d GL pairs, %s parameters on this rank of %d, %d batch%s", settings.measure,
                     space.n_pairs, f"{space.numel:,}", layout.world, len(batches), "" if len(batches) == 1 else "es")
@@ -207,17 +208,24 @@ def _used_rows(model: nn.Module, names: list[str], params: list[Tensor], setting
     case draws every coordinate)."""
     if settings.mode != "worst" or settings.full_gradient:
         return {}
-
-    def forward() -> None:
-        for index, batch in batches.items():
-            with _measuring(settings.measure, index, batch):
-                loss_fn(model, to_device(batch, params[0].device))
-
-    used = scan_used_rows(params, skip, forward)
+    weights = {i: p for i, p in enumerate(params) if i not in skip and p.dim() == 2}
+    used = scan_used_rows(weights, _scan_forward(model, settings, batches, loss_fn, params[0].device))
     if used:
         logger.info("embedding rows held (the rest are never looked up): %s", ", ".join(
             f"{names[i]} {u.rows.numel():,} of {params[i].shape[0]:,}" for i, u in used.items()))
     return used
+
+
+def _scan_forward(model: nn.Module, settings: RunSettings, batches: Mapping[int, Any], loss_fn: LossFn,
+                  device: torch.device) -> Callable[[], None]:
+    """Runs the model on every batch (by index), for the scan of embedding rows."""
+
+    def forward() -> None:
+        for index, batch in batches.items():
+            with _measuring(settings.measure, index, batch):
+                loss_fn(model, to_device(batch, device))
+
+    return forward
 
 
 def _pair_blocks(model: nn.Module, names: list[str], settings: RunSettings,

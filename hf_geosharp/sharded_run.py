@@ -12,13 +12,19 @@ the ranks as in data-parallel runs. A rank may be given
 
 Which of the two it is, is found out by comparing fingerprints of the batches across the ranks: shares that happen to
 be identical give the same number either way.
+
+For the worst case, an embedding's rows that no rank's batches look up are left out, as in one process
+(:mod:`hf_geosharp.embedding_rows`): each rank holds the used rows of its shard, FSDP still gathers the model's own
+shard of the weight, and the lookups read the used rows, assembled on every rank by one small all-reduce.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,8 +32,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .coordinates import pair_parameters
+from .embedding_rows import RowLookup, UsedRows, rows_of_every_rank, scan_used_rows
 from .objective import LossFn, Objective, measured_parameters, refuse_reentrant_checkpointing
-from .sharding import ShardedLayout
+from .shard_layout import ShardedLayout
 from .space import PerturbationSpace, SpaceOptions
 from .symmetry.base import SymmetryMap
 from .workspace import Workspace
@@ -35,15 +42,28 @@ from .workspace import Workspace
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class HeldRows:
+    """An embedding of which this rank holds only the used rows of its shard (see the module docstring)."""
+
+    used: UsedRows  # the rows any rank's batches look up
+    weight: Tensor  # the unsharded parameter that the model's lookups read
+    slots: Tensor  # the positions, among ``used.rows``, of the rows in this rank's shard
+    local: Tensor  # those rows' indices in this rank's padded shard
+    width: int  # entries per row
+
+
 class ShardedObjective(Objective):
     """The objective of :class:`~hf_geosharp.objective.Objective` on an FSDP2 model: the perturbed local shards are
     written into the flat buffer ``out``, which FSDP all-gathers from (``layout.serving``); each parameter's local
-    gradient is copied over its perturbed weights after the reduce-scatter (``layout.stream_gradients``)."""
+    gradient is copied over its perturbed weights after the reduce-scatter (``layout.stream_gradients``). The
+    embeddings in ``held`` (by parameter position) are served from the model's own shards and looked up in their
+    perturbed used rows."""
 
     def __init__(self, model: nn.Module, layout: ShardedLayout, space: PerturbationSpace, loss_fn: LossFn,
-                 rho: float, shares: bool) -> None:
+                 rho: float, shares: bool, held: dict[int, HeldRows]) -> None:
         super().__init__(model, [], [], space, loss_fn, rho)
-        self.layout, self.shares = layout, shares
+        self.layout, self.shares, self.held = layout, shares, held
         dtypes = {b.dtype for b in layout.base()}
         self.served_dtype = dtypes.pop() if len(dtypes) == 1 else space.dtype
         self._served: Tensor | None = None  # a copy in the model's dtype, only for half-precision models
@@ -51,11 +71,15 @@ class ShardedObjective(Objective):
     def __call__(self, xi: Tensor, need_grad: bool, out: Tensor | None = None) -> tuple[float, Tensor | None]:
         out = self._buffer_for(out, need_grad)
         pullback = self.space.exp_point(xi, out, need_grad)
-        served = out
+        segments = out.split(self.layout.held_sizes)
+        served = segments
         if self.served_dtype != out.dtype:
             self._served = torch.empty_like(out, dtype=self.served_dtype) if self._served is None else self._served
-            served = self._served.copy_(out)
-        with self.layout.serving(served), torch.set_grad_enabled(need_grad):
+            served = self._served.copy_(out).split(self.layout.held_sizes)
+        own = self.layout.base()
+        shards = [own[i] if i in self.held else s for i, s in enumerate(served)]
+        leaves = {i: segments[i].view(-1, h.width).clone().requires_grad_(need_grad) for i, h in self.held.items()}
+        with self.layout.serving(shards), torch.set_grad_enabled(need_grad), self._lookups(leaves):
             loss = self.loss_fn(self.model, self.batch)
             if not isinstance(loss, Tensor) or loss.numel() != 1:
                 raise TypeError("The loss must be a scalar tensor (a mean over the batch).")
@@ -66,11 +90,28 @@ class ShardedObjective(Objective):
             if not self.graph_checked:
                 refuse_reentrant_checkpointing(loss)
                 self.graph_checked = True
-            with self.layout.stream_gradients(out):
+            with self.layout.stream_gradients([None if i in self.held else s for i, s in enumerate(segments)]):
                 (loss * scale).backward()
+        for i, leaf in leaves.items():  # the held rows' gradient, after the backward's all-reduce
+            if leaf.grad is None:
+                segments[i].zero_()
+            else:
+                segments[i].copy_(leaf.grad.reshape(-1))
         if pullback is not None:
             pullback(out)
         return value, out
+
+    def _lookups(self, leaves: dict[int, Tensor]) -> contextlib.AbstractContextManager:
+        """Lookups of the held embeddings read their perturbed used rows, gathered from every rank."""
+        if not leaves:
+            return contextlib.nullcontext()
+        restricted = {}
+        for i, leaf in leaves.items():
+            held = self.held[i]
+            rows = rows_of_every_rank(leaf.to(held.weight.dtype), held.slots, held.used.rows.numel(),
+                                      self.layout.all_reduce, self.layout.world)
+            restricted[id(held.weight)] = (held.used, rows)
+        return RowLookup(restricted)
 
     def _batch_loss(self, loss: Tensor) -> tuple[float, float]:
         """The batch's loss (over all shares) and the factor on this rank's loss that makes FSDP's average over the
@@ -121,32 +162,60 @@ def batches_are_shares(layout: ShardedLayout, batches: list[Any]) -> bool:
 
 
 def build_sharded(model: nn.Module, layout: ShardedLayout, settings: Any, blocks: list, loss_fn: LossFn,
-                  batches: list[Any]) -> tuple[PerturbationSpace, ShardedObjective]:
-    """The sharded space (this rank's shards as base point) and its objective (see the module docstring)."""
+                  batches: list[Any], scan_forward: Callable[[], None]) -> tuple[PerturbationSpace, ShardedObjective]:
+    """The sharded space (this rank's shards as base point) and its objective (see the module docstring);
+    ``scan_forward`` runs the model on every batch of this rank, for the scan of embedding rows."""
     if settings.full_gradient:
         raise ValueError("Under FSDP, adaptive_sharpness(variant='as23') and step_normalization='euclidean' are not "
                          "supported (they need global gradient norms); use the defaults (variant='clean').")
     names, params = measured_parameters(model)
     if names != layout.names:
         raise ValueError("The FSDP layout and the model's parameters disagree; shard every parameter with FSDP2.")
+    shares = batches_are_shares(layout, batches)
+    sizes = [shape.numel() for shape in layout.global_shapes]
+    held = _held_rows(layout, settings, pair_parameters(blocks, sizes), scan_forward)
+    layout.hold([h.local.numel() * h.width if (h := held.get(i)) else n for i, n in enumerate(layout.local_sizes)])
     movable = None
     if settings.params == "trainable":  # pairs on frozen weights stay still: they are measured elementwise (as 0)
         frozen = {i for i, p in enumerate(params) if not p.requires_grad}
-        sizes = [shape.numel() for shape in layout.global_shapes]
         blocks = [b for b in blocks if not pair_parameters([b], sizes) & frozen]
         movable = torch.cat([torch.full((n,), p.requires_grad, dtype=torch.bool, device=layout.device)
-                             for p, n in zip(params, layout.local_sizes)])
+                             for p, n in zip(params, layout.held_sizes)])
         if not bool(layout.all_reduce(movable.any().double().reshape(1))):
             raise ValueError("params='trainable' but no parameter has requires_grad=True; use params='all'.")
     else:
         for p in params:  # FSDP reduces gradients only for parameters that require them (restored afterwards)
             p.requires_grad_(True)
-    base = layout.base()
+    base = [shard.view(-1, h.width).index_select(0, h.local).reshape(-1) if (h := held.get(i)) else shard
+            for i, shard in enumerate(layout.base())]
     dtype = torch.promote_types(torch.float32, base[0].dtype)
     # the default workspace on every rank (not sized by the local shard): all ranks must cut the heads alike
     space = PerturbationSpace(base, blocks, settings.options or SpaceOptions(metric=None), movable, settings.seed,
                               workspace=Workspace(dtype, layout.device), shard=layout)
-    return space, ShardedObjective(model, layout, space, loss_fn, settings.rho, batches_are_shares(layout, batches))
+    return space, ShardedObjective(model, layout, space, loss_fn, settings.rho, shares, held)
+
+
+def _held_rows(layout: ShardedLayout, settings: Any, pair_params: set[int],
+               scan_forward: Callable[[], None]) -> dict[int, HeldRows]:
+    """The embeddings sharded by rows (FSDP's default ``Shard(0)``) whose unused rows the worst case leaves out:
+    the rows every rank's batches look up, and this rank's part of them."""
+    if settings.mode != "worst":
+        return {}
+    candidates = [i for i, shape in enumerate(layout.global_shapes)
+                  if len(shape) == 2 and i not in pair_params and layout.shard_dims[i] == 0]
+    weights = layout.unsharded_weights(candidates)
+    used = scan_used_rows(weights, scan_forward, reduce=layout.all_reduce)
+    layout.reshard_all()
+    held = {}
+    for i, u in used.items():
+        n_rows, width = layout.global_shapes[i]
+        first = layout.rank * -(-n_rows // layout.world)  # the shard's first row: torch.chunk's cut
+        mine = (u.rows >= first) & (u.rows < first + -(-n_rows // layout.world))
+        held[i] = HeldRows(u, weights[i], mine.nonzero().flatten(), u.rows[mine] - first, width)
+    if held:
+        logger.info("embedding rows held (the rest are never looked up): %s", ", ".join(
+            f"{layout.names[i]} {h.used.rows.numel():,} of {layout.global_shapes[i][0]:,}" for i, h in held.items()))
+    return held
 
 
 def check_symmetry_map(symmetry_map: SymmetryMap | None, layout: ShardedLayout) -> None:

@@ -166,15 +166,17 @@ class PerturbationSpace:
             geometry = GLQuotient(G, H, self.options.metric, self.options.epsilon, basis, probe,
                                   reduce=None if self.shard is None else self._reduce, reduce_rows=rows,
                                   global_rows=global_rows)
-            views = (g.segment_views(self.base), h.segment_views(self.base)) if self.shard is None else (None, None)
-            if None in views:
+            views, shared = (g.segment_views(self.base), h.segment_views(self.base)), (None, None)
+            rows_shared = sum(f.shape[1] - f.n_own for f in (g, h))  # copied anyway (heads cut across ranks, biases)
+            if None in views or 2 * rows_shared > g.shape[1] + h.shape[1]:
                 views = None  # the geometry keeps its copy of the base point
-            else:
-                geometry.G = geometry.H = None  # read from the weights, a head chunk at a time
+            else:  # read from the weights, a head chunk at a time
+                shared = tuple(F[:, f.n_own :].clone() if f.shared is not None else None for F, f in ((G, g), (H, h)))
+                geometry.G = geometry.H = None
             per_head = (gi.shape[1] + hi.shape[1]) * gi.shape[2]  # global sizes: every rank chunks alike
             step = self.workspace.heads_per_chunk(per_head, _TEMPORARIES)
             chunks = [slice(k, min(k + step, gi.shape[0])) for k in range(0, gi.shape[0], step)]
-            groups.append(PairGroup(g, h, geometry, chunks, views))
+            groups.append(PairGroup(g, h, geometry, chunks, views, shared))
         return groups
 
     # ------------------------------------------------------------------ helpers

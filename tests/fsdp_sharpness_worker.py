@@ -1,13 +1,18 @@
 """One rank of the sharded-sharpness checks in ``tests/test_sharded_sharpness.py``, run under ``torchrun`` (gloo).
 
-``python -m torch.distributed.run --standalone --nproc_per_node N tests/fsdp_sharpness_worker.py ARCH OUT [--shard1]``.
+``python -m torch.distributed.run --standalone --nproc_per_node N tests/fsdp_sharpness_worker.py ARCH OUT [--shard1]
+[--boxes]``.
 Every rank builds the same seeded float64 model, measures it unsharded (the single-process reference), shards it
 with ``shard_model``, measures it again with the same batches on every rank and with each rank given its share of
-every batch, and checks the shards bit for bit afterwards. Rank 0 writes the numbers to ``OUT`` (JSON).
+every batch, and checks the shards bit for bit afterwards. Rank 0 writes the numbers to ``OUT`` (JSON), and, per
+sharded measurement, how many embeddings had their unused rows left out. With ``--boxes`` the pair factors are laid
+out as strided boxes however small they are (a real model's size), so that the pairs' base point is read from the
+weights rather than kept as a copy.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -16,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 import hf_geosharp as gs
+from hf_geosharp import coordinates, runner
 from hf_geosharp.sharding import shard_model
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
@@ -35,8 +41,22 @@ def measure(model: torch.nn.Module, batches: list[dict], smap: gs.SymmetryMap) -
     return out
 
 
+def count_held_embeddings(counts: dict[str, int]) -> None:
+    """Record, per measure, how many embeddings the sharded builder holds by their used rows only."""
+    build = runner.build_sharded
+
+    def recording(model, layout, settings, *args):
+        space, objective = build(model, layout, settings, *args)
+        counts[settings.measure] = len(objective.held)
+        return space, objective
+
+    runner.build_sharded = recording
+
+
 def main() -> None:
     arch, path, shard1 = sys.argv[1], sys.argv[2], "--shard1" in sys.argv
+    if "--boxes" in sys.argv:
+        coordinates.strided_pieces = functools.partial(coordinates.strided_pieces, min_elements=1)
     model, batch, frozen = build(arch)
     model.get_parameter(frozen).requires_grad_(True)
     g = torch.Generator().manual_seed(2)
@@ -52,6 +72,8 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     shards = {n: p.to_local().clone() for n, p in model.named_parameters()}
     flags = {n: p.requires_grad for n, p in model.named_parameters()}
+    held: dict[str, int] = {}
+    count_held_embeddings(held)
     sharded = measure(model, batches, smap)
     rows = [torch.arange(b["labels"].shape[0]).tensor_split(world)[rank] for b in batches]
     shares = [{k: v[r] for k, v in b.items()} for b, r in zip(batches, rows)]
@@ -63,7 +85,7 @@ def main() -> None:
     dist.all_gather_object(everyone, intact)
     if rank == 0:
         with open(path, "w") as f:
-            json.dump({"single": single, "sharded": sharded, "shares": shared, "intact": everyone}, f)
+            json.dump({"single": single, "sharded": sharded, "shares": shared, "intact": everyone, "held": held}, f)
     dist.barrier()  # every rank is done talking
     # Leave without running C++ destructors: under load, gloo's threads sometimes abort interpreter shutdown
     # ("terminate called without an active exception") after all the work is done and written.

@@ -16,14 +16,15 @@ import torch
 import torch.distributed as dist
 from torch.func import functional_call
 
-from hf_geosharp.sharding import ShardedLayout, fsdp_state, shard_model
+from hf_geosharp.shard_layout import ShardedLayout, fsdp_state
+from hf_geosharp.sharding import shard_model
 
 TOL = 1e-12
 QKV = ("query", "key", "value", "q_proj", "k_proj", "v_proj")
 
 
 def build(arch: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor], str]:
-    """A tiny seeded fp64 model with 3 labels, one batch, and the name of a frozen parameter."""
+    """A tiny seeded fp64 model with 3 labels (non-zero biases), one batch, and the name of a frozen parameter."""
     from transformers import BertConfig, BertForSequenceClassification, LlamaConfig, LlamaForSequenceClassification
 
     torch.manual_seed(0)
@@ -40,6 +41,10 @@ def build(arch: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor], str]:
         )  # fmt: skip
         model, frozen = LlamaForSequenceClassification(config), "model.norm.weight"
     model = model.to(torch.float64).eval()
+    with torch.no_grad():  # transformers initialises biases to zero, which would hide what bias rows do
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.5)
     model.get_parameter(frozen).requires_grad_(False)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(1, 50, (3, 7), generator=g)
@@ -140,10 +145,10 @@ def check_serving(model, ref, batch, layout, owner, pos, frozen_index: int) -> N
     theta = base + local_of(layout, owner, pos, delta)
     want, want_grad = ref_loss(ref, batch, delta, grad=True)
     out = torch.full((layout.numel,), float("nan"), dtype=torch.float64)
-    with layout.serving(theta):
+    with layout.serving(theta.split(layout.local_sizes)):
         with torch.no_grad():
             assert abs(model(**batch).loss - want) < TOL, "loss at theta"
-        with layout.stream_gradients(out) as filled:
+        with layout.stream_gradients(out.split(layout.local_sizes)) as filled:
             loss = model(**batch).loss
             loss.backward()
         assert abs(loss.detach() - want) < TOL, "loss at theta (with grad)"
@@ -163,7 +168,7 @@ def check_exceptions(model, ref, batch, layout, before: dict) -> None:
     theta = torch.cat(layout.base()) + 0.5
     for error in (RuntimeError, KeyboardInterrupt):
         try:
-            with layout.serving(theta):
+            with layout.serving(theta.split(layout.local_sizes)):
                 model(**batch).loss  # forward with grad and no backward, then out
                 raise error("boom")
         except error:

@@ -78,7 +78,7 @@ def test_scan_finds_the_rows_the_batches_use():
         "bert.embeddings.token_type_embeddings.weight": 1,
     }
     names, params = zip(*model.named_parameters())
-    used = scan_used_rows(list(params), set(), lambda: [default_loss(model, b) for b in batches])
+    used = scan_used_rows(dict(enumerate(params)), lambda: [default_loss(model, b) for b in batches])
     word = names.index("bert.embeddings.word_embeddings.weight")
     assert torch.equal(used[word].rows, ids)
     assert torch.equal(used[word].place[ids], torch.arange(ids.numel()))
@@ -90,7 +90,7 @@ def test_weights_read_otherwise_stay_whole():
     looked_up = torch.cat([b[:, :-1].reshape(-1) for b in batches]).unique().numel()
     assert _used(model, batches, _lm_loss) == {"extra.weight": looked_up}  # `tokens` is read by F.linear too
     capped = nn.Embedding(40, 6, max_norm=1.0).double()  # renormalises its weight in place: left whole
-    assert scan_used_rows([capped.weight], set(), lambda: capped(torch.arange(5))) == {}
+    assert scan_used_rows({0: capped.weight}, lambda: capped(torch.arange(5))) == {}
 
 
 @pytest.mark.parametrize("measure", ["inv", "mix", "adaptive"])

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_geosharp.sharding import fsdp_state
+from hf_geosharp.shard_layout import fsdp_state
 
 from .fixtures.torchrun import torchrun
 
@@ -48,16 +48,17 @@ def test_a_model_without_fsdp_has_no_layout():
     assert fsdp_state(torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.ReLU())) is None
 
 
-def test_the_layer_imports_only_torch():
+@pytest.mark.parametrize("module, package_imports", [("shard_layout", {"coordinates"}), ("sharding", {"shard_layout"})])
+def test_the_layer_imports_only_torch(module, package_imports):
     """The layer sits under the engine: no transformers or accelerate, and of the package only the pure-torch
-    coordinates module (where pair factors live in a flat vector)."""
-    tree = ast.parse((ROOT / "hf_geosharp" / "sharding.py").read_text())
+    coordinates module (where pair factors live in a flat vector), and the layout for the sharding helpers."""
+    tree = ast.parse((ROOT / "hf_geosharp" / f"{module}.py").read_text())
     imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     relative = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level}
     imported |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and not n.level}
     third_party = {m.split(".")[0] for m in imported} - set(sys.stdlib_module_names) - {"__future__"}
     assert third_party == {"torch"}, imported
-    assert relative == {"coordinates"}, relative
+    assert relative == package_imports, relative
 
 
 def test_the_accelerate_fsdp2_config_parses_into_an_fsdp2_plugin(monkeypatch):
