@@ -27,9 +27,10 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-#: Tensor methods that read a weight's metadata, not its values (attribute getters are recognised by name).
+#: Tensor methods that read a weight's metadata, not its values (attribute getters are recognised by name);
+#: ``requires_grad_`` is what FSDP calls on its unsharded parameters when a parameter's flag changed.
 _METADATA = {Tensor.size, Tensor.dim, Tensor.numel, Tensor.is_floating_point, Tensor.is_complex, Tensor.element_size,
-             Tensor.__len__}
+             Tensor.__len__, Tensor.requires_grad_}
 
 
 @dataclass(frozen=True)

@@ -173,19 +173,20 @@ def build_sharded(model: nn.Module, layout: ShardedLayout, settings: Any, blocks
         raise ValueError("The FSDP layout and the model's parameters disagree; shard every parameter with FSDP2.")
     shares = batches_are_shares(layout, batches)
     sizes = [shape.numel() for shape in layout.global_shapes]
-    held = _held_rows(layout, settings, pair_parameters(blocks, sizes), scan_forward)
-    layout.hold([h.local.numel() * h.width if (h := held.get(i)) else n for i, n in enumerate(layout.local_sizes)])
-    movable = None
     if settings.params == "trainable":  # pairs on frozen weights stay still: they are measured elementwise (as 0)
         frozen = {i for i, p in enumerate(params) if not p.requires_grad}
         blocks = [b for b in blocks if not pair_parameters([b], sizes) & frozen]
+    else:
+        for p in params:  # FSDP reduces gradients only for parameters that require them (restored afterwards)
+            p.requires_grad_(True)
+    held = _held_rows(layout, settings, pair_parameters(blocks, sizes), scan_forward)
+    layout.hold([h.local.numel() * h.width if (h := held.get(i)) else n for i, n in enumerate(layout.local_sizes)])
+    movable = None
+    if settings.params == "trainable":
         movable = torch.cat([torch.full((n,), p.requires_grad, dtype=torch.bool, device=layout.device)
                              for p, n in zip(params, layout.held_sizes)])
         if not bool(layout.all_reduce(movable.any().double().reshape(1))):
             raise ValueError("params='trainable' but no parameter has requires_grad=True; use params='all'.")
-    else:
-        for p in params:  # FSDP reduces gradients only for parameters that require them (restored afterwards)
-            p.requires_grad_(True)
     base = [shard.view(-1, h.width).index_select(0, h.local).reshape(-1) if (h := held.get(i)) else shard
             for i, shard in enumerate(layout.base())]
     dtype = torch.promote_types(torch.float32, base[0].dtype)

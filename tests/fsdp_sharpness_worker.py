@@ -1,13 +1,12 @@
 """One rank of the sharded-sharpness checks in ``tests/test_sharded_sharpness.py``, run under ``torchrun`` (gloo).
 
 ``python -m torch.distributed.run --standalone --nproc_per_node N tests/fsdp_sharpness_worker.py ARCH OUT [--shard1]
-[--boxes]``.
-Every rank builds the same seeded float64 model, measures it unsharded (the single-process reference), shards it
-with ``shard_model``, measures it again with the same batches on every rank and with each rank given its share of
-every batch, and checks the shards bit for bit afterwards. Rank 0 writes the numbers to ``OUT`` (JSON), and, per
-sharded measurement, how many embeddings had their unused rows left out. With ``--boxes`` the pair factors are laid
-out as strided boxes however small they are (a real model's size), so that the pairs' base point is read from the
-weights rather than kept as a copy.
+[--boxes]``. Every rank builds the same seeded float64 model, measures it unsharded (the single-process reference),
+shards it with ``shard_model``, measures it again with the same batches on every rank, with each rank given its share
+of every batch, and with only some parameters trainable, and checks the shards bit for bit afterwards. Rank 0 writes
+the numbers to ``OUT`` (JSON), and, per sharded measurement, how many embeddings had their unused rows left out. With
+``--boxes`` the pair factors are laid out as strided boxes however small they are (a real model's size), so that the
+pairs' base point is read from the weights rather than kept as a copy.
 """
 
 from __future__ import annotations
@@ -41,13 +40,27 @@ def measure(model: torch.nn.Module, batches: list[dict], smap: gs.SymmetryMap) -
     return out
 
 
+def measure_trainable(model: torch.nn.Module, batches: list[dict]) -> dict[str, float]:
+    """Geodesic inv and adaptive sharpness, worst case, with ``params="trainable"`` while the embeddings and the first
+    layer are frozen (as when only adapters train); every flag is put back afterwards."""
+    frozen = [p for n, p in model.named_parameters() if ("embed" in n or ".0." in n) and p.requires_grad]
+    for p in frozen:
+        p.requires_grad_(False)
+    kw = {**KW, "params": "trainable"}
+    out = {"geodesic_inv_worst": gs.geodesic_sharpness(model, batches, metric="inv", **kw).value,
+           "adaptive_clean_worst": gs.adaptive_sharpness(model, batches, **kw).value}
+    for p in frozen:
+        p.requires_grad_(True)
+    return out
+
+
 def count_held_embeddings(counts: dict[str, int]) -> None:
-    """Record, per measure, how many embeddings the sharded builder holds by their used rows only."""
+    """Record, per measure and ``params``, how many embeddings the sharded builder holds by their used rows only."""
     build = runner.build_sharded
 
     def recording(model, layout, settings, *args):
         space, objective = build(model, layout, settings, *args)
-        counts[settings.measure] = len(objective.held)
+        counts[f"{settings.measure} {settings.params}"] = len(objective.held)
         return space, objective
 
     runner.build_sharded = recording
@@ -58,7 +71,6 @@ def main() -> None:
     if "--boxes" in sys.argv:
         coordinates.strided_pieces = functools.partial(coordinates.strided_pieces, min_elements=1)
     model, batch, frozen = build(arch)
-    model.get_parameter(frozen).requires_grad_(True)
     g = torch.Generator().manual_seed(2)
     batches = []
     for _ in range(2):  # 6 examples: shares of 3 + 3 over two ranks, 2 + 2 + 1 + 1 over four (uneven)
@@ -67,6 +79,7 @@ def main() -> None:
         batches.append({k: torch.cat([batch[k], more[k]]) for k in batch})
     smap = gs.map_symmetries(model)
     single = measure(model, batches, smap)
+    single_trainable = measure_trainable(model, batches)
     shard_model(model, placement=placement_fn(model) if shard1 else None)
     dist.barrier()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -78,6 +91,7 @@ def main() -> None:
     rows = [torch.arange(b["labels"].shape[0]).tensor_split(world)[rank] for b in batches]
     shares = [{k: v[r] for k, v in b.items()} for b, r in zip(batches, rows)]
     shared = measure(model, shares, smap)
+    trainable = measure_trainable(model, batches)
     intact = all(torch.equal(p.to_local(), shards[n]) for n, p in model.named_parameters())
     intact &= all(p.requires_grad == flags[n] for n, p in model.named_parameters())
     intact &= not any(m.training for m in model.modules())  # the fixture is in eval mode; still in it
@@ -85,7 +99,8 @@ def main() -> None:
     dist.all_gather_object(everyone, intact)
     if rank == 0:
         with open(path, "w") as f:
-            json.dump({"single": single, "sharded": sharded, "shares": shared, "intact": everyone, "held": held}, f)
+            json.dump({"single": single, "sharded": sharded, "shares": shared, "intact": everyone, "held": held,
+                       "trainable": [single_trainable, trainable]}, f)
     dist.barrier()  # every rank is done talking
     # Leave without running C++ destructors: under load, gloo's threads sometimes abort interpreter shutdown
     # ("terminate called without an active exception") after all the work is done and written.
