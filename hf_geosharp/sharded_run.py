@@ -210,8 +210,9 @@ def _held_rows(layout: ShardedLayout, settings: Any, pair_params: set[int],
     held = {}
     for i, u in used.items():
         n_rows, width = layout.global_shapes[i]
-        first = layout.rank * -(-n_rows // layout.world)  # the shard's first row: torch.chunk's cut
-        mine = (u.rows >= first) & (u.rows < first + -(-n_rows // layout.world))
+        chunk = -(-n_rows // layout.world)  # rows per shard, as torch.chunk cuts them
+        first = layout.rank * chunk
+        mine = (u.rows >= first) & (u.rows < first + chunk)
         held[i] = HeldRows(u, weights[i], mine.nonzero().flatten(), u.rows[mine] - first, width)
     if held:
         logger.info("embedding rows held (the rest are never looked up): %s", ", ".join(
