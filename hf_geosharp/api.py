@@ -32,7 +32,7 @@ def geodesic_sharpness(
     rho: float = 0.1,
     metric: Literal["inv", "mix"] = "inv",
     mode: Mode = "worst",
-    steps: Steps = 20,
+    steps: Steps = "auto",
     seed: int = 0,
     epsilon: float = 1e-6,
     loss_fn: LossFn | None = None,
@@ -64,8 +64,10 @@ def geodesic_sharpness(
         rho: radius of the geodesic ball.
         metric: ``"inv"`` (paper Eq. 9) or ``"mix"`` (Eq. 10).
         mode: ``"worst"`` (Auto-PGD, ``steps`` iterations) or ``"average"`` (``n_samples`` Gaussian directions).
-        steps: solver iterations per batch (worst case), or ``"auto"``: 20, then more in blocks while the best value
-            still gains more than ``tol`` over the last quarter of the steps, up to ``max_steps``.
+        steps: ``"auto"`` (default): the worst case continues until its best point is stationary (Frank-Wolfe gap
+            at most ``tol``), then starts again from the antipode (and, if they disagree, from random points) until
+            two starts agree within ``tol``, within ``max_steps`` steps (docs/method.md, "Convergence"). An integer:
+            exactly that many steps from one start, as in AS23 (``converged`` then certifies stationarity only).
         seed: seeds the average-case samples (per batch, independent of the process that solves it).
         epsilon: relative, group-covariant rank relaxation of ``G^T G`` and ``H^T H`` (about ``epsilon`` relative
             to each head's own spectrum); 0 for the exact metric (then rank-deficient heads are refused).
@@ -79,8 +81,9 @@ def geodesic_sharpness(
         second_order, riemannian_norm, horizontal_projection: ablation switches (paper App. G).
         elementwise_curvature: geodesic for non-attention parameters (``"none"``: first order, as the paper).
         step_normalization: ``"riemannian"`` (invariant, default), ``"euclidean"`` or ``"none"``.
-        tol: relative gain over the last quarter of the steps under which a worst case counts as converged; a
-            ``UserWarning`` says when it is not (``res.converged``, ``res.convergence_gain``).
+        tol: relative tolerance of the convergence certificate: the Frank-Wolfe gap at the best point, and the
+            agreement of two starts under ``steps="auto"``; a ``NotConvergedWarning`` says when it does not hold
+            (``res.converged``, ``res.stationarity_gap``, ``res.convergence_note``).
         max_steps: step budget of ``steps="auto"``.
     """
     rho, steps, n_samples, seed = check_common(rho, mode, steps, n_samples, seed)
@@ -102,7 +105,7 @@ def adaptive_sharpness(
     *,
     rho: float = 0.1,
     mode: Mode = "worst",
-    steps: Steps = 20,
+    steps: Steps = "auto",
     seed: int = 0,
     variant: Literal["clean", "as23"] = "clean",
     loss_fn: LossFn | None = None,

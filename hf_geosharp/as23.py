@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from .solver import CONVERGENCE_TOL, Objective, Pool, SolveResult, StepSchedule, next_block
+from .solver import CONVERGENCE_TOL, Objective, Pool, SolveResult, StepSchedule, relative_gap
 
 _BLOCK = 1 << 20  # coordinates per block of the bisection's sums: a few MiB, so a block stays in cache
 
@@ -79,8 +79,9 @@ def apgd_as23(
     ``scale`` is ``|w|`` (zero on frozen coordinates). Faithful to the reference: the step is ``grad * |w|`` over the
     global Euclidean gradient norm, Euclidean projection onto the ellipsoid by bisection, momentum
     ``0.75 P(z) + 0.25 delta_prev`` without re-projection, an extra no-grad forward per step for the loss, and on
-    halving only the evaluation point (the "model") is reset to the best point, not ``delta``. ``max_steps`` and
-    ``tol`` continue the run in blocks as in :func:`apgd`.
+    halving only the evaluation point (the "model") is reset to the best point, not ``delta``. With ``max_steps``
+    the run continues in blocks of doubling length until its best point is stationary within ``tol`` (the
+    Frank-Wolfe gap of the adaptive ball, as in :func:`apgd`), which its stalls do not reach; one start only.
 
     Its fixed points are not the maximiser's (docs/method.md): it can stall a few percent below the maximum of its
     own objective at any number of steps, which is why the default adaptive baseline is the clean solver."""
@@ -94,10 +95,15 @@ def apgd_as23(
     best_loss, best_point = clean_loss, delta
     schedule = StepSchedule(2.0 * rho, steps, min_update_ratio, clean_loss)
     losses = [clean_loss]
+    gap = math.nan  # relative Frank-Wolfe gap at the best point, once its gradient is known
     total, k = steps, -1
     while k + 1 < total:
         k += 1
         _, egrad = objective(point, True, out=gradient)
+        if point is best_point:
+            gap = _gap(egrad, scale, best_point, rho, best_loss - clean_loss)
+            if max_steps is not None and gap <= tol:
+                break
         backup = delta
         grad_norm = math.sqrt(max(float(torch.dot(egrad, egrad)), 0.0))
         new = tangents.free(delta, prev_delta, best_point, point)
@@ -109,13 +115,25 @@ def apgd_as23(
         loss, _ = objective(point, False)
         losses.append(loss)
         if loss > best_loss:
-            best_loss, best_point = loss, point
+            best_loss, best_point, gap = loss, point, math.nan
             schedule.n_updates += 1
         if schedule.halve(k, best_loss):
             point = best_point
         if on_step is not None:
             on_step(k, best_loss - clean_loss)
-        if k == total - 1 and (block := next_block(total, max_steps, tol, losses)):
+        if max_steps is not None and k == total - 1 and total < max_steps:
+            block = min(total, max_steps - total)
             schedule.extend(total, block)
             total += block
-    return SolveResult(best_loss, clean_loss, losses, float((best_point * inv_scale).square().sum().sqrt()))
+    if math.isnan(gap):  # one more gradient, at the best point
+        _, egrad = objective(best_point, True, out=gradient)
+        gap = _gap(egrad, scale, best_point, rho, best_loss - clean_loss)
+    return SolveResult(best_loss, clean_loss, losses, float((best_point * inv_scale).square().sum().sqrt()), gap,
+                       [best_loss - clean_loss], [gap])
+
+
+def _gap(egrad: Tensor, scale: Tensor, delta: Tensor, rho: float, sharpness: float) -> float:
+    """The relative Frank-Wolfe gap of the adaptive ball at ``delta`` (elementwise metric ``1/w^2``: the Riemannian
+    gradient's norm is ``||egrad |w| ||``, its product with ``delta`` is ``<egrad, delta>``)."""
+    sq_d = float(torch.linalg.vector_norm(egrad * scale, dtype=torch.float64) ** 2)
+    return relative_gap(rho, sq_d, float(torch.dot(egrad, delta)), sharpness)

@@ -94,10 +94,20 @@ def prepare(command: str, level: int) -> None:
     """What the command's output needs before it runs: our log lines only, and no third-party progress bars (turned
     off before the command loads, trains, saves or maps anything; ``register`` imports no third-party library)."""
     configure_logging(level)
-    # the engine reports a solver that has not converged twice (log line and UserWarning); the log line is enough here
+    # the engine says a worst case is not converged by a NotConvergedWarning; here it is one of our log lines
     from .api import NotConvergedWarning
 
-    warnings.filterwarnings("ignore", category=NotConvergedWarning)
+    show = warnings.showwarning
+    if not getattr(show, "logs_not_converged", False):  # once per process (tests call main() many times)
+
+        def show_as_log_line(message, category, *args, **kwargs):  # noqa: ANN001, ANN202 (showwarning's shape)
+            if issubclass(category, NotConvergedWarning):
+                logging.getLogger("hf_geosharp").warning("%s", message)
+            else:
+                show(message, category, *args, **kwargs)
+
+        show_as_log_line.logs_not_converged = True
+        warnings.showwarning = show_as_log_line
     if command != "register":
         quiet_libraries()
 

@@ -9,8 +9,11 @@ which a batch of 16 x 128 tokens uses a few thousand rows.
 
 :func:`scan_used_rows` finds the rows with one gradient-free forward per batch under a ``TorchFunctionMode`` that
 records what every ``F.embedding`` call looks up in each candidate weight. A weight is restricted only when nothing
-but such lookups reads it (a tied LM head's ``F.linear`` reads every row, so tied embeddings stay whole), without
-``max_norm`` (which renormalises the weight in place) or sparse gradients. During the solve, :class:`RowLookup`
+but such lookups touches it: every other call that receives it counts as a read of every row (a tied LM head's
+``F.linear``, ``weight.T`` or ``weight.t()`` before a matmul, an ``einsum``, indexing, any view), unless it is one of a
+few calls that return metadata, or an attribute getter that returns no tensor (``.shape``, ``.dtype``, ``.device``).
+So the rule fails safe: an unknown use keeps the weight whole. Lookups with ``max_norm`` (which renormalises the
+weight in place) or sparse gradients keep it whole too. During the solve, :class:`RowLookup`
 answers each lookup of a restricted weight from the perturbed rows alone: ``F.embedding(place[ids], rows)`` returns
 the same values as a lookup in the whole perturbed weight, and its backward the same gradient rows.
 """
@@ -56,8 +59,13 @@ def _lookup(func: Callable, args: tuple, kwargs: dict) -> tuple[Tensor, Tensor, 
     return bound.pop("input"), bound.pop("weight"), bound
 
 
-def _reads_values(func: Callable) -> bool:
-    return getattr(func, "__name__", "") != "__get__" and func not in _METADATA
+def _reads_values(func: Callable, result: Any) -> bool:
+    """Whether a call that received a weight may have read its values: every call but the metadata methods and the
+    attribute getters that return no tensor (``.T``, ``.mT``, ``.data`` return views of the values)."""
+    if func in _METADATA:
+        return False
+    getter = getattr(func, "__name__", "") == "__get__"
+    return not getter or any(isinstance(t, Tensor) for t in tree_leaves(result))
 
 
 class _Scan(TorchFunctionMode):
@@ -79,9 +87,11 @@ class _Scan(TorchFunctionMode):
                 self.weights and not lookup[2].get("max_norm") and not lookup[2].get("sparse")
             if plain:
                 self.ids[self.weights[id(lookup[1])]].append(lookup[0].detach().reshape(-1).unique())
-            elif _reads_values(func):
-                self.excluded |= hits
-        return func(*args, **kwargs)
+                return func(*args, **kwargs)
+        result = func(*args, **kwargs)
+        if hits and _reads_values(func, result):
+            self.excluded |= hits
+        return result
 
 
 def scan_used_rows(weights: dict[int, Tensor], forward: Callable[[], Any],
@@ -137,11 +147,12 @@ class RowLookup(TorchFunctionMode):
                 found = int(used.place[padding % weight.shape[0]])
                 options["padding_idx"] = found if found >= 0 else None  # an unused padding row changes nothing
             return func(place, rows, **options)
-        if _reads_values(func) and any(isinstance(t, Tensor) and id(t) in self.restricted
-                                       for t in tree_leaves((args, kwargs))):
+        result = func(*args, **kwargs)
+        if any(isinstance(t, Tensor) and id(t) in self.restricted for t in tree_leaves((args, kwargs))) and \
+                _reads_values(func, result):
             raise RuntimeError(f"{getattr(func, '__name__', func)} read an embedding weight that only lookups were "
                                "seen to read; this is a bug in hf_geosharp (please report it with the model).")
-        return func(*args, **kwargs)
+        return result
 
 
 class _RowsOfEveryRank(torch.autograd.Function):

@@ -101,7 +101,8 @@ Args:
         "{",".join(DEFAULT_MEASURES)}". The older `metric=` ("inv,mix") and `baseline=` select the same.
     rho (`float`, default {DEFAULTS.rho}): radius of the perturbation ball.
     mode (`str`, default "{DEFAULTS.mode}"): "worst" (maximise the loss over the ball) or "average".
-    steps (`int`, default {DEFAULTS.steps}): solver iterations per batch (worst case).
+    steps (`int` or "auto", default "{DEFAULTS.steps}"): "auto" runs the worst case until it is certified (stationary,
+        and a second start agrees; `config["results"][key]["converged"]`); an integer runs exactly that many steps.
     n_samples (`int`, default {DEFAULTS.n_samples}): random directions per batch (average case).
     batch_size (`int`, default {DEFAULT_BATCH_SIZE}): examples per batch; values are averaged over batches.
     max_length (`int`, default {DEFAULT_MAX_LENGTH}): truncation length when tokenizing `predictions`.
@@ -263,8 +264,8 @@ def _output(results: dict, settings: Settings, keys: list[str], config: dict[str
     out["clean_loss"], out["clean_loss_per_batch"] = first.clean_loss, list(first.per_batch_clean_loss)
     out["config"] = {
         **settings.as_dict(), "measures": keys, **config,
-        "results": {key: {"measure": res.measure, "converged": getattr(res, "converged", None),
-                          "config": res.config} for key, res in results.items()},
+        "results": {key: {"measure": res.measure, "converged": res.converged, "convergence_note": res.convergence_note,
+                          "steps_used": res.steps_used, "config": res.config} for key, res in results.items()},
         "unmapped_attention": [{"module": f.module, "reason": f.reason} for f in (smap.fallbacks if smap else [])],
     }  # fmt: skip
     return out

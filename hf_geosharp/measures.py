@@ -64,8 +64,8 @@ class Settings:
     Attributes:
         rho: radius of the perturbation ball.
         mode: ``"worst"`` or ``"average"``.
-        steps: solver iterations per batch (worst case), or ``"auto"`` (continue while not converged).
-        n_samples: random directions per batch (average case; Hutchinson samples of relative flatness).
+        steps: ``"auto"`` (continue until certified, docs/method.md) or solver iterations per batch (worst case).
+        n_samples: random directions per batch (average case).
         seed: seeds every random draw (per batch, independent of the process that solves it).
         epsilon: relaxation of the geodesic metric's Gram matrices (``None``: the engine's default).
         adaptive_variant: the adaptive baseline's solver (``None``: the engine's default, ``"clean"``; ``"as23"``
@@ -74,7 +74,7 @@ class Settings:
 
     rho: float = 0.1
     mode: str = "worst"
-    steps: Any = 20
+    steps: Any = "auto"
     n_samples: int = 20
     seed: int = 0
     epsilon: float | None = None
@@ -118,12 +118,12 @@ def run_measure(
     """Run one measure of the bundle with ``settings``; ``options`` go to the engine (``symmetry_map``,
     ``accelerator``, ``progress``, ``loss_fn``; a ``symmetry_map`` is dropped for measures that do not use one).
 
-    Relative flatness does not depend on ``rho``, ``mode`` or ``steps``; it uses ``n_samples`` and ``seed``."""
+    Relative flatness depends on none of the settings: it is the exact trace (``relative_flatness``)."""
     measure = spec(key)
     kwargs = _engine_kwargs(settings)
     if measure.family == "relative_flatness":
         kept = {k: options[k] for k in ("loss_fn",) if k in options}
-        return relative_flatness(model, batches, n_samples=settings.n_samples, seed=settings.seed, **kept)
+        return relative_flatness(model, batches, **kept)  # the exact trace
     if measure.family == "geodesic":
         if settings.epsilon is not None:
             kwargs["epsilon"] = settings.epsilon

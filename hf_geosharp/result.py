@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
 import warnings
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-logger = logging.getLogger(__name__)
 
 @dataclass
 class SharpnessResult:
@@ -25,10 +23,15 @@ class SharpnessResult:
         config: every setting that determines the number (rho, steps, seed, epsilon, ...).
         stderr: standard error of ``value``: over batches for the worst case (NaN with one batch); over batches
             and samples for the average case and relative flatness (see :func:`average_stderr`).
-        converged: whether every batch's best value gained at most ``config["tol"]`` (relative) over the last
-            quarter of its steps (always True for the average case, which does not iterate).
-        convergence_gain: the largest such relative gain over the batches (NaN for the average case).
-        steps_used: the most solver steps any batch used (``steps="auto"`` may use more than its first block);
+        converged: the certificate of the worst case (docs/method.md, "Convergence"): every batch's best point is
+            stationary on the ball (its relative Frank-Wolfe gap is at most ``config["tol"]``) and, under
+            ``steps="auto"``, a second start reached the same value within ``tol``. Always True for measures that
+            do not iterate (the average case, relative flatness).
+        stationarity_gap: the largest relative Frank-Wolfe gap over the batches (NaN where nothing iterates): 0 at
+            a stationary point, and where the loss is concave on the ball a bound on the relative distance to the
+            maximum.
+        convergence_note: why the result is not certified (the first such batch), or None.
+        steps_used: the most points any batch evaluated after the clean one (solver steps and further starts);
             ``None`` for measures that do not iterate.
     """
 
@@ -40,7 +43,8 @@ class SharpnessResult:
     config: dict[str, Any] = field(default_factory=dict)
     stderr: float = math.nan
     converged: bool = True
-    convergence_gain: float = math.nan
+    stationarity_gap: float = math.nan
+    convergence_note: str | None = None
     steps_used: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -48,7 +52,7 @@ class SharpnessResult:
 
     def __str__(self) -> str:
         error = "" if math.isnan(self.stderr) else f" +- {self.stderr:.2g}"
-        flag = "" if self.converged else f", NOT converged (gain {self.convergence_gain:.2%} in the last quarter)"
+        flag = "" if self.converged else f", NOT converged: {self.convergence_note}"
         return (
             f"{self.measure}: {self.value:.6g}{error} (clean loss {self.clean_loss:.6g}, "
             f"{len(self.per_batch)} batches, rho={self.config.get('rho')}{flag})"
@@ -90,7 +94,7 @@ def collected_convergence_notes() -> Iterator[list[str]]:
     """Collect the not-converged notes of every measurement inside the block instead of warning once per call.
 
     For faces that run many measurements (leaderboards, the demo): they report one summary line instead of a
-    warning per model and measure; each result still carries ``converged`` and ``convergence_gain``."""
+    warning per model and measure; each result still carries ``converged`` and ``convergence_note``."""
     notes: list[str] = []
     _collectors.append(notes)
     try:
@@ -99,18 +103,21 @@ def collected_convergence_notes() -> Iterator[list[str]]:
         _collectors.remove(notes)
 
 
-def warn_not_converged(measure: str, config: dict[str, Any], gain: float, steps_used: int) -> None:
-    """Say that the worst case is still rising, and how to fix it (logger and :class:`NotConvergedWarning`)."""
-    if config["steps"] == "auto":
-        fix = f"raise the budget (max_steps, now {config['max_steps']}) or lower rho"
+def warn_not_converged(measure: str, config: dict[str, Any], note: str, steps_used: int) -> None:
+    """Say that the worst case is not certified, why, and how to fix it: one :class:`NotConvergedWarning` (the CLI
+    shows it as a log line), or a note for :func:`collected_convergence_notes`."""
+    if config.get("variant") == "as23":
+        fix = ("AS23's reproduced solver stops where its Euclidean projection undoes the step, which is not the "
+               "maximum (docs/method.md); variant='clean' reaches it")
+    elif config["steps"] != "auto":
+        fix = "pass steps='auto' (it continues until the best point is stationary and a second start agrees)"
+    elif "agree" in note:
+        fix = "the landscape has several maxima at this rho: lower rho, or read the value as a lower bound"
     else:
-        fix = f"pass steps='auto' (or more steps, e.g. steps={max(200, 10 * steps_used)})"
-    message = (
-        f"{measure} at rho={config['rho']} is not converged: the best value still rose by {gain:.2%} over the last "
-        f"quarter of its {steps_used} steps (tolerance {config['tol']:.2%}), so it underestimates the maximum; {fix}."
-    )
+        fix = f"raise the budget (max_steps, now {config['max_steps']}) or lower rho"
+    message = (f"{measure} at rho={config['rho']} is not converged after {steps_used} steps, so it may underestimate "
+               f"the maximum: {note}; {fix}.")
     if _collectors:
         _collectors[-1].append(message)
         return
-    logger.warning(message)
     warnings.warn(message, NotConvergedWarning, stacklevel=5)

@@ -31,7 +31,7 @@ from .objective import LossFn, Objective, default_loss, measured_parameters, pre
 from .result import SharpnessResult, average_stderr, batch_stderr, warn_not_converged
 from .shard_layout import ShardedLayout, fsdp_state
 from .sharded_run import build_sharded
-from .solver import AUTO_MAX_STEPS, CONVERGENCE_TOL, SolveResult, StepNormalization, apgd, average_case
+from .solver import AUTO_BLOCK, AUTO_MAX_STEPS, CONVERGENCE_TOL, SolveResult, StepNormalization, apgd, average_case
 from .space import PerturbationSpace, SpaceOptions
 from .symmetry.base import PairBlock, SymmetryMap
 from .workspace import Workspace
@@ -51,7 +51,7 @@ class RunSettings:
 
     rho: float
     mode: Mode = "worst"
-    steps: Steps = 20
+    steps: Steps = "auto"
     seed: int = 0
     params: Literal["all", "trainable"] = "all"
     n_samples: int = 20
@@ -87,7 +87,8 @@ class RunSettings:
     def solve(self, space: PerturbationSpace, objective: Objective, generator: torch.Generator,
               on_step: Callable[[int, float], None]) -> SolveResult:
         """One batch: the average case, AS23's solver, or the clean Auto-PGD."""
-        first, budget = (min(20, self.max_steps), self.max_steps) if self.steps == "auto" else (self.steps, None)
+        auto = self.steps == "auto"
+        first, budget = (min(AUTO_BLOCK, self.max_steps), self.max_steps) if auto else (self.steps, None)
         if self.mode == "average":
             return average_case(space, objective, rho=self.rho, n_samples=self.n_samples, generator=generator,
                                 on_step=on_step)
@@ -95,7 +96,13 @@ class RunSettings:
             return apgd_as23(space.elementwise.scale, objective, rho=self.rho, steps=first, on_step=on_step,
                              max_steps=budget, tol=self.tol)
         return apgd(space, objective, rho=self.rho, steps=first, step_normalization=self.step_normalization,
-                    on_step=on_step, max_steps=budget, tol=self.tol)
+                    on_step=on_step, max_steps=budget, tol=self.tol, generator=generator)
+
+    @property
+    def starts(self) -> int:
+        """How many starts must agree for a worst case to count as converged: two under ``steps="auto"`` with the
+        clean solver (it restarts), one otherwise."""
+        return 2 if self.steps == "auto" and self.variant != "as23" else 1
 
 
 def batch_seed(seed: int, index: int) -> int:
@@ -279,7 +286,8 @@ def _warn_half_precision(params: list[Tensor]) -> None:
 
 def _solve_batches(space: PerturbationSpace, objective: Objective, settings: RunSettings, batches: list[Any],
                    mine: Iterable[int], progress: bool) -> dict[int, tuple]:
-    """``{batch index: (sharpness, clean loss, average-case samples or None, convergence gain, steps used)}``."""
+    """``{batch index: (sharpness, clean loss, average-case samples or None, stationarity gap, steps used, why it is
+    not certified or None)}``."""
     n_steps = settings.n_samples if settings.mode == "average" else settings.steps
     results: dict[int, tuple] = {}
     bar = tqdm(list(mine), desc=settings.measure, unit="batch", disable=not progress)
@@ -295,7 +303,8 @@ def _solve_batches(space: PerturbationSpace, objective: Objective, settings: Run
         with _measuring(settings.measure, index, batches[index]):
             out = settings.solve(space, objective, generator, on_step)
         samples = [loss - out.clean_loss for loss in out.losses[1:]] if settings.mode == "average" else None
-        results[index] = (out.sharpness, out.clean_loss, samples, out.convergence_gain, out.steps_used)
+        note = out.certificate(settings.tol, settings.starts) if settings.mode == "worst" else None
+        results[index] = (out.sharpness, out.clean_loss, samples, out.gap, out.steps_used, note)
         bar.set_postfix(sharpness=f"{out.sharpness:.4g}")
     return results
 
@@ -316,14 +325,16 @@ def _result(settings: RunSettings, ordered: list[tuple], world: int) -> Sharpnes
     config = {**settings.config(), "n_batches": len(ordered), "n_processes": world,
               "library": f"hf_geosharp {__version__}"}
     if settings.mode == "average":
-        stderr, gain, converged, steps_used = average_stderr([r[2] for r in ordered]), math.nan, True, None
+        stderr, gap, note, steps_used = average_stderr([r[2] for r in ordered]), math.nan, None, None
     else:
-        gain = max(r[3] for r in ordered)
-        stderr, converged, steps_used = batch_stderr(per_batch), gain <= settings.tol, max(r[4] for r in ordered)
-        if not converged:
-            warn_not_converged(settings.measure, config, gain, steps_used)
+        stderr, gap, steps_used = batch_stderr(per_batch), max(r[3] for r in ordered), max(r[4] for r in ordered)
+        notes = [(i, r[5]) for i, r in enumerate(ordered) if r[5] is not None]
+        note = None if not notes else f"batch {notes[0][0]}: {notes[0][1]}" + (
+            f" (and {len(notes) - 1} more batch{'es' if len(notes) > 2 else ''})" if len(notes) > 1 else "")
+        if note is not None:
+            warn_not_converged(settings.measure, config, note, steps_used)
     return SharpnessResult(
         value=sum(per_batch) / len(per_batch), per_batch=per_batch, clean_loss=sum(per_clean) / len(per_clean),
         per_batch_clean_loss=per_clean, measure=settings.measure, config=config, stderr=stderr,
-        converged=converged, convergence_gain=gain, steps_used=steps_used,
+        converged=note is None, stationarity_gap=gap, convergence_note=note, steps_used=steps_used,
     )

@@ -4,8 +4,8 @@ The worst case is Auto-PGD as used by Andriushchenko et al. 2023 (AS23) and by t
 step-size checkpoints, halving, momentum and best-point tracking. :func:`apgd` is the clean version
 (one forward and one backward per step: the loss of an iterate comes from the forward that gives its gradient).
 :func:`hf_geosharp.as23.apgd_as23` reproduces the reference code's quirks so that adaptive-sharpness numbers are
-comparable with the literature. The solvers talk to a space only through ``zero``, ``empty``, ``ascent_direction``
-and ``random_tangent_vector``; the objective is a callable
+comparable with the literature. The solvers talk to a space only through ``zero``, ``empty``, ``ascent_direction``,
+``random_tangent_vector`` and ``norm``; the objective is a callable
 ``(xi, need_grad, out=None) -> (loss, euclidean_grad | None)`` that writes the gradient into ``out`` when given.
 
 Parameter-sized vectors (1e8 entries for BERT-base) are the cost that is not forward or backward, so the solvers keep
@@ -32,16 +32,27 @@ class Space(Protocol):
     def empty(self) -> Tensor: ...
     def ascent_direction(self, egrad: Tensor, vectors: Tensor, out: Tensor) -> tuple[Tensor, float, list[float]]: ...
     def random_tangent_vector(self, generator: torch.Generator) -> Tensor: ...
+    def norm(self, xi: Tensor) -> Tensor: ...
 
 
 @dataclass
 class SolveResult:
-    """Outcome of one batch: the largest loss found, the clean loss, and the loss of every evaluated iterate."""
+    """Outcome of one batch: the largest loss found, the clean loss, the loss of every evaluated point, and what
+    certifies (or not) that the largest loss is the maximum (worst case; docs/method.md, "Convergence").
+
+    ``gap`` is the relative Frank-Wolfe gap at the best point, ``(rho ||grad||_g - <grad, xi>_g) / sharpness``: zero
+    exactly at the first-order stationary points of the ball's maximisation, and, where the loss is concave on the
+    ball, an upper bound on ``(maximum - value) / value``. ``start_values`` and ``start_gaps`` are each start's best
+    sharpness and its gap (``steps="auto"`` starts again from other points to check that no higher maximum is
+    near)."""
 
     max_loss: float
     clean_loss: float
     losses: list[float] = field(default_factory=list)
     best_norm: float = 0.0
+    gap: float = math.nan
+    start_values: list[float] = field(default_factory=list)
+    start_gaps: list[float] = field(default_factory=list)
 
     @property
     def sharpness(self) -> float:
@@ -49,31 +60,45 @@ class SolveResult:
 
     @property
     def steps_used(self) -> int:
+        """Evaluated points after the clean one: solver steps, and the first point of each further start."""
         return len(self.losses) - 1
 
-    @property
-    def convergence_gain(self) -> float:
-        """Relative gain of the best value over the last quarter of the steps (worst case); 0 when nothing moved."""
-        return convergence_gain(self.losses)
+    def certificate(self, tol: float, starts: int) -> str | None:
+        """``None`` when the best value is certified (stationary within ``tol`` and, with ``starts >= 2``,
+        reached again within ``tol`` by another stationary start), else why not, in words."""
+        if not self.gap <= tol:
+            return f"not stationary (Frank-Wolfe gap {self.gap:.2%} of the value, tolerance {tol:.2%})"
+        if starts < 2:
+            return None
+        best = max(self.start_values)
+        agreeing = [v for v, g in zip(self.start_values, self.start_gaps) if g <= tol and v >= best - tol * abs(best)]
+        if len(agreeing) >= 2:
+            return None
+        if len(self.start_values) < 2:
+            return "the step budget ran out before a second start could check the maximum"
+        found = ", ".join(f"{v:.4g}" for v in self.start_values)
+        return f"{len(self.start_values)} starts did not agree on the maximum (their values: {found})"
 
 
-def convergence_gain(losses: list[float]) -> float:
-    """``(best(T) - best(T - ceil(T/4))) / |best(T) - clean|`` for the losses ``[clean, step 1, ..., step T]``."""
-    steps = len(losses) - 1
-    if steps < 1:
-        return 0.0
-    clean, best, running = losses[0], [], losses[0]
-    for loss in losses:
-        running = max(running, loss)
-        best.append(running - clean)
-    final, earlier = best[-1], best[steps - math.ceil(steps / 4)]
-    return (final - earlier) / abs(final) if final != 0 else 0.0
-
-
-#: Default relative tolerance of the convergence check (and of ``steps="auto"``).
+#: Default relative tolerance of the convergence certificate: the Frank-Wolfe gap at the best point, and the
+#: agreement of two starts (``steps="auto"``).
 CONVERGENCE_TOL = 1e-3
-#: Default step budget of ``steps="auto"``.
+#: Default step budget of ``steps="auto"`` (all starts together).
 AUTO_MAX_STEPS = 640
+#: The most starts ``steps="auto"`` makes: from zero, from the antipode of the best point, then random points.
+AUTO_MAX_STARTS = 4
+#: Steps of a start's first block under ``steps="auto"`` (the step-size checkpoints follow its length).
+AUTO_BLOCK = 20
+
+
+def relative_gap(rho: float, sq_d: float, d_xi: float, sharpness: float) -> float:
+    """``(rho ||d||_g - <d, xi>_g) / sharpness``, the Frank-Wolfe gap of ``max_{||xi||_g <= rho}`` at ``xi`` (``d``
+    the projected Riemannian gradient there) relative to the value: ``max_s <d, s - xi>`` over the feasible set.
+    Zero at a stationary point; infinite where it is not and the value is not positive."""
+    gap = max(rho * math.sqrt(max(sq_d, 0.0)) - d_xi, 0.0)
+    if gap == 0.0:
+        return 0.0
+    return gap / sharpness if sharpness > 0 else math.inf
 
 
 class Pool:
@@ -126,14 +151,6 @@ class Pool:
             out.add_(self.rows[i], alpha=merged[i])
 
 
-def next_block(total: int, max_steps: int | None, tol: float, losses: list[float]) -> int:
-    """How many steps to add after ``total`` under ``steps="auto"`` (0: stop): as many again as so far (doubling),
-    while the best value still gains more than ``tol`` over the last quarter and the budget allows."""
-    if max_steps is None or total >= max_steps or convergence_gain(losses) <= tol:
-        return 0
-    return min(total, max_steps - total)
-
-
 def as23_checkpoints(n_iters: int) -> list[int]:
     """AS23's step-size checkpoints (``[5, 9, 12, 15, 16, 18, 19, 20]`` for 20 iterations)."""
     p = [0.0, 0.22]
@@ -153,9 +170,12 @@ class StepSchedule:
         self.min_update_ratio = min_update_ratio
         self.prev_eta, self.prev_best, self.prev_checkpoint, self.n_updates = eta, clean_loss, 0, 0
 
-    def extend(self, start: int, block: int) -> None:
-        """Continue for ``block`` more iterations after ``start``, with AS23's checkpoints of a ``block``-step run."""
+    def extend(self, start: int, block: int, eta: float | None = None) -> None:
+        """Continue for ``block`` more iterations after ``start``, with AS23's checkpoints of a ``block``-step run
+        (and the step size back at ``eta`` when given: a small step cannot climb away from a slow region)."""
         self.checkpoints |= {start + c for c in as23_checkpoints(block)}
+        if eta is not None:
+            self.eta = self.prev_eta = eta
 
     def halve(self, k: int, best_loss: float) -> bool:
         """Record iteration ``k`` and say whether to halve the step and restart from the best point."""
@@ -182,15 +202,21 @@ def apgd(
     on_step: Callable[[int, float], None] | None = None,
     max_steps: int | None = None,
     tol: float = CONVERGENCE_TOL,
+    generator: torch.Generator | None = None,
+    max_starts: int = AUTO_MAX_STARTS,
 ) -> SolveResult:
     """Worst case ``max_{xi in S} L(Exp(w0; xi)) - L(w0)`` by Auto-PGD, zero init, ``eta0 = 2 rho``.
 
-    ``steps + 1`` forward passes and ``steps`` backward passes, plus one forward and backward for each halving that
-    restarts from a best point other than the current iterate (the best point's gradient is recomputed rather than
-    kept). With ``max_steps`` (``steps="auto"``), after the ``steps``-step block the run continues from where it is,
-    in blocks as long as everything so far (each with AS23's checkpoints), while the best value gains more than
-    ``tol`` over the last quarter of the steps, up to ``max_steps``. With ``step_normalization="riemannian"`` every
-    quantity is g-invariant, so the iterates are equivariant under the model's symmetries.
+    With a fixed ``steps`` (``max_steps=None``): one start, ``steps + 1`` forward passes and ``steps`` backward
+    passes, plus one forward and backward for each halving that restarts from a best point other than the current
+    iterate (the best point's gradient is recomputed rather than kept), and one more at the end when the best point
+    is the last iterate (its Frank-Wolfe gap needs its gradient). With ``max_steps`` (``steps="auto"``) a start
+    stops as soon as its best point is stationary within ``tol`` (the gap is free at every step: it comes from the
+    step's own direction), continuing in blocks of doubling length (each with AS23's checkpoints) while it is not;
+    then further starts (the antipode of the best point, then random points of the sphere, up to ``max_starts``)
+    run the same way until two stationary starts agree on the best value within ``tol``, all within ``max_steps``
+    steps. With ``step_normalization="riemannian"`` every quantity is g-invariant, so the iterates are equivariant
+    under the model's symmetries.
 
     How a step stays cheap: the direction ``d`` (the projected Riemannian gradient) and the iterates ``xi``,
     ``xi_prev`` are horizontal, so ``z = P_S(xi + c d)`` and the momentum point ``P_S(a xi + b d + c xi_prev)`` are
@@ -201,63 +227,150 @@ def apgd(
     Memory: four parameter-sized buffers in all: the iterates ``xi`` and ``xi_prev``, the best point, and one
     working buffer, which the objective fills with the perturbed weights and then with the gradient, in which the
     direction ``d`` is computed over that gradient, and from which the new iterate is combined. Nothing
-    parameter-sized is allocated per step. ``best_norm`` comes from the same bookkeeping. The horizontal projection is
-    exactly g-orthogonal (also with ``epsilon > 0``), so these identities hold exactly.
+    parameter-sized is allocated per step (a random start draws one vector). ``best_norm`` comes from the same
+    bookkeeping. The horizontal projection is exactly g-orthogonal (also with ``epsilon > 0``), so these identities
+    hold exactly.
     """
+    auto = max_steps is not None
     pool = Pool(space.empty(), 4)
-    xi = xi_prev = best_xi = pool.free()
+    xi = pool.free()
     work = pool.free(xi)
     xi.zero_()
-    sq_xi = sq_prev = cross = best_sq = 0.0  # ||xi||^2, ||xi_prev||^2, <xi, xi_prev>, ||best_xi||^2 (metric g)
     clean_loss, egrad = objective(xi, True, out=work)
-    best_loss = clean_loss
-    schedule = StepSchedule(2.0 * rho, steps, min_update_ratio, clean_loss)
-    losses = [clean_loss]
-    total, k = steps, -1
-    while k + 1 < total:
-        k += 1
-        if egrad is None:  # after a restart from an earlier best point, or a block's last (gradient-free) step
-            _, egrad = objective(xi, True, out=work)
-        if step_normalization == "euclidean":  # read before ascent_direction consumes the gradient
-            c = schedule.eta / (math.sqrt(max(float(torch.dot(egrad, egrad)), 0.0)) + 1e-12)
-        known = [row for row, sq in ((xi, sq_xi), (xi_prev, sq_prev)) if sq > 0]  # zero rows have zero products
-        d, sq_d, products = space.ascent_direction(egrad, pool.stacked(known), out=work)
-        egrad = None
-        product = dict(zip(sorted({pool.position(row) for row in known}), products))  # stacked() order
-        d_xi = product.get(pool.position(xi), 0.0) if sq_xi > 0 else 0.0
-        d_prev = product.get(pool.position(xi_prev), 0.0) if sq_prev > 0 else 0.0
-        if step_normalization == "riemannian":
-            c = schedule.eta / (math.sqrt(sq_d) + 1e-12)
-        elif step_normalization == "none":
-            c = schedule.eta
-        a, b, g, sq_new = _momentum_step(k, c, rho, momentum, sq_xi, sq_d, sq_prev, d_xi, d_prev, cross)
-        new_cross = a * sq_xi + b * d_xi + g * cross  # <xi_new, xi>
-        terms = [(a if sq_xi > 0 else 0.0, xi), (b, d)]
-        if xi_prev is not xi and xi_prev is not best_xi:  # xi_prev is not needed again: combine over it
-            new, scale = xi_prev, g if sq_prev > 0 else 0.0
-        else:
-            new, scale = pool.free(xi, xi_prev, best_xi, work), 0.0
-            terms.append((g if sq_prev > 0 else 0.0, xi_prev))
-        pool.combine_into(new, scale, terms)
-        xi_prev, xi = xi, new
-        sq_prev, sq_xi, cross = sq_xi, sq_new, new_cross
-        need_grad = k < total - 1
-        loss, egrad = objective(xi, need_grad, out=work)
-        losses.append(loss)
-        if loss > best_loss:
-            best_loss, best_xi, best_sq = loss, xi, sq_xi
-            schedule.n_updates += 1
-        if schedule.halve(k, best_loss):
-            if xi is not best_xi:
-                egrad = None  # recomputed at the best point when the next step needs it
-            xi = xi_prev = best_xi
-            sq_xi = sq_prev = cross = best_sq
-        if on_step is not None:
-            on_step(k, best_loss - clean_loss)
-        if k == total - 1 and (block := next_block(total, max_steps, tol, losses)):
-            schedule.extend(total, block)
-            total += block
-    return SolveResult(best_loss, clean_loss, losses, math.sqrt(best_sq))
+    climb = _Climb(space, objective, pool, work, rho=rho, momentum=momentum, step_normalization=step_normalization,
+                   min_update_ratio=min_update_ratio, on_step=on_step, tol=tol, clean_loss=clean_loss)
+    budget = max_steps if auto else steps
+    best = climb.run(xi, 0.0, clean_loss, egrad, steps=min(steps, budget), budget=budget, auto=auto)
+    values, gaps, overall = [best.loss - clean_loss], [best.gap], best
+    while auto and len(values) < max_starts and climb.steps_used < budget:
+        result = SolveResult(overall.loss, clean_loss, climb.losses, 0.0, overall.gap, values, gaps)
+        if result.certificate(tol, starts=2) is None or not overall.gap <= tol:
+            break  # certified, or the best start is not stationary (the budget ran out inside it)
+        start, sq = climb.next_start(best, len(values), generator)
+        loss, egrad = objective(start, True, out=work)
+        climb.record(loss)
+        best = climb.run(start, sq, loss, egrad, steps=min(AUTO_BLOCK, budget - climb.steps_used),
+                         budget=budget - climb.steps_used, auto=True)
+        values.append(best.loss - clean_loss)
+        gaps.append(best.gap)
+        if best.loss > overall.loss:
+            overall = best
+    return SolveResult(overall.loss, clean_loss, climb.losses, math.sqrt(overall.sq), overall.gap, values, gaps)
+
+
+@dataclass
+class _Best:
+    """A start's best point: its pool row, loss, squared norm and relative Frank-Wolfe gap (NaN until known)."""
+
+    row: Tensor
+    loss: float
+    sq: float
+    gap: float = math.nan
+
+
+class _Climb:
+    """Auto-PGD from one start at a time over a shared :class:`Pool` (see :func:`apgd`)."""
+
+    def __init__(self, space: Space, objective: Objective, pool: Pool, work: Tensor, *, rho: float, momentum: float,
+                 step_normalization: StepNormalization, min_update_ratio: float,
+                 on_step: Callable[[int, float], None] | None, tol: float, clean_loss: float) -> None:
+        self.space, self.objective, self.pool, self.work = space, objective, pool, work
+        self.rho, self.momentum, self.step_normalization = rho, momentum, step_normalization
+        self.min_update_ratio, self.on_step, self.tol, self.clean_loss = min_update_ratio, on_step, tol, clean_loss
+        self.losses = [clean_loss]
+        self.best_loss = clean_loss
+
+    @property
+    def steps_used(self) -> int:
+        return len(self.losses) - 1
+
+    def record(self, loss: float) -> None:
+        self.losses.append(loss)
+        self.best_loss = max(self.best_loss, loss)
+        if self.on_step is not None:
+            self.on_step(self.steps_used - 1, self.best_loss - self.clean_loss)
+
+    def gap(self, best: _Best, sq_d: float, d_best: float) -> float:
+        return relative_gap(self.rho, sq_d, d_best, best.loss - self.clean_loss)
+
+    def run(self, xi: Tensor, sq_xi: float, loss: float, egrad: Tensor | None, *, steps: int, budget: int,
+            auto: bool) -> _Best:
+        """Climb from ``xi`` (a feasible pool row of squared norm ``sq_xi`` and loss ``loss``; ``egrad`` its
+        gradient in the working row, or None) for ``steps`` steps, or under ``auto`` until its best point is
+        stationary or ``budget`` steps are spent; the best point found, with its gap."""
+        pool, work, space, rho = self.pool, self.work, self.space, self.rho
+        xi_prev = xi
+        sq_prev = cross = sq_xi  # ||xi_prev||^2, <xi, xi_prev> (metric g)
+        best = _Best(xi, loss, sq_xi)
+        schedule = StepSchedule(2.0 * rho, steps, self.min_update_ratio, loss)
+        total, k = steps, -1
+        while k + 1 < total:
+            k += 1
+            if egrad is None:  # after a restart from an earlier best point
+                _, egrad = self.objective(xi, True, out=work)
+            if self.step_normalization == "euclidean":  # read before ascent_direction consumes the gradient
+                c = schedule.eta / (math.sqrt(max(float(torch.dot(egrad, egrad)), 0.0)) + 1e-12)
+            known = [row for row, sq in ((xi, sq_xi), (xi_prev, sq_prev)) if sq > 0]  # zero rows have zero products
+            d, sq_d, products = space.ascent_direction(egrad, pool.stacked(known), out=work)
+            egrad = None
+            product = dict(zip(sorted({pool.position(row) for row in known}), products))  # stacked() order
+            d_xi = product.get(pool.position(xi), 0.0) if sq_xi > 0 else 0.0
+            d_prev = product.get(pool.position(xi_prev), 0.0) if sq_prev > 0 else 0.0
+            if xi is best.row:
+                best.gap = self.gap(best, sq_d, d_xi)
+                if auto and best.gap <= self.tol:
+                    return best
+            if self.step_normalization == "riemannian":
+                c = schedule.eta / (math.sqrt(sq_d) + 1e-12)
+            elif self.step_normalization == "none":
+                c = schedule.eta
+            a, b, g, sq_new = _momentum_step(k, c, rho, self.momentum, sq_xi, sq_d, sq_prev, d_xi, d_prev, cross)
+            new_cross = a * sq_xi + b * d_xi + g * cross  # <xi_new, xi>
+            terms = [(a if sq_xi > 0 else 0.0, xi), (b, d)]
+            if xi_prev is not xi and xi_prev is not best.row:  # xi_prev is not needed again: combine over it
+                new, scale = xi_prev, g if sq_prev > 0 else 0.0
+            else:
+                new, scale = pool.free(xi, xi_prev, best.row, work), 0.0
+                terms.append((g if sq_prev > 0 else 0.0, xi_prev))
+            pool.combine_into(new, scale, terms)
+            xi_prev, xi = xi, new
+            sq_prev, sq_xi, cross = sq_xi, sq_new, new_cross
+            loss, egrad = self.objective(xi, auto or k < total - 1, out=work)
+            self.record(loss)
+            if loss > best.loss:
+                best = _Best(xi, loss, sq_xi)
+                schedule.n_updates += 1
+            if schedule.halve(k, best.loss):
+                if xi is not best.row:
+                    egrad = None  # recomputed at the best point when the next step needs it
+                xi = xi_prev = best.row
+                sq_xi = sq_prev = cross = best.sq
+            if auto and k == total - 1 and total < budget:
+                block = min(total, budget - total)
+                schedule.extend(total, block, eta=2.0 * rho)
+                total += block
+                if xi is not best.row:  # the new block starts from the best point
+                    egrad = None
+                xi = xi_prev = best.row
+                sq_xi = sq_prev = cross = best.sq
+        if math.isnan(best.gap):  # the best point is the last iterate: one more gradient, there
+            if egrad is None or xi is not best.row:
+                _, egrad = self.objective(best.row, True, out=work)
+            _, sq_d, products = space.ascent_direction(egrad, pool.stacked([best.row] if best.sq > 0 else []),
+                                                       out=work)
+            best.gap = self.gap(best, sq_d, products[0] if best.sq > 0 else 0.0)
+        return best
+
+    def next_start(self, best: _Best, index: int, generator: torch.Generator | None) -> tuple[Tensor, float]:
+        """The first point of start ``index`` (1: the antipode of the last start's best point, in its row; then a
+        random point of the sphere) and its squared norm."""
+        if index == 1 and best.sq > 0:
+            return best.row.neg_(), best.sq
+        row = self.pool.free(self.work)
+        z = self.space.random_tangent_vector(generator or torch.Generator().manual_seed(index))
+        norm = float(self.space.norm(z))
+        row.copy_(z).mul_(self.rho / norm if norm > 0 else 0.0)
+        return row, self.rho * self.rho if norm > 0 else 0.0
 
 
 def _momentum_step(

@@ -157,3 +157,50 @@ def test_lookup_of_an_unseen_row_is_refused():
             emb(torch.tensor([2]))
         with pytest.raises(RuntimeError, match="only lookups"):
             emb.weight.sum()
+
+
+class _HeadLM(TiedLM):
+    """``TiedLM`` whose output layer reads the tied weight through ``head(h, weight)``."""
+
+    def __init__(self, head) -> None:
+        super().__init__()
+        self.head = head
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.tokens(ids) + self.extra(ids)
+        return self.head(torch.tanh(self.mid(h)), self.tokens.weight)
+
+
+TIED_READS = {
+    "F.linear": lambda h, W: F.linear(h, W),
+    ".T": lambda h, W: h @ W.T,
+    ".mT": lambda h, W: h @ W.mT,
+    ".t()": lambda h, W: h @ W.t(),
+    "matmul": lambda h, W: torch.matmul(h, W.transpose(0, 1)),
+    "einsum": lambda h, W: torch.einsum("btd,vd->btv", h, W),
+    "indexing": lambda h, W: h @ W[torch.arange(W.shape[0])].T,
+    "view": lambda h, W: h @ W.view(-1, W.shape[1]).T,
+    "slice": lambda h, W: h @ W[:, :].T,
+}
+
+
+@pytest.mark.parametrize("how", sorted(TIED_READS))
+def test_a_tied_weight_read_any_way_stays_whole_and_the_value_is_the_untied_one(how, monkeypatch):
+    """However the output layer reads the tied embedding (a view, a transpose property, an einsum), the scan keeps it
+    whole: the value equals the one with whole weights and the one through ``F.linear`` (issue: ``.T`` was taken
+    for a read of metadata, and the rows the loss used were never perturbed)."""
+    def build(head):
+        torch.manual_seed(0)
+        return _HeadLM(head).double().eval()
+
+    _, batches = _lm()
+    model = build(TIED_READS[how])
+    looked_up = torch.cat([b[:, :-1].reshape(-1) for b in batches]).unique().numel()
+    assert _used(model, batches, _lm_loss) == {"extra.weight": looked_up}
+    value = gs.adaptive_sharpness(model, batches, loss_fn=_lm_loss, **SOLVE).per_batch
+    reference = gs.adaptive_sharpness(build(TIED_READS["F.linear"]), batches, loss_fn=_lm_loss, **SOLVE).per_batch
+    _whole(monkeypatch)
+    whole = gs.adaptive_sharpness(model, batches, loss_fn=_lm_loss, **SOLVE).per_batch
+    assert min(value) > 0
+    assert value == pytest.approx(whole, rel=1e-12, abs=0)
+    assert value == pytest.approx(reference, rel=1e-10, abs=0)

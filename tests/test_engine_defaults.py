@@ -119,12 +119,14 @@ def test_steps_auto_reaches_the_long_run_value_where_20_steps_do_not():
         short = gs.geodesic_sharpness(model, batches, steps=20, **kw)
     long = gs.geodesic_sharpness(model, batches, steps=1000, **kw)
     auto = gs.geodesic_sharpness(model, batches, steps="auto", **kw)
-    assert short.value < 0.9 * long.value and not short.converged and short.convergence_gain > 1e-3
+    assert short.value < 0.9 * long.value and not short.converged and short.stationarity_gap > short.config["tol"]
     assert auto.value >= 0.995 * long.value and auto.converged and 20 < auto.steps_used <= 1000
     assert auto.config["steps"] == "auto" and auto.to_dict()["steps_used"] == auto.steps_used
 
 
-def test_steps_auto_stops_at_20_steps_where_they_suffice_and_costs_no_extra_model_call():
+def test_steps_auto_stops_once_certified_and_costs_fewer_model_calls_than_20_steps_where_they_suffice():
+    """At a small rho the best point is stationary after a few steps and the antipodal start returns to it at once:
+    the certified value, for fewer model calls than the fixed 20 steps, within the tolerance of their value."""
     model, batches = _noisy_bert(0.1), _batches(n=1)
     calls = {"n": 0}
 
@@ -138,8 +140,8 @@ def test_steps_auto_stops_at_20_steps_where_they_suffice_and_costs_no_extra_mode
         fixed = gs.geodesic_sharpness(model, batches, steps=20, **kw)
         n_fixed, calls["n"] = calls["n"], 0
         auto = gs.geodesic_sharpness(model, batches, steps="auto", **kw)
-    assert fixed.converged and auto.converged and auto.steps_used == fixed.steps_used == 20
-    assert auto.value == fixed.value and calls["n"] == n_fixed
+    assert fixed.converged and auto.converged and fixed.steps_used == 20 and auto.steps_used < 20
+    assert auto.value == pytest.approx(fixed.value, rel=auto.config["tol"]) and calls["n"] < n_fixed
 
 
 @pytest.mark.parametrize("mode", ["worst", "average"])
@@ -155,11 +157,11 @@ def test_every_result_carries_stderr_and_convergence(mode):
         single = gs.geodesic_sharpness(model, batches[:1], metric="inv", **kw)
     for res in results:
         d = res.to_dict()
-        assert {"stderr", "converged", "convergence_gain", "steps_used"} <= set(d)
+        assert {"stderr", "converged", "stationarity_gap", "convergence_note", "steps_used"} <= set(d)
         per = torch.tensor(res.per_batch, dtype=torch.float64)
         if mode == "worst":  # over batches
             assert res.stderr == pytest.approx(float(per.std() / math.sqrt(len(per))), rel=1e-12)
-            assert isinstance(res.converged, bool) and res.steps_used == 3 and res.convergence_gain >= 0
+            assert isinstance(res.converged, bool) and res.steps_used == 3 and res.stationarity_gap >= 0
         else:
             assert res.stderr > 0 and res.converged and res.steps_used is None
         assert "+-" in str(res)
@@ -169,12 +171,14 @@ def test_every_result_carries_stderr_and_convergence(mode):
         assert single.stderr > 0
 
 
-def test_not_converged_warning_names_the_fix_and_goes_to_the_module_logger(caplog):
+def test_not_converged_is_said_once_and_names_the_fix(caplog):
+    """One NotConvergedWarning, no log line besides it (Python printed both); the CLI shows it as a log line."""
     model, batches = _noisy_bert(0.2), _batches(n=1)
-    with caplog.at_level("WARNING", logger="hf_geosharp.result"), pytest.warns(UserWarning, match="not converged"):
+    with caplog.at_level("DEBUG", logger="hf_geosharp"), pytest.warns(gs.NotConvergedWarning) as record:
         res = gs.geodesic_sharpness(model, batches, rho=1.0, metric="inv", steps=20, progress=False)
-    assert not res.converged and "NOT converged" in str(res)
-    assert any("steps='auto'" in r.getMessage() for r in caplog.records if r.name == "hf_geosharp.result")
+    assert not res.converged and "NOT converged" in str(res) and "not stationary" in res.convergence_note
+    assert len(record) == 1 and "steps='auto'" in str(record[0].message)
+    assert not [r for r in caplog.records if "not converged" in r.getMessage()]
 
 
 def test_collected_convergence_notes_replace_the_per_call_warning(caplog):
@@ -234,6 +238,6 @@ def test_as23_auto_continues_and_the_bundle_runs_relative_flatness():
     assert 20 <= as23.steps_used <= 80 and as23.config["variant"] == "as23"
     assert "relative_flatness" in MEASURES
     res = run_measure("relative_flatness", model, batches, Settings(n_samples=3))
-    assert res.measure == "relative_flatness" and res.config["n_samples"] == 3
+    assert res.measure == "relative_flatness" and res.config["estimator"] == "exact"  # n_samples is the average case's
     fields = result_fields("relative_flatness", res)
     assert fields["relative_flatness_stderr"] == res.stderr

@@ -1,5 +1,5 @@
-"""Relative flatness (Petzka et al. 2021): the Hutchinson estimate against a dense-Hessian reference, and its
-invariance to the attention symmetries."""
+"""Relative flatness (Petzka et al. 2021): the exact default and the Hutchinson option against a dense-Hessian
+reference, and its invariance to the attention symmetries."""
 
 from __future__ import annotations
 
@@ -54,6 +54,36 @@ def _exact(model: _Net, batches) -> float:
         H = torch.autograd.functional.hessian(loss_of, W)  # [m, d, m, d]
         values.append(float(((W @ W.T) * torch.einsum("aibi->ab", H)).sum()))
     return sum(values) / len(values)
+
+
+def test_the_default_is_the_exact_trace_of_the_dense_hessian():
+    model, batches = _Net(), _net_batches()
+    res = relative_flatness(model, batches)
+    assert res.config["estimator"] == "exact" and res.config["n_samples"] is None
+    assert res.value == pytest.approx(_exact(model, batches), rel=1e-12)
+    per = torch.tensor(res.per_batch, dtype=torch.float64)
+    assert res.stderr == pytest.approx(float(per.std() / 2 ** 0.5), rel=1e-12)  # over the batches alone
+
+
+def test_the_exact_trace_on_a_bert_classifier_equals_the_dense_hessian():
+    """A real feature path (a tiny fp64 BERT with a 3-label head) against the Hessian of the loss in the head's
+    weight, computed densely through a stateless call."""
+    from torch.func import functional_call
+
+    model = tiny_bert(num_labels=3).double().eval()
+    g = torch.Generator().manual_seed(2)
+    batches = [{"input_ids": torch.randint(5, 100, (4, 7), generator=g), "labels": torch.randint(0, 3, (4,),
+                                                                                                     generator=g)}
+               for _ in range(2)]
+    W = model.classifier.weight.detach().clone()
+    dense = []
+    for batch in batches:
+        H = torch.autograd.functional.hessian(
+            lambda w, batch=batch: functional_call(model, {"classifier.weight": w}, kwargs=batch).loss, W)
+        dense.append(float(((W @ W.T) * torch.einsum("aibi->ab", H)).sum()))
+    res = relative_flatness(model, batches)
+    assert res.per_batch == pytest.approx(dense, rel=1e-10)
+    assert min(dense) > 0
 
 
 def test_hutchinson_estimate_matches_the_dense_hessian_within_its_standard_error():

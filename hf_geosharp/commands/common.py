@@ -44,6 +44,11 @@ def positive(kind: type) -> Callable[[str], Any]:
     return parse
 
 
+def steps_arg(text: str) -> int | str:
+    """An argparse type: a positive number of solver steps, or ``auto`` (continue until certified)."""
+    return "auto" if text == "auto" else positive(int)(text)
+
+
 def non_negative(kind: type) -> Callable[[str], Any]:
     """An argparse type: a finite number >= 0 (e.g. ``--epsilon 0``, which the invariance examples use)."""
 

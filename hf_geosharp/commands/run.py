@@ -47,6 +47,7 @@ from .common import (
     positive,
     quiet_libraries,
     seed,
+    steps_arg,
 )
 from .launch import FSDP_LAUNCH, Launch, start
 from .run_results import estimate_seconds, model_folder_name, payload, print_header, write_results
@@ -100,11 +101,6 @@ def _measures(text: str) -> list[str]:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
-def _steps(text: str) -> int | str:
-    """A positive number of solver steps, or ``auto`` (the engine continues while the value still rises)."""
-    return "auto" if text == "auto" else positive(int)(text)
-
-
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     default_metrics = [spec(k).metric for k in DEFAULT_MEASURES if spec(k).metric]
     p = subparsers.add_parser(
@@ -138,7 +134,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    f"--metric/--baseline (default: {','.join(DEFAULT_MEASURES)})")  # fmt: skip
     p.add_argument("--mode", choices=("worst", "average"), default=DEFAULTS.mode, help="worst or average case")
     p.add_argument("--rho", type=positive(float), default=DEFAULTS.rho, help="perturbation radius")
-    p.add_argument("--steps", type=_steps, default=DEFAULTS.steps, help="solver steps per batch (worst case), or auto")
+    p.add_argument("--steps", type=steps_arg, default=DEFAULTS.steps,
+                   help="solver steps per batch (worst case), or auto: until certified (default: auto)")
     p.add_argument("--n-samples", type=positive(int), default=DEFAULTS.n_samples,
                    help="random directions per batch (average case)")  # fmt: skip
     p.add_argument("--epsilon", type=non_negative(float), default=DEFAULTS.epsilon,

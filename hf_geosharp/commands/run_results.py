@@ -20,11 +20,11 @@ import torch
 from .. import __version__
 from ..durable import write_json
 from ..measures import Settings, result_fields, run_measure, spec
+from ..solver import AUTO_BLOCK
 from ..store import file_digest, model_identity
 
 VERSIONED = ("torch", "transformers", "datasets", "accelerate", "huggingface_hub", "evaluate")
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
-AUTO_FIRST_STEPS = 20  # steps="auto" starts with this many steps, then continues while the value still rises
 
 
 def count(n: int, word: str) -> str:
@@ -78,14 +78,15 @@ def estimate_seconds(model: Any, batches: list, keys: list[str], settings: Setti
     clean loss and one step, so two passes), scaled to the passes of the run (``steps + 1`` per batch, or
     ``n_samples + 1``) on this process's share of the batches (``ranks``: the processes sharing them out; 1 when
     the model is sharded, and then every rank must call it). Costs about ``1 / (steps + 1)`` of one batch per
-    measure. With ``steps="auto"`` it is the time of the first 20 steps, which
-    the solver then extends while the value still rises: a lower bound."""
+    measure (relative flatness, which does not iterate, is timed on the whole first batch). With ``steps="auto"``
+    it counts the first block of steps, which the solver may stop early or extend: a guide, not a bound."""
     probe = dataclasses.replace(settings, steps=1, n_samples=1)
-    steps = settings.steps if isinstance(settings.steps, int) else AUTO_FIRST_STEPS
+    steps = settings.steps if isinstance(settings.steps, int) else AUTO_BLOCK
 
-    def passes(key: str) -> int:  # relative flatness draws n_samples Hutchinson probes whatever the mode
-        sampled = settings.mode == "average" or spec(key).family == "relative_flatness"
-        return (settings.n_samples if sampled else steps) + 1
+    def passes(key: str) -> float:  # in units of the probe's two passes
+        if spec(key).family == "relative_flatness":
+            return 2.0  # the probe is the whole batch
+        return (settings.n_samples if settings.mode == "average" else steps) + 1
 
     seconds = 0.0
     library = logging.getLogger("hf_geosharp")

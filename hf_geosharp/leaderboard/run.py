@@ -46,7 +46,7 @@ def _measure(
     common = dict(rho=settings.rho, mode=measure.mode, steps=settings.steps, seed=settings.seed,
                   n_samples=settings.n_samples, progress=False)
     if measure.kind == "relative_flatness":
-        return relative_flatness(model, batches, n_samples=settings.n_samples, seed=settings.seed)
+        return relative_flatness(model, batches)  # the exact trace
     if measure.kind == "adaptive":
         return adaptive_sharpness(model, batches, **common)
     return geodesic_sharpness(
@@ -113,9 +113,10 @@ def run_leaderboard(
         results[ref.name] = [store.get(keys[m.name]) for m in measures]
     bar.close()
     if not_converged:
-        logger.warning("%d of the results computed in this run are not converged at steps=%s (the worst-case value "
-                       "was still rising; each stored record says so in 'converged'); raise --steps for tighter "
-                       "values.", not_converged, settings.steps)
+        fix = "use --steps auto" if settings.steps != "auto" else "a lower --rho is certified more easily"
+        logger.warning("%d of the results computed in this run are not converged at steps=%s (not certified as the "
+                       "maximum; each stored record says so in 'converged' and why in 'convergence_note'); %s.",
+                       not_converged, settings.steps, fix)
     board = Leaderboard(rows, [m.name for m in measures], gap.metric if gap is not None else None, results)
     if gap is not None:
         board.taus = kendall_taus(rows, board.predictors, seed=settings.seed)
@@ -142,8 +143,9 @@ def _compute_missing(
         res = _measure(m, model, batches, settings, smap)
         store.put({"key": keys[m.name], "kind": "measure", "model": ref.name, "source": ref.source,
                    "measure": res.measure, "value": res.value, "stderr": res.stderr, "converged": res.converged,
-                   "convergence_gain": res.convergence_gain, "clean_loss": res.clean_loss,
-                   "per_batch": res.per_batch, "config": res.config, "seconds": time.perf_counter() - start})
+                   "stationarity_gap": res.stationarity_gap, "convergence_note": res.convergence_note,
+                   "clean_loss": res.clean_loss, "per_batch": res.per_batch, "config": res.config,
+                   "seconds": time.perf_counter() - start})
         bar.update()
     if "stats" in missing:
         clean = evaluate_split(model, batches)
