@@ -111,7 +111,7 @@ def warn_not_converged(measure: str, config: dict[str, Any], note: str, steps_us
                "maximum (docs/method.md); variant='clean' reaches it")
     elif config["steps"] != "auto":
         fix = "pass steps='auto' (it continues until the best point is stationary and a second start agrees)"
-    elif "agree" in note:
+    elif "different maxima" in note:
         fix = "the landscape has several maxima at this rho: lower rho, or read the value as a lower bound"
     else:
         fix = f"raise the budget (max_steps, now {config['max_steps']}) or lower rho"

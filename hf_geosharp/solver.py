@@ -71,13 +71,15 @@ class SolveResult:
         if starts < 2:
             return None
         best = max(self.start_values)
-        agreeing = [v for v, g in zip(self.start_values, self.start_gaps) if g <= tol and v >= best - tol * abs(best)]
-        if len(agreeing) >= 2:
+        stationary = [v for v, g in zip(self.start_values, self.start_gaps) if g <= tol]
+        if len([v for v in stationary if v >= best - tol * abs(best)]) >= 2:
             return None
         if len(self.start_values) < 2:
             return "the step budget ran out before a second start could check the maximum"
+        if len(stationary) < 2:
+            return "the step budget ran out before a second start was stationary"
         found = ", ".join(f"{v:.4g}" for v in self.start_values)
-        return f"{len(self.start_values)} starts did not agree on the maximum (their values: {found})"
+        return f"{len(self.start_values)} starts reached different maxima ({found})"
 
 
 #: Default relative tolerance of the convergence certificate: the Frank-Wolfe gap at the best point, and the

@@ -98,7 +98,8 @@ def test_run_on_an_imagefolder_and_a_saved_text_pair_dataset(files, capsys):
     printed = capsys.readouterr()
     lines = printed.out.splitlines()  # --quiet and no results file: the table only, never silence
     assert lines[0].split()[:2] == ["measure", "sharpness"] and lines[2].startswith("geodesic_sharpness_mix")
-    assert len(lines) == 3 and printed.err == ""
+    assert len(lines) == 3  # stderr holds at most the certificate's verdict (3 steps are not stationary here)
+    assert all("is not converged after 3 steps" in line for line in printed.err.splitlines())
 
     texts, labels = sentences(10)
     pairs = datasets.Dataset.from_dict(
