@@ -1,6 +1,6 @@
 """Optional pieces are imported only where they are used: ``import hf_geosharp``, ``geosharp --help`` and an unsharded
-run need neither FSDP nor the Hub's ``.eval_results`` classes, and a huggingface_hub without those classes gets an
-error that names the release needed."""
+run need neither FSDP nor the Hub's ``.eval_results`` classes; a huggingface_hub without those classes, or a missing
+gradio, gets an error that names the release or the extra needed."""
 
 from __future__ import annotations
 
@@ -64,3 +64,11 @@ def test_the_eval_results_format_names_the_hub_release_it_needs(monkeypatch):
     for use in (lambda: cards.entries_yaml([]), lambda: cards.read_entries("[]")):
         with pytest.raises(cards.CardError, match=r"need huggingface_hub>=1\.4\.0 \(installed: 1\.3\.0\)"):
             use()
+
+
+def test_exporting_the_space_without_gradio_names_the_extra(monkeypatch):
+    from hf_geosharp.commands import export_space
+
+    monkeypatch.setitem(sys.modules, "gradio", None)  # what a missing package looks like to ``import gradio``
+    with pytest.raises(export_space.ExportError, match=r"pip install 'hf_geosharp\[space\]'"):
+        export_space.space_readme(REPO)
