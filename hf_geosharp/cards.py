@@ -27,17 +27,13 @@ import re
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
-from huggingface_hub import (
-    EvalResult,
-    EvalResultEntry,
-    ModelCard,
-    ModelCardData,
-    eval_result_entries_to_yaml,
-    parse_eval_result_entries,
-)
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
+
+if TYPE_CHECKING:
+    from huggingface_hub import EvalResultEntry
 
 from . import __version__
 from .durable import atomic_path, write_text
@@ -73,6 +69,8 @@ _SETTINGS = ("rho", "mode", "steps", "n_samples", "seed", "n_batches", "epsilon"
              "second_order", "riemannian_norm", "horizontal_projection", "elementwise_curvature", "step_normalization")
 _DATA_ARGS = ("n_examples", "batch_size", "seed")
 _LOCAL_SUFFIXES = {".csv", ".tsv", ".json", ".jsonl", ".parquet", ".arrow", ".txt"}
+#: The first huggingface_hub release with the ``.eval_results`` classes (imported only where they are used).
+EVAL_RESULTS_HUB = "1.4.0"
 
 
 class CardError(ValueError):
@@ -268,6 +266,18 @@ def write_card(target: str | Path, new: list[EvalResult], model_name: str | None
 
 
 # ------------------------------------------------------------------------------------------------ .eval_results
+def eval_results_api(name: str) -> Any:
+    """``huggingface_hub.<name>`` of the ``.eval_results`` format, or a :class:`CardError` naming the release needed."""
+    import huggingface_hub
+
+    try:
+        return getattr(huggingface_hub, name)
+    except AttributeError:
+        need = f"huggingface_hub>={EVAL_RESULTS_HUB}"
+        raise CardError(f".eval_results files need {need} (installed: {huggingface_hub.__version__}): "
+                        f"pip install -U '{need}'") from None
+
+
 def eval_result_entry(result: dict[str, Any], dataset: DatasetInfo, benchmark: str, *, url: str | None = None,
                       benchmark_revision: str | None = None) -> EvalResultEntry:
     """One ``.eval_results`` entry: the benchmark dataset, the measure key as task id, the settings in ``notes``."""
@@ -275,7 +285,7 @@ def eval_result_entry(result: dict[str, Any], dataset: DatasetInfo, benchmark: s
     args = settings_args(result)
     notes = ", ".join(f"{k}={v}" for k, v in args.items())
     url = source_url(url)
-    return EvalResultEntry(
+    return eval_results_api("EvalResultEntry")(
         dataset_id=benchmark, task_id=key, value=_value(result, key), dataset_revision=benchmark_revision,
         source_url=url, source_name=SOURCE_NAME if url else None,
         notes=f"{result['measure']} on {dataset.describe()}: {notes}",
@@ -294,14 +304,15 @@ def merge_entries(old: list[EvalResultEntry], new: list[EvalResultEntry]) -> lis
 
 
 def entries_yaml(entries: list[EvalResultEntry]) -> str:
-    return yaml.safe_dump(eval_result_entries_to_yaml(entries), sort_keys=False, allow_unicode=True)
+    return yaml.safe_dump(eval_results_api("eval_result_entries_to_yaml")(entries), sort_keys=False, allow_unicode=True)
 
 
 def read_entries(text: str) -> list[EvalResultEntry]:
     """Entries of an ``.eval_results`` file (``parse_eval_result_entries``); a broken file is an error, not lost."""
+    parse = eval_results_api("parse_eval_result_entries")
     try:
         data = yaml.safe_load(text) or []
-        return parse_eval_result_entries(data if isinstance(data, list) else [data])
+        return parse(data if isinstance(data, list) else [data])
     except (yaml.YAMLError, KeyError, TypeError, ValueError) as err:
         raise CardError(f"cannot read the existing eval results ({err}); fix or remove the file first.") from None
 

@@ -16,8 +16,9 @@ import logging
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from huggingface_hub import CommitOperationAdd, EvalResult, EvalResultEntry, HfApi
+from huggingface_hub import CommitOperationAdd, EvalResult, HfApi
 
 from .cards import (
     SOURCE_NAME,
@@ -30,6 +31,9 @@ from .cards import (
     parse_card,
     read_entries,
 )
+
+if TYPE_CHECKING:
+    from huggingface_hub import EvalResultEntry
 
 logger = logging.getLogger(__name__)
 

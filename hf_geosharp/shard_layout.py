@@ -15,6 +15,7 @@ at once. ``ShardedLayout.localize`` maps the symmetry map's global flat indices 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -29,10 +30,14 @@ __all__ = ["ShardedLayout", "fsdp_state"]
 
 
 def fsdp_modules(model: nn.Module) -> list[nn.Module]:
-    """The FSDP2 modules of ``model`` (in ``modules()`` order)."""
-    from torch.distributed.fsdp import FSDPModule
+    """The FSDP2 modules of ``model`` (in ``modules()`` order).
 
-    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+    A module can only be an ``FSDPModule`` once ``torch.distributed.fsdp`` is imported (``fully_shard`` lives there), so
+    an unsharded run never imports FSDP."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is None:
+        return []
+    return [m for m in model.modules() if isinstance(m, fsdp.FSDPModule)]
 
 
 def _lazy_init(modules: list[nn.Module]) -> list[Any]:

@@ -162,8 +162,9 @@ def test_class_names_map_through_the_models_label2id(files, tmp_path):
     features = datasets.Features(
         {"text": datasets.Value("string"), "label": datasets.ClassLabel(names=["SPAM", "HAM"])}
     )
-    datasets.Dataset.from_dict({"text": ["buy now", "hi mum"], "label": [0, 1]}, features).save_to_disk(tmp_path / "ds")
-    spec = DataSpec(dataset=str(tmp_path / "ds"), n_examples=2, batch_size=2, shuffle=False)
+    saved = str(tmp_path / "ds")  # a str: datasets 2.x's save_to_disk does not take a Path
+    datasets.Dataset.from_dict({"text": ["buy now", "hi mum"], "label": [0, 1]}, features).save_to_disk(saved)
+    spec = DataSpec(dataset=saved, n_examples=2, batch_size=2, shuffle=False)
     assert load_batches(model, tokenizer, spec)[0]["labels"].tolist() == [1, 0]
 
 

@@ -242,7 +242,9 @@ def _float_head_model(num_labels: int, problem_type: str):
     from transformers import BertConfig, BertForSequenceClassification
 
     torch.manual_seed(0)
-    config = BertConfig(**{**tiny_bert().config.to_dict(), "num_labels": num_labels, "problem_type": problem_type})
+    config = BertConfig(**tiny_bert().config.to_dict())
+    # Set after construction: the keyword is overridden by the copied id2label in older transformers releases.
+    config.num_labels, config.problem_type = num_labels, problem_type
     return BertForSequenceClassification(config).eval()
 
 

@@ -128,7 +128,10 @@ __all__ = ["GeodesicSharpness"]
 def space_readme(root: Path) -> str:
     """The measurement card with the Space's front matter."""
     card = SpaceCard((root / MODULE_DIR / "README.md").read_text())
-    import gradio
+    try:
+        import gradio
+    except ImportError:
+        raise ExportError("the Space needs gradio: pip install 'hf_geosharp[space]'") from None
 
     card.data.sdk, card.data.sdk_version, card.data.app_file = "gradio", gradio.__version__, "app.py"
     card.data.python_version = f"{sys.version_info.major}.{sys.version_info.minor}"
