@@ -158,6 +158,42 @@ def test_card_refuses_unreadable_front_matter_and_leaves_it(tmp_path, run_json, 
     assert digest(readme) == before
 
 
+@pytest.mark.parametrize("bom, newline", [("\ufeff", "\n"), ("", "\r\n"), ("\ufeff", "\r\n"), ("", "\n")],
+                         ids=["bom", "crlf", "bom-crlf", "plain"])
+def test_card_reads_front_matter_as_huggingface_hub_does(tmp_path, run_json, capsys, bom, newline):
+    """A README saved by a Windows editor (byte-order mark, CRLF): the user's metadata stays in the one front
+    matter, next to the new entries; the body is byte for byte what it was, line endings included."""
+    from huggingface_hub import metadata_load
+
+    body = newline.join(["", "# My model", "", "Prose the user wrote.", "---", "a rule, not front matter", ""])
+    readme = tmp_path / "m" / "README.md"
+    readme.parent.mkdir()
+    readme.write_bytes((bom + newline.join(["---", "license: mit", "tags:", "- mine", "---"]) + body).encode())
+    assert cli.main(["card", str(readme.parent), "--results", str(run_json)]) == 0
+    assert "metadata block was not found" not in capsys.readouterr().err
+    written = readme.read_bytes().decode()
+    meta = metadata_load(readme)
+    assert meta["license"] == "mit" and meta["tags"] == ["mine"] and meta["model-index"]
+    assert written.startswith("---" + newline) and written.endswith(body)  # one front matter, the body untouched
+    assert written.count("license: mit") == 1 and written.count(newline + "---" + newline) == 2
+    if newline == "\r\n":
+        assert "\n" not in written.replace("\r\n", "")  # no bare LF slipped in
+
+
+@pytest.mark.parametrize("text, message", [
+    (b"---\nlicense: mit\n\n# no closing line\n", "huggingface_hub does not read a front matter"),
+    (b"---\nlicense: caf\xe9\n---\n# latin-1\n", "is not UTF-8 text"),
+], ids=["unclosed", "latin-1"])
+def test_card_refuses_a_readme_huggingface_hub_cannot_read_and_leaves_it(tmp_path, run_json, capsys, text, message):
+    readme = tmp_path / "m" / "README.md"
+    readme.parent.mkdir()
+    readme.write_bytes(text)
+    assert cli.main(["card", str(readme), "--results", str(run_json)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Nothing was written" in err and "Traceback" not in err
+    assert readme.read_bytes() == text
+
+
 def test_card_refuses_non_finite_values(tmp_path, run_json, capsys):
     payload = json.loads(run_json.read_text())
     for result in payload["results"].values():
