@@ -133,6 +133,61 @@ def run_json(files, tmp_path):
     return path
 
 
+def _no_hub(monkeypatch) -> None:
+    """Every way a model or a dataset could be looked up on the Hub fails the test."""
+    import datasets
+    import huggingface_hub
+    import transformers
+
+    def reached(*args, **kwargs):
+        raise AssertionError(f"the Hub was asked for {args[:1]}")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", reached)
+    monkeypatch.setattr(transformers.AutoModelForSequenceClassification, "from_pretrained", reached)
+    monkeypatch.setattr(datasets, "load_dataset", reached)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", reached)
+
+
+@pytest.mark.parametrize("flag, value", [
+    ("--model", "./my-bert"), ("--model", "/nowhere/my-bert"), ("--model", "~/nowhere/my-bert"),
+    ("--model", "models/bert/checkpoint-500"), ("--dataset", "nothere.csv"), ("--dataset", "./data"),
+    ("--dataset", "data/train.jsonl"),
+])
+def test_a_mistyped_local_path_is_said_at_once_without_the_hub(files, monkeypatch, capsys, flag, value):
+    """A path that can only be local and does not exist: exit 2 and one line saying so, before anything is loaded
+    (it used to be a Hub id-format error, or five HTTP retries and 35 s for a data file)."""
+    _no_hub(monkeypatch)
+    argv = run_argv(files)
+    argv[argv.index(flag) + 1] = value
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: the {'model folder' if flag == '--model' else 'dataset'} {value!r} does not exist (no " \
+        "such file or folder here); check the path. A Hub id looks like 'name' or 'org/name'."
+
+
+@pytest.mark.parametrize("layout", ["folder", "script file", "hub"])
+def test_a_dataset_loading_script_is_exit_2_and_one_line(files, tmp_path, monkeypatch, capsys, layout):
+    """datasets no longer runs loading scripts: refused before anything runs, one line, no traceback."""
+    import datasets
+
+    if layout == "hub":  # what datasets raises for a Hub repo that holds a script (no network here)
+        def scripted(*args, **kwargs):
+            raise RuntimeError("Dataset scripts are no longer supported, but found scripted.py")
+
+        monkeypatch.setattr(datasets, "load_dataset", scripted)
+        source = "someone/scripted"
+    else:
+        folder = tmp_path / "mydata"
+        folder.mkdir()
+        (folder / "mydata.py").write_text("import datasets  # a loading script\n")
+        shutil.copy(files["csv"], folder / "train.csv")
+        source = str(folder if layout == "folder" else folder / "mydata.py")
+    assert cli.main(run_argv(files, "--dataset", source)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "Traceback" not in err, err
+    assert "is a loading script" in err and "convert the data to files" in err
+
+
 def test_card_refuses_any_target_but_a_model_folder_or_its_readme(files, tmp_path, run_json, capsys):
     model = tmp_path / "model"
     shutil.copytree(files["model"], model)
