@@ -78,6 +78,25 @@ def test_json_paths_are_checked_before_the_measurement(files, tmp_path, capsys, 
     assert ("is a folder" if kind == "folder" else "read-only") in capsys.readouterr().err
 
 
+def test_an_unwritable_folder_is_refused_alike_by_json_and_output_path(files, tmp_path, capsys):
+    """A folder marked read-only (mode 550; also when running as root, who could write it): --json and
+    --output-path both refuse it before the measurement, and nothing is created in it (the results would go into a
+    sub-folder that --output-path used to create first)."""
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o550)
+    try:
+        for flag, value in (("--json", locked / "out.json"), ("--output-path", locked)):
+            start = time.perf_counter()
+            assert cli.main(run_argv(files, "--steps", "200", flag, str(value))) == 2
+            assert time.perf_counter() - start < 30  # 200 steps per batch were never started
+            err = capsys.readouterr().err.strip()
+            assert err.startswith("error: cannot write") and err.endswith("is not writable; choose another path."), err
+            assert err.count("\n") == 0 and list(locked.iterdir()) == []
+    finally:
+        locked.chmod(0o750)
+
+
 @pytest.fixture(scope="module")
 def damaged(files):
     """Copies of the model with truncated, zeroed and pickle weights."""
