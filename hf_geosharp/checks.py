@@ -188,6 +188,19 @@ def check_epsilon(epsilon: float) -> float:
     return float(epsilon)
 
 
+def check_labels_present(batches: list[Any], names: Iterable[str], where: str) -> None:
+    """Every dict batch holds labels under one of ``names``: without them a transformers model returns no loss, which
+    faces with no ``loss_fn`` (the Trainer callback) would find only at their first measurement."""
+    names = list(names)
+    for i, batch in enumerate(batches):
+        if isinstance(batch, Mapping) and not set(names) & set(batch):
+            raise ValueError(
+                f"{where}: batch {i} has no labels (its keys: {', '.join(map(str, batch))}; labels are looked for "
+                f"under {', '.join(names)}), so the model returns no loss to measure; give the dataset a 'label' or "
+                "'labels' column (or name yours in TrainingArguments.label_names), or pass batches that hold labels."
+            )
+
+
 def check_inputs(model: Any, batches: Any) -> list[Any]:
     """The model (see :func:`check_model`) and the batches as a list, each batch checked (see
     :func:`check_batch`)."""
