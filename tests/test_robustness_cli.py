@@ -207,6 +207,32 @@ def test_a_dataset_loading_script_is_exit_2_and_one_line(files, tmp_path, monkey
     assert "is a loading script" in err and "convert the data to files" in err
 
 
+def test_a_model_without_attention_says_geodesic_equals_adaptive(files, tmp_path, capsys):
+    """A ResNet has no attention head pairs: nothing to quotient, so the three numbers are equal by construction,
+    and the output says so once (they used to come without a word)."""
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    from .fixtures.hf_models import tiny_image_processor, write_imagefolder
+
+    torch.manual_seed(0)
+    config = ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8, 8], depths=[1, 1], num_labels=3)
+    ResNetForImageClassification(config).save_pretrained(tmp_path / "resnet")
+    tiny_image_processor().save_pretrained(tmp_path / "resnet")
+    images = write_imagefolder(tmp_path / "images", per_class=3)
+    out = tmp_path / "out.json"
+    argv = ["run", "--model", str(tmp_path / "resnet"), "--dataset", str(images), "--n-examples", "8",
+            "--batch-size", "4", "--steps", "2", "--rho", "0.05", "--quiet", "--json", str(out)]
+    assert cli.main(argv) == 0
+    err = capsys.readouterr().err
+    note = ("warning: the model has no attention head pairs (no GL(h) symmetry to quotient), so geodesic sharpness "
+            "equals adaptive sharpness by construction.")
+    assert err.count(note) == 1, err
+    values = {k: r["value"] for k, r in json.loads(out.read_text())["results"].items()}
+    assert len(values) == 3 and len(set(values.values())) == 1, values
+    assert cli.main(run_argv(files, "--metric", "inv")) == 0  # a model with attention: no such note
+    assert "no attention head pairs" not in capsys.readouterr().err
+
+
 def test_card_refuses_any_target_but_a_model_folder_or_its_readme(files, tmp_path, run_json, capsys):
     model = tmp_path / "model"
     shutil.copytree(files["model"], model)
