@@ -29,7 +29,7 @@ from huggingface_hub import SpaceCard
 
 from .. import __version__
 from ..durable import staged_dir, write_bytes, write_text
-from .common import EXIT_BAD_INPUT, EXIT_OK, error
+from .common import EXIT_BAD_INPUT, EXIT_OK, error, keep_on_interrupt
 
 MODULE_DIR = Path("hf_geosharp", "geodesic_sharpness")  # the evaluate module's one folder, in the source
 MINILM_REPO = "sentence-transformers/all-MiniLM-L6-v2"
@@ -146,7 +146,8 @@ def export_space(out: Path, *, space_id: str | None = None, source: Path | None 
     if space_id is not None and space_id.count("/") != 1:
         raise ExportError(f"--space-id {space_id!r} is not OWNER/NAME.")
     root = source_root(source)
-    with staged_dir(out) as staging:  # a failure leaves ``out`` untouched; the folder gets the user's umask
+    done = f"the Space folder {out} is complete"  # what Ctrl-C reports once it is in place
+    with staged_dir(out, on_commit=lambda: keep_on_interrupt(done)) as staging:  # a failure leaves ``out`` untouched
         wheel = build_wheel(root, staging / "wheels")
         write_text(staging / "README.md", space_readme(root))
         write_text(staging / "app.py", (root / "spaces_demo" / "app.py").read_text())
