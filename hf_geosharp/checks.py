@@ -37,6 +37,7 @@ def check_common(rho: float, mode: str, steps: Steps, n_samples: int, seed: int)
 
 _CLASSIFIER_HEADS = ("ForSequenceClassification", "ForTokenClassification", "ForImageClassification")
 _PER_EXAMPLE_HEADS = ("ForSequenceClassification", "ForImageClassification")  # one prediction per example
+_TOKEN_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "position_ids", "inputs_embeds")
 
 
 def check_model(model: nn.Module) -> None:
@@ -52,7 +53,6 @@ def check_model(model: nn.Module) -> None:
             "inference tensors; build or load the model outside torch.inference_mode() (torch.no_grad() is fine), "
             "or pass a copy made outside it (copy.deepcopy(model))."
         )
-_TOKEN_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "position_ids", "inputs_embeds")
 
 
 def check_batch(model: nn.Module, batch: Any, i: int) -> None:

@@ -91,8 +91,7 @@ def load_split(spec: DataSpec) -> Any:
         except RuntimeError as err:  # a Hub repo that holds a loading script
             if "scripts are no longer supported" not in str(err):
                 raise
-            raise DataError(f"the Hub dataset {spec.dataset!r} is a loading script: {SCRIPT_FIX} (e.g. look for "
-                            "its parquet conversion, the refs/convert/parquet revision).") from None
+            raise DataError(f"the Hub dataset {spec.dataset!r} is a loading script: {SCRIPT_FIX}.") from None
         except ValueError as err:  # an unknown split or config
             raise DataError(f"dataset {spec.dataset!r}: {err} Choose with --split / --config.") from None
     if isinstance(loaded, datasets.Dataset):  # load_from_disk of a single split
