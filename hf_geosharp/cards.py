@@ -38,7 +38,6 @@ from huggingface_hub import (
     eval_result_entries_to_yaml,
     parse_eval_result_entries,
 )
-from huggingface_hub.repocard import REGEX_YAML_BLOCK
 
 from . import __version__
 from .durable import atomic_path, write_text
@@ -229,6 +228,8 @@ def parse_card(text: str, where: str) -> ModelCard:
     """A card from its text (as :func:`read_card_text` gives it), or a :class:`CardError` naming ``where`` when its
     front matter cannot be read: invalid YAML, not a mapping, or a block that opens with ``---`` but that
     huggingface_hub does not read as front matter (merging would write a second one above it)."""
+    from huggingface_hub.repocard import REGEX_YAML_BLOCK  # the pattern RepoCard itself matches
+
     try:
         card = ModelCard(text)
     except (ValueError, yaml.YAMLError) as err:
