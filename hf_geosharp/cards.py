@@ -211,13 +211,32 @@ def card_yaml(new: list[EvalResult], model_name: str) -> str:
     return ModelCardData(model_name=model_name, eval_results=new).to_yaml()
 
 
-def parse_card(text: str, where: str) -> ModelCard:
-    """A card from its text, or a :class:`CardError` naming ``where`` when its front matter cannot be read."""
+def read_card_text(path: str | Path) -> str:
+    """A card file's text as huggingface_hub reads it (``RepoCard.load``, ``metadata_load``): UTF-8 with or without
+    a byte-order mark, line endings kept (a CRLF card is written back with CRLF)."""
     try:
-        return ModelCard(text)
+        with open(path, newline="", encoding="utf-8-sig") as f:
+            return f.read()
+    except UnicodeDecodeError as err:
+        raise CardError(f"{str(path)!r} is not UTF-8 text (byte 0x{err.object[err.start]:02x} at offset {err.start}); "
+                        "save it as UTF-8. Nothing was written or pushed.") from None
+
+
+def parse_card(text: str, where: str) -> ModelCard:
+    """A card from its text (as :func:`read_card_text` gives it), or a :class:`CardError` naming ``where`` when its
+    front matter cannot be read: invalid YAML, not a mapping, or a block that opens with ``---`` but that
+    huggingface_hub does not read as front matter (merging would write a second one above it)."""
+    from huggingface_hub.repocard import REGEX_YAML_BLOCK  # the pattern RepoCard itself matches
+
+    try:
+        card = ModelCard(text)
     except (ValueError, yaml.YAMLError) as err:
         raise CardError(f"{where} has front matter that cannot be read ({type(err).__name__}); fix it first. "
                         "Nothing was written or pushed.") from None
+    if REGEX_YAML_BLOCK.search(text) is None and text.lstrip().startswith("---"):
+        raise CardError(f"{where} starts with '---' but huggingface_hub does not read a front matter there (it needs a "
+                        "line '---' before and after the YAML); fix it first. Nothing was written or pushed.")
+    return card
 
 
 def new_card(name: str) -> ModelCard:
@@ -256,7 +275,7 @@ def write_card(target: str | Path, new: list[EvalResult], model_name: str | None
     """Merge ``new`` into ``target`` (a README.md, or a model folder holding one); create the card if needed."""
     path = readme_path(target)
     name = model_name or path.parent.name
-    card = parse_card(path.read_text(), str(path)) if path.exists() else new_card(name)
+    card = parse_card(read_card_text(path), str(path)) if path.exists() else new_card(name)
     merge(card, new, name, metadata)
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(path) as tmp:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 from collections.abc import Iterable, Mapping
@@ -35,7 +36,23 @@ def check_common(rho: float, mode: str, steps: Steps, n_samples: int, seed: int)
 
 
 _CLASSIFIER_HEADS = ("ForSequenceClassification", "ForTokenClassification", "ForImageClassification")
+_PER_EXAMPLE_HEADS = ("ForSequenceClassification", "ForImageClassification")  # one prediction per example
 _TOKEN_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "position_ids", "inputs_embeds")
+
+
+def check_model(model: nn.Module) -> None:
+    """Refuse a model whose weights or buffers were made inside ``torch.inference_mode()`` (inference tensors):
+    autograd cannot differentiate through them, and they cannot be written back in place afterwards, so the
+    measurement would run to the end and then fail to restore the model. Checked before anything touches it."""
+    inference = [name for name, t in itertools.chain(model.named_parameters(), model.named_buffers())
+                 if t.is_inference()]
+    if inference:
+        shown = ", ".join(inference[:3]) + (f" and {len(inference) - 3} more" if len(inference) > 3 else "")
+        raise ValueError(
+            f"The model's tensors were made inside torch.inference_mode() ({shown}), and autograd cannot use such "
+            "inference tensors; build or load the model outside torch.inference_mode() (torch.no_grad() is fine), "
+            "or pass a copy made outside it (copy.deepcopy(model))."
+        )
 
 
 def check_batch(model: nn.Module, batch: Any, i: int) -> None:
@@ -64,6 +81,7 @@ def check_batch(model: nn.Module, batch: Any, i: int) -> None:
     check_tokens(model, tensors, i)
     labels, config = tensors.get("labels"), getattr(model, "config", None)
     n_labels = getattr(config, "num_labels", None)
+    check_labels_per_example(model, labels, n_labels, i)
     if (
         labels is not None and labels.is_floating_point() and labels.dim() == 1 and isinstance(n_labels, int)
         and n_labels >= 2 and getattr(config, "problem_type", None) is None
@@ -95,6 +113,23 @@ def check_batch(model: nn.Module, batch: Any, i: int) -> None:
             f"Batch {i} has label {bad}, but the model has {n_labels} classes (config.num_labels); labels must be in "
             f"0..{n_labels - 1} (or -100 to ignore a position)."
         )
+
+
+def check_labels_per_example(model: nn.Module, labels: Tensor | None, n_labels: Any, i: int) -> None:
+    """A head that predicts once per example (sequence or image classification) takes one label per example, or
+    for float targets (multi-label, multi-output regression) ``num_labels`` of them; one label per token would fail
+    inside the loss as a bare batch-size mismatch (or, for a regression head, broadcast into a wrong number)."""
+    if labels is None or labels.dim() < 2 or not type(model).__name__.endswith(_PER_EXAMPLE_HEADS):
+        return
+    per_example = labels[0].numel()
+    if per_example == 1 or (labels.is_floating_point() and labels.dim() == 2 and per_example == n_labels):
+        return
+    shape = list(labels.shape)
+    raise ValueError(
+        f"Batch {i} has {per_example} labels per example (labels of shape {shape}), but {type(model).__name__} "
+        f"predicts one class per example; pass one label per example (shape [{shape[0]}]), or for one label per "
+        "token use a model with a token-classification head (e.g. AutoModelForTokenClassification)."
+    )
 
 
 def embedding_rows(model: nn.Module, suffix: str) -> tuple[str, int] | None:
@@ -153,10 +188,25 @@ def check_epsilon(epsilon: float) -> float:
     return float(epsilon)
 
 
+def check_labels_present(batches: list[Any], names: Iterable[str], where: str) -> None:
+    """Every dict batch holds labels under one of ``names``: without them a transformers model returns no loss, which
+    faces with no ``loss_fn`` (the Trainer callback) would find only at their first measurement."""
+    names = list(names)
+    for i, batch in enumerate(batches):
+        if isinstance(batch, Mapping) and not set(names) & set(batch):
+            raise ValueError(
+                f"{where}: batch {i} has no labels (its keys: {', '.join(map(str, batch))}; labels are looked for "
+                f"under {', '.join(names)}), so the model returns no loss to measure; give the dataset a 'label' or "
+                "'labels' column (or name yours in TrainingArguments.label_names), or pass batches that hold labels."
+            )
+
+
 def check_inputs(model: Any, batches: Any) -> list[Any]:
-    """The model and the batches as a list, each batch checked (see :func:`check_batch`)."""
+    """The model (see :func:`check_model`) and the batches as a list, each batch checked (see
+    :func:`check_batch`)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
+    check_model(model)
     if isinstance(batches, (Mapping, Tensor, str, bytes)) or not isinstance(batches, Iterable):
         raise TypeError(
             "batches must be an iterable of batches (e.g. a list of dicts of model inputs), "

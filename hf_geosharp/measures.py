@@ -12,6 +12,7 @@ also says the mode and the variant (e.g. ``geodesic_inv_worst``).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -19,6 +20,8 @@ from typing import Any
 
 from .api import SharpnessResult, adaptive_sharpness, geodesic_sharpness
 from .relative_flatness import relative_flatness
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -107,6 +110,16 @@ def parse_measures(text: str | Iterable[str] | None) -> list[str]:
     return list(dict.fromkeys(keys))
 
 
+def no_symmetry_note(symmetry_map: Any, what: str = "the model") -> str | None:
+    """The note for a model without attention head pairs (an MLP, a ResNet), or ``None``: with no GL(h) symmetry
+    there is nothing to quotient, and geodesic sharpness is adaptive sharpness by construction (the same ball, the
+    same solver), so equal numbers are expected, not a fault."""
+    if symmetry_map is None or symmetry_map.blocks:
+        return None
+    return (f"{what} has no attention head pairs (no GL(h) symmetry to quotient), so geodesic sharpness equals "
+            "adaptive sharpness by construction.")
+
+
 def _engine_kwargs(settings: Settings) -> dict[str, Any]:
     return dict(rho=settings.rho, mode=settings.mode, steps=settings.steps, n_samples=settings.n_samples,
                 seed=settings.seed)
@@ -153,6 +166,9 @@ def run_measures(
         from .symmetry import map_symmetries
 
         options["symmetry_map"] = map_symmetries(model)
+    note = no_symmetry_note(options.get("symmetry_map"))
+    if note and any(spec(k).family == "geodesic" for k in keys):
+        logger.warning(note)
     out: dict[str, SharpnessResult] = {}
     for key in keys:
         start = time.perf_counter()

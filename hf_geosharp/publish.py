@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from huggingface_hub import CommitOperationAdd, EvalResult, HfApi
@@ -29,6 +28,7 @@ from .cards import (
     merge_entries,
     new_card,
     parse_card,
+    read_card_text,
     read_entries,
 )
 
@@ -66,7 +66,7 @@ def _remote_text(api: HfApi, repo_id: str, filename: str, repo_type: str = "mode
     from huggingface_hub.errors import RemoteEntryNotFoundError
 
     try:
-        return Path(api.hf_hub_download(repo_id, filename, repo_type=repo_type)).read_text()
+        return read_card_text(api.hf_hub_download(repo_id, filename, repo_type=repo_type))
     except RemoteEntryNotFoundError:
         return None
 

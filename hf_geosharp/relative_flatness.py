@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from . import __version__
-from .checks import check_batch
+from .checks import check_batch, check_model
 from .objective import LossFn, default_loss, preserved_model_state, reparametrized, to_device
 from .result import SharpnessResult, average_stderr, batch_stderr
 from .runner import batch_seed
@@ -93,6 +93,7 @@ def relative_flatness(
     batches = list(batches)
     if not batches:
         raise ValueError("No batches were given; pass a non-empty list of batches (dicts of model inputs with labels).")
+    check_model(model)
     for i, batch in enumerate(batches):
         check_batch(model, batch, i)
     name, module = feature_layer(model, layer)

@@ -94,7 +94,7 @@ class ResultStore:
         """Persist one record durably before returning."""
         line = (json.dumps(record, sort_keys=True, allow_nan=True) + "\n").encode()
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)  # minus the umask, like every file
         try:
             os.write(fd, line)
             os.fsync(fd)

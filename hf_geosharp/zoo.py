@@ -22,8 +22,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -33,7 +31,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from .durable import write_json, write_text
+from .durable import staged_dir, write_json, write_text
 
 if TYPE_CHECKING:
     from transformers import ViTImageProcessorPil
@@ -162,19 +160,10 @@ def export_digits(folder: Path) -> Path:
         )
         for name, (images, labels) in digits_arrays().items()
     }
-    tmp = Path(tempfile.mkdtemp(prefix=".digits-", dir=folder.parent))
-    datasets.DatasetDict(splits).save_to_disk(str(tmp / "data"))
-    write_text(tmp / "data" / SPLIT_FILE, split_id)
-    _replace_dir(tmp / "data", folder)
-    shutil.rmtree(tmp, ignore_errors=True)
+    with staged_dir(folder) as tmp:  # a reader never sees half a folder
+        datasets.DatasetDict(splits).save_to_disk(str(tmp))
+        write_text(tmp / SPLIT_FILE, split_id)
     return folder
-
-
-def _replace_dir(src: Path, dst: Path) -> None:
-    """Move a finished folder into place; a stale one is removed first (a reader never sees half a folder)."""
-    if dst.exists():
-        shutil.rmtree(dst)
-    os.replace(src, dst)
 
 
 # -------------------------------------------------------------------------------------------------------- training
@@ -302,12 +291,8 @@ def build_zoo(
         data = digits_arrays()
         with torch_threads(1):
             for member in tqdm(todo, desc="training zoo", unit="model", disable=not progress):
-                tmp = Path(tempfile.mkdtemp(prefix=f".{member.name}-", dir=root))
-                try:
+                with staged_dir(root / member.name) as tmp:
                     metrics = train_member(member, data, tmp)
-                    _replace_dir(tmp, root / member.name)
-                finally:
-                    shutil.rmtree(tmp, ignore_errors=True)
                 logger.debug(
                     "%s: train error %.3f, test error %.3f", member.name, metrics["train_error"], metrics["test_error"]
                 )

@@ -51,7 +51,7 @@ from hf_geosharp.leaderboard import (
     write_outputs,
 )
 from hf_geosharp.leaderboard import Settings as BoardSettings
-from hf_geosharp.measures import DEFAULT_MEASURES, MEASURES, Settings, run_measures
+from hf_geosharp.measures import DEFAULT_MEASURES, MEASURES, Settings, no_symmetry_note, run_measures
 from hf_geosharp.store import STORE_FILE, ResultStore, StoreLockedError, output_lock
 from hf_geosharp.symmetry import map_symmetries
 from hf_geosharp.symmetry.report import format_report
@@ -136,6 +136,19 @@ class Space:
         return [*((describe(m), m.name) for m in self.members), *([(MINILM, MINILM)] if minilm_path() else []),
                 (HUB, HUB)]
 
+    def check_inputs(self, choice: str, hub_id: str, rho: float, measures: list[str] | None) -> list[str]:
+        """Every check of the measure tab's inputs that needs no model: the radius, the measures, a Hub id (given,
+        online, not too large by the Hub's metadata). Run as its own step before the measurement, with no outputs,
+        so that a bad input shows its message and leaves the previous run's results on screen (an error in the
+        measuring step itself covers every output with an error badge). Returns the chosen measure keys."""
+        _check_rho(rho)
+        keys = [k for k in MEASURES if k in (measures or [])]
+        if not keys:
+            raise gr.Error(f"Pick at least one measure ({', '.join(s.title for s in MEASURES.values())}).")
+        if choice not in self.zoo_names and choice != MINILM:
+            _check_hub_model((hub_id or "").strip())
+        return keys
+
     # ------------------------------------------------------------------------------------------- one model
     def _load(self, choice: str, hub_id: str, progress: Any) -> tuple[torch.nn.Module, Any, str, str | None]:
         """Model, processor, display name and (for zoo models) the bundled dataset folder."""
@@ -153,15 +166,15 @@ class Space:
             tokenizer = AutoTokenizer.from_pretrained(path)
             fit_minilm_head(model, tokenizer)
             return model, tokenizer, "all-MiniLM-L6-v2 (fitted head)", None
-        if not hub_id.strip():
-            raise gr.Error("Type a Hub model id (for example an image or text classifier) or pick a zoo model.")
-        if hub_offline():
-            raise gr.Error("This Space is offline (HF_HUB_OFFLINE=1), so Hub models cannot be loaded; pick a zoo "
-                           "model.")
-        hub_id = hub_id.strip()
-        _check_hub_size(hub_id)  # before downloading anything
-        model = load_model(hub_id)
-        return model, load_processor(hub_id, model), hub_id, None
+        hub_id = hub_id.strip()  # checked by check_inputs (given, online, small enough) before this
+        try:
+            model = load_model(hub_id)
+            return model, load_processor(hub_id, model), hub_id, None
+        except DataError:
+            raise
+        except Exception as err:  # noqa: BLE001 - the transport's own errors (httpx's, ...) become a readable line
+            raise gr.Error(f"Could not load {hub_id!r} from the Hub ({_describe(err)}); check the id and the "
+                           "Space's network access, or pick a zoo model.") from None
 
     def _batches(self, model: torch.nn.Module, processor: Any, digits: str | None, data_choice: str, dataset: str,
                  split: str, n_examples: int) -> tuple[list, Any]:
@@ -190,10 +203,7 @@ class Space:
                 rho: float, measures: list[str], steps: float, progress=gr.Progress(track_tqdm=True)):  # noqa: B008
         """The chosen measures of one model: table, symmetry report, plot, card YAML, status."""
         n_examples, steps = int(n_examples), int(steps)  # their sliders hold them within LIMITS, also over the API
-        _check_rho(rho)
-        keys = [k for k in MEASURES if k in (measures or [])]
-        if not keys:
-            raise gr.Error(f"Pick at least one measure ({', '.join(s.title for s in MEASURES.values())}).")
+        keys = self.check_inputs(choice, hub_id, rho, measures)  # again: the API calls this step directly
         try:
             model, processor, name, digits = self._load(choice, hub_id, progress)
             n_params = sum(p.numel() for p in model.parameters())
@@ -217,6 +227,8 @@ class Space:
         shown = "; ".join(f"{MEASURES[k].title} {_pm(r)}" for k, r in results.items())
         status = (f"**{name}** ({n_params:,} parameters) on {data.describe()} in {len(batches)} batches, "
                   f"rho={rho:g}, {steps} steps: {shown}.")
+        note = no_symmetry_note(smap, name) if any(MEASURES[k].family == "geodesic" for k in keys) else None
+        status += f"\n\nNote: {note}" if note else ""
         return (table, format_report(smap.summary(model)), _per_batch_plot(results), card_yaml(entries, name),
                 status)
 
@@ -273,15 +285,28 @@ def _check_size(name: str, n_params: int) -> None:
                        f"{LIMITS['max_params']:,}. Run `geosharp run` on your own machine for larger ones.")
 
 
-def _check_hub_size(hub_id: str) -> None:
-    """Refuse a Hub model that is too large from its metadata, before its weights are downloaded."""
-    from huggingface_hub import HfApi
-    from huggingface_hub.errors import HfHubHTTPError
+def _describe(err: BaseException) -> str:
+    """An exception as a readable fragment, also when it has no message (some transports raise bare errors)."""
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
 
+
+def _check_hub_model(hub_id: str) -> None:
+    """A Hub id is given, the Space is online, and the model is not too large by its metadata (checked before any
+    weights are downloaded). Any failure of the lookup (the Hub's HTTP errors, or the transport's own connection
+    errors, which are neither) is one readable message."""
+    from huggingface_hub import HfApi
+
+    if not hub_id:
+        raise gr.Error("Type a Hub model id (for example an image or text classifier) or pick a zoo model.")
+    if hub_offline():
+        raise gr.Error("This Space is offline (HF_HUB_OFFLINE=1), so Hub models cannot be loaded; pick a zoo "
+                       "model.")
     try:
         info = HfApi().model_info(hub_id, expand=["safetensors"])
-    except (HfHubHTTPError, OSError) as err:
-        raise gr.Error(f"Could not look up {hub_id!r} on the Hub: {err}") from None
+    except Exception as err:  # noqa: BLE001 - whatever the transport raises, the visitor gets a sentence
+        raise gr.Error(f"Could not look up {hub_id!r} on the Hub ({_describe(err)}); check the id and the Space's "
+                       "network access, or pick a zoo model.") from None
     if info.safetensors is not None:  # unknown without safetensors weights: checked again after loading
         _check_size(hub_id, info.safetensors.total)
 
@@ -397,7 +422,9 @@ def _measure_tab(space: Space) -> None:
     card_out = gr.Code(language="yaml", label="model-card YAML (paste into the README front matter)")
     inputs = [model_in, hub_in, data_in, dataset_in, split_in, n_in, rho_in, measures_in, steps_in]
     outputs = [table_out, report_out, plot_out, card_out, status_out]
-    go.click(space.measure, inputs, outputs, api_name="measure")
+    checked = [model_in, hub_in, rho_in, measures_in]  # a bad input stops here: the last results stay on screen
+    go.click(space.check_inputs, checked, None, api_visibility="private").success(
+        space.measure, inputs, outputs, api_name="measure")
 
 
 def _zoo_tab(space: Space) -> None:
@@ -410,7 +437,8 @@ def _zoo_tab(space: Space) -> None:
     board_out = gr.Dataframe(label="leaderboard (4 significant digits)", elem_id="board-table")
     taus_out = gr.Markdown()
     scatter_out = gr.Image(label="measure vs generalisation gap", type="filepath")
-    rank.click(space.rank_zoo, [zoo_rho, zoo_steps], [board_out, taus_out, scatter_out], api_name="rank_zoo")
+    rank.click(_check_rho, [zoo_rho], None, api_visibility="private").success(
+        space.rank_zoo, [zoo_rho, zoo_steps], [board_out, taus_out, scatter_out], api_name="rank_zoo")
 
 
 #: The app's tabs, in order: (title, function that builds the tab's components from the shared ``Space``).

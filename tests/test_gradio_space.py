@@ -232,6 +232,33 @@ def test_too_large_hub_model_is_refused_before_download(app, monkeypatch, tmp_pa
                             progress=lambda *a, **k: None)
 
 
+class ConnectError(Exception):
+    """Like the HTTP transport's connection error: neither an OSError nor one of huggingface_hub's HTTP errors, and
+    here without a message."""
+
+
+@pytest.mark.parametrize("where", ["size lookup", "download"])
+def test_an_unreachable_hub_is_a_readable_message(app, monkeypatch, tmp_path, where):
+    """Offline without HF_HUB_OFFLINE: the transport's errors used to escape as an empty red "Error" badge."""
+    import gradio as gr
+    from huggingface_hub import HfApi
+
+    def unreachable(*args, **kwargs):
+        raise ConnectError()
+
+    monkeypatch.setattr(app, "hub_offline", lambda: False)
+    if where == "size lookup":
+        monkeypatch.setattr(HfApi, "model_info", unreachable)
+        message = r"Could not look up 'org/model' on the Hub \(ConnectError\); check the id and the Space's network"
+    else:
+        monkeypatch.setattr(HfApi, "model_info", lambda self, repo_id, **kw: SimpleNamespace(safetensors=None))
+        monkeypatch.setattr(app, "load_model", unreachable)
+        message = r"Could not load 'org/model' from the Hub \(ConnectError\); check the id"
+    with pytest.raises(gr.Error, match=message):
+        app.Space("mini", tmp_path, tmp_path).measure(app.HUB, " org/model ", app.BUNDLED, "", "train", 64, 0.1,
+                                                      [INV], 2, progress=lambda *a, **k: None)
+
+
 def test_zoo_is_described_by_settings_and_plot_axes_are_labelled(app):
     labels = dict((value, label) for label, value in app.Space("mini", None, Path("unused")).model_choices())
     assert "1 layer, 2 heads, width 16, patch 4" in labels["mini-00"] and "label noise" in labels["mini-01"]
@@ -287,6 +314,29 @@ def test_browser_click_compute_shows_the_result_table(url):
         SCREENSHOT.parent.mkdir(exist_ok=True)
         page.screenshot(path=str(SCREENSHOT), full_page=True)
     assert SCREENSHOT.stat().st_size > 10_000
+
+
+@pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium: "
+                    "apt-get install -y --no-install-recommends chromium fonts-dejavu-core")
+def test_browser_a_bad_input_keeps_the_last_results_on_screen(url):
+    """A bad rho after a finished run: its message is shown, the run is not started, and the previous results
+    stay readable (an error in the measuring step used to cover every output with an error badge)."""
+    playwright = pytest.importorskip("playwright.sync_api", reason="needs the playwright package (pip)")
+
+    with _browser_page(playwright, url) as page:
+        page.locator("#compute-btn").click()
+        table, status = page.locator("#results-table"), page.locator("#status-out")
+        playwright.expect(table).to_contain_text(MEASURES[INV].title, timeout=120_000)
+        before = table.inner_text(), status.inner_text()
+        rho = page.get_by_label(playwright_re(r"^rho"), exact=False).first
+        for bad in ("50", "0"):
+            rho.fill(bad)
+            page.locator("#compute-btn").click()
+            playwright.expect(page.get_by_text(playwright_re("rho must be positive and at most 2")).first) \
+                .to_be_visible(timeout=30_000)
+            page.wait_for_timeout(1000)
+            assert (table.inner_text(), status.inner_text()) == before
+            assert "Error" not in table.inner_text() and "Error" not in status.inner_text()
 
 
 def playwright_re(pattern: str):

@@ -172,3 +172,29 @@ def test_fixed_batches_with_the_trainer_given_are_measured_once_at_the_end(tmp_p
     assert entries[0]["geodesic_sharpness_mix"] == pytest.approx(ref.value, rel=1e-6)
     engine_stderr = getattr(ref, "stderr", math.nan)  # passed through as the engine reports it
     assert entries[0]["geodesic_sharpness_mix_stderr"] == pytest.approx(engine_stderr, nan_ok=True)
+
+
+@pytest.mark.parametrize("case", ["no labels", "token ids beyond the vocabulary"])
+def test_what_the_first_measurement_would_refuse_stops_training_before_its_first_step(tmp_path, data, case):
+    """An eval dataset without labels used to fail at the first measurement (step 500 of a real run, after the
+    training time was spent); now ``on_train_begin`` refuses it, and so anything else the engine would refuse."""
+    from transformers import Trainer, TrainingArguments
+
+    tokenizer, ds = data
+    if case == "no labels":
+        subset, message = ds.remove_columns("label"), r"batch 0 has no labels \(its keys: .*input_ids.*'labels' column"
+    else:
+        subset, message = ds.map(lambda row: {"input_ids": [150] * len(row["input_ids"])}), "token id 150"
+    recorder = Recorder()
+    callback = GeodesicSharpnessCallback(eval_dataset=subset, every_n_steps=2, measures="inv", n_examples=6,
+                                         settings=SETTINGS)
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=4, report_to=[],
+                             use_cpu=True, save_strategy="no", disable_tqdm=True)
+    model = _model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = Trainer(model=model, args=args, train_dataset=ds, processing_class=tokenizer,
+                      callbacks=[callback, recorder.callback])
+    with pytest.raises(ValueError, match=message):
+        trainer.train()
+    assert trainer.state.global_step == 0 and recorder.weights == {}  # not one training step was spent
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

@@ -4,12 +4,15 @@ untouched."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 from pathlib import Path
 
 import pytest
 import torch
 import transformers as tf
 
+from hf_geosharp import durable
 from hf_geosharp.cli import main
 from tests.fixtures.hf_models import save_text_model, tiny_tokenizer, write_csv
 
@@ -86,3 +89,62 @@ def test_bad_condition(tmp_path: Path, condition: str, capsys) -> None:
     model_dir = save_text_model(tmp_path / "model")
     assert main(["reparametrize", str(model_dir), str(tmp_path / "o"), "--condition", condition]) == 2
     assert "--condition" in capsys.readouterr().err
+
+
+def _interrupt_at(monkeypatch, module, name: str) -> None:
+    """A real Ctrl-C (SIGINT) as ``module.name`` is called: the signal handler, not the call, raises."""
+    real = getattr(module, name)
+
+    def call(*args, **kwargs):
+        signal.raise_signal(signal.SIGINT)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, call)
+
+
+@pytest.mark.parametrize("where", ["while saving", "at the swap", "at the rename"])
+def test_ctrl_c_leaves_out_old_or_new_complete_and_says_which(tmp_path: Path, monkeypatch, capsys, where) -> None:
+    """Ctrl-C during ``--overwrite``: OUT is byte for byte the old copy (interrupted while the new one is written)
+    or the new one (interrupted as it goes in: the swap finishes first), never missing, and the one line says
+    which. Nothing hidden is left next to OUT."""
+    model_dir = save_text_model(tmp_path / "model")
+    out = tmp_path / "out"
+    assert main(["reparametrize", str(model_dir), str(out), "--seed", "1"]) == 0
+    old = _tree(out)
+    if where == "while saving":
+        _interrupt_at(monkeypatch, tf.PreTrainedModel, "save_pretrained")
+    elif where == "at the swap":
+        _interrupt_at(monkeypatch, durable, "_exchange")
+    else:  # no atomic exchange on this file system: the two renames
+        monkeypatch.setattr(durable, "_exchange", lambda a, b: False)
+        _interrupt_at(monkeypatch, os, "rename")
+    capsys.readouterr()
+    assert main(["reparametrize", str(model_dir), str(out), "--seed", "2", "--overwrite"]) == 130
+    err = capsys.readouterr().err.strip()
+    monkeypatch.undo()
+    if where == "while saving":
+        assert _tree(out) == old and err == f"interrupted (Ctrl-C); nothing was written ({out} is as it was)."
+    else:
+        assert main(["reparametrize", str(model_dir), str(tmp_path / "fresh"), "--seed", "2"]) == 0
+        assert _tree(out) == _tree(tmp_path / "fresh") != old
+        assert err == f"interrupted (Ctrl-C); the new copy in {out} is complete."
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["model", "out"] + (["fresh"] if where != "while saving"
+                                                                                   else []))
+
+
+def test_ctrl_c_before_out_exists_leaves_no_out_and_out_follows_the_umask(tmp_path: Path, monkeypatch,
+                                                                          capsys) -> None:
+    model_dir = save_text_model(tmp_path / "model")
+    out = tmp_path / "new" / "out"
+    _interrupt_at(monkeypatch, tf.PreTrainedModel, "save_pretrained")
+    assert main(["reparametrize", str(model_dir), str(out)]) == 130
+    assert "nothing was written." in capsys.readouterr().err
+    assert not out.exists()  # the path check created nothing
+    monkeypatch.undo()
+    previous = os.umask(0o022)
+    try:
+        assert main(["reparametrize", str(model_dir), str(out)]) == 0
+    finally:
+        os.umask(previous)
+    assert out.stat().st_mode & 0o777 == 0o755
+    assert {p.stat().st_mode & 0o777 for p in out.iterdir()} == {0o644}

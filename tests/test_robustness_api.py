@@ -6,6 +6,7 @@ Each refusal is checked to leave the model exactly as it was (weights, buffers, 
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 
@@ -68,6 +69,72 @@ def test_inference_mode_is_named():
     with torch.inference_mode(), pytest.raises(RuntimeError, match=r"inside torch.inference_mode\(\); gradients are "
                                                                     "needed"):
         gs.geodesic_sharpness(model, batches, **FAST)
+    assert_intact(model, snap)
+
+
+def _inference_model() -> nn.Module:
+    """A tiny BERT built inside torch.inference_mode() (all its weights and buffers are inference tensors), with a
+    module in train mode, a frozen parameter and a gradient, so that the refusal can be seen to leave all of it."""
+    with torch.inference_mode():
+        model = tiny_bert()
+    model.bert.pooler.train()
+    return model
+
+
+@pytest.mark.parametrize("measure", ["geodesic", "adaptive", "relative_flatness", "evaluate"])
+def test_a_model_made_in_inference_mode_is_refused_before_the_work_and_left_as_it_was(measure, measurement):
+    """It used to run to the end and then fail to restore the model (torch's "Inplace update to inference tensor
+    outside InferenceMode"), leaving config.problem_type set by the forward."""
+    model = _inference_model()
+    snap, config = snapshot(model), config_state(model)
+    assert config["problem_type"] is None
+    calls = {
+        "geodesic": lambda m: gs.geodesic_sharpness(m, tiny_batches(), **FAST),
+        "adaptive": lambda m: gs.adaptive_sharpness(m, tiny_batches(), **FAST),
+        "relative_flatness": lambda m: gs.relative_flatness(m, tiny_batches(), n_samples=2),
+        "evaluate": lambda m: measurement.compute(model=m, input_ids=token_ids(), labels=[0, 1, 2, 0, 1, 2],
+                                                  steps=2, measures="inv"),
+    }
+    with pytest.raises(ValueError, match=r"made inside torch.inference_mode\(\) \(bert\.embeddings.*build or load "
+                                         r"the model outside torch.inference_mode\(\).*copy\.deepcopy\(model\)"):
+        calls[measure](model)
+    assert_intact(model, snap)
+    assert config_state(model) == config and all(t.is_inference() for t in model.state_dict().values())
+    assert math.isfinite(gs.adaptive_sharpness(copy.deepcopy(model), tiny_batches(), **FAST).value)  # the named fix
+
+
+@pytest.mark.parametrize("labels, per_example", [(torch.randint(0, 3, (4, 8)), 8),
+                                                 (torch.rand(4, 8, dtype=torch.float64), 8)], ids=["ids", "floats"])
+@pytest.mark.parametrize("measure", [gs.geodesic_sharpness, gs.adaptive_sharpness], ids=["geodesic", "adaptive"])
+def test_one_label_per_token_for_a_per_sequence_head_is_refused(measure, labels, per_example):
+    model = tiny_bert()
+    snap, config = snapshot(model), config_state(model)
+    with pytest.raises(ValueError, match=rf"Batch 1 has {per_example} labels per example \(labels of shape \[4, 8\]\), "
+                                         r"but BertForSequenceClassification predicts one class per example; pass one "
+                                         r"label per example \(shape \[4\]\).*token-classification head"):
+        measure(model, _with("labels", labels), **FAST)
+    assert_intact(model, snap)
+    assert config_state(model) == config
+
+
+def test_per_example_label_shapes_the_heads_take_are_still_accepted():
+    """[batch, 1] class ids, and [batch, num_labels] float targets (multi-label) are one label set per example."""
+    def every(labels: torch.Tensor) -> list[dict]:
+        return [{**b, "labels": labels} for b in tiny_batches()]
+
+    model = tiny_bert()
+    assert math.isfinite(gs.adaptive_sharpness(model, every(torch.tensor([[0], [1], [2], [1]])), **FAST).value)
+    model.config.problem_type = "multi_label_classification"
+    multi = torch.tensor([[1.0, 0.0, 1.0]] * 4, dtype=torch.float64)
+    assert math.isfinite(gs.adaptive_sharpness(model, every(multi), **FAST).value)
+
+
+def test_evaluate_refuses_one_label_per_token_for_a_per_sequence_head(measurement):
+    model = tiny_bert()
+    snap = snapshot(model)
+    per_token = [[1] * 7 for _ in range(6)]
+    with pytest.raises(ValueError, match=r"7 labels per example .*predicts one class per example"):
+        measurement.compute(model=model, input_ids=token_ids(), labels=per_token, steps=2, measures="inv")
     assert_intact(model, snap)
 
 

@@ -78,6 +78,25 @@ def test_json_paths_are_checked_before_the_measurement(files, tmp_path, capsys, 
     assert ("is a folder" if kind == "folder" else "read-only") in capsys.readouterr().err
 
 
+def test_an_unwritable_folder_is_refused_alike_by_json_and_output_path(files, tmp_path, capsys):
+    """A folder marked read-only (mode 550; also when running as root, who could write it): --json and
+    --output-path both refuse it before the measurement, and nothing is created in it (the results would go into a
+    sub-folder that --output-path used to create first)."""
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o550)
+    try:
+        for flag, value in (("--json", locked / "out.json"), ("--output-path", locked)):
+            start = time.perf_counter()
+            assert cli.main(run_argv(files, "--steps", "200", flag, str(value))) == 2
+            assert time.perf_counter() - start < 30  # 200 steps per batch were never started
+            err = capsys.readouterr().err.strip()
+            assert err.startswith("error: cannot write") and err.endswith("is not writable; choose another path."), err
+            assert err.count("\n") == 0 and list(locked.iterdir()) == []
+    finally:
+        locked.chmod(0o750)
+
+
 @pytest.fixture(scope="module")
 def damaged(files):
     """Copies of the model with truncated, zeroed and pickle weights."""
@@ -133,6 +152,87 @@ def run_json(files, tmp_path):
     return path
 
 
+def _no_hub(monkeypatch) -> None:
+    """Every way a model or a dataset could be looked up on the Hub fails the test."""
+    import datasets
+    import huggingface_hub
+    import transformers
+
+    def reached(*args, **kwargs):
+        raise AssertionError(f"the Hub was asked for {args[:1]}")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", reached)
+    monkeypatch.setattr(transformers.AutoModelForSequenceClassification, "from_pretrained", reached)
+    monkeypatch.setattr(datasets, "load_dataset", reached)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", reached)
+
+
+@pytest.mark.parametrize("flag, value", [
+    ("--model", "./my-bert"), ("--model", "/nowhere/my-bert"), ("--model", "~/nowhere/my-bert"),
+    ("--model", "models/bert/checkpoint-500"), ("--dataset", "nothere.csv"), ("--dataset", "./data"),
+    ("--dataset", "data/train.jsonl"),
+])
+def test_a_mistyped_local_path_is_said_at_once_without_the_hub(files, monkeypatch, capsys, flag, value):
+    """A path that can only be local and does not exist: exit 2 and one line saying so, before anything is loaded
+    (it used to be a Hub id-format error, or five HTTP retries and 35 s for a data file)."""
+    _no_hub(monkeypatch)
+    argv = run_argv(files)
+    argv[argv.index(flag) + 1] = value
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: the {'model folder' if flag == '--model' else 'dataset'} {value!r} does not exist (no " \
+        "such file or folder here); check the path. A Hub id looks like 'name' or 'org/name'."
+
+
+@pytest.mark.parametrize("layout", ["folder", "script file", "hub"])
+def test_a_dataset_loading_script_is_exit_2_and_one_line(files, tmp_path, monkeypatch, capsys, layout):
+    """datasets no longer runs loading scripts: refused before anything runs, one line, no traceback."""
+    import datasets
+
+    if layout == "hub":  # what datasets raises for a Hub repo that holds a script (no network here)
+        def scripted(*args, **kwargs):
+            raise RuntimeError("Dataset scripts are no longer supported, but found scripted.py")
+
+        monkeypatch.setattr(datasets, "load_dataset", scripted)
+        source = "someone/scripted"
+    else:
+        folder = tmp_path / "mydata"
+        folder.mkdir()
+        (folder / "mydata.py").write_text("import datasets  # a loading script\n")
+        shutil.copy(files["csv"], folder / "train.csv")
+        source = str(folder if layout == "folder" else folder / "mydata.py")
+    assert cli.main(run_argv(files, "--dataset", source)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "Traceback" not in err, err
+    assert "is a loading script" in err and "convert the data to files" in err
+
+
+def test_a_model_without_attention_says_geodesic_equals_adaptive(files, tmp_path, capsys):
+    """A ResNet has no attention head pairs: nothing to quotient, so the three numbers are equal by construction,
+    and the output says so once (they used to come without a word)."""
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    from .fixtures.hf_models import tiny_image_processor, write_imagefolder
+
+    torch.manual_seed(0)
+    config = ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8, 8], depths=[1, 1], num_labels=3)
+    ResNetForImageClassification(config).save_pretrained(tmp_path / "resnet")
+    tiny_image_processor().save_pretrained(tmp_path / "resnet")
+    images = write_imagefolder(tmp_path / "images", per_class=3)
+    out = tmp_path / "out.json"
+    argv = ["run", "--model", str(tmp_path / "resnet"), "--dataset", str(images), "--n-examples", "8",
+            "--batch-size", "4", "--steps", "2", "--rho", "0.05", "--quiet", "--json", str(out)]
+    assert cli.main(argv) == 0
+    err = capsys.readouterr().err
+    note = ("warning: the model has no attention head pairs (no GL(h) symmetry to quotient), so geodesic sharpness "
+            "equals adaptive sharpness by construction.")
+    assert err.count(note) == 1, err
+    values = {k: r["value"] for k, r in json.loads(out.read_text())["results"].items()}
+    assert len(values) == 3 and len(set(values.values())) == 1, values
+    assert cli.main(run_argv(files, "--metric", "inv")) == 0  # a model with attention: no such note
+    assert "no attention head pairs" not in capsys.readouterr().err
+
+
 def test_card_refuses_any_target_but_a_model_folder_or_its_readme(files, tmp_path, run_json, capsys):
     model = tmp_path / "model"
     shutil.copytree(files["model"], model)
@@ -156,6 +256,42 @@ def test_card_refuses_unreadable_front_matter_and_leaves_it(tmp_path, run_json, 
     err = capsys.readouterr().err
     assert message in err and "front matter" in err and "Traceback" not in err
     assert digest(readme) == before
+
+
+@pytest.mark.parametrize("bom, newline", [("\ufeff", "\n"), ("", "\r\n"), ("\ufeff", "\r\n"), ("", "\n")],
+                         ids=["bom", "crlf", "bom-crlf", "plain"])
+def test_card_reads_front_matter_as_huggingface_hub_does(tmp_path, run_json, capsys, bom, newline):
+    """A README saved by a Windows editor (byte-order mark, CRLF): the user's metadata stays in the one front
+    matter, next to the new entries; the body is byte for byte what it was, line endings included."""
+    from huggingface_hub import metadata_load
+
+    body = newline.join(["", "# My model", "", "Prose the user wrote.", "---", "a rule, not front matter", ""])
+    readme = tmp_path / "m" / "README.md"
+    readme.parent.mkdir()
+    readme.write_bytes((bom + newline.join(["---", "license: mit", "tags:", "- mine", "---"]) + body).encode())
+    assert cli.main(["card", str(readme.parent), "--results", str(run_json)]) == 0
+    assert "metadata block was not found" not in capsys.readouterr().err
+    written = readme.read_bytes().decode()
+    meta = metadata_load(readme)
+    assert meta["license"] == "mit" and meta["tags"] == ["mine"] and meta["model-index"]
+    assert written.startswith("---" + newline) and written.endswith(body)  # one front matter, the body untouched
+    assert written.count("license: mit") == 1 and written.count(newline + "---" + newline) == 2
+    if newline == "\r\n":
+        assert "\n" not in written.replace("\r\n", "")  # no bare LF slipped in
+
+
+@pytest.mark.parametrize("text, message", [
+    (b"---\nlicense: mit\n\n# no closing line\n", "huggingface_hub does not read a front matter"),
+    (b"---\nlicense: caf\xe9\n---\n# latin-1\n", "is not UTF-8 text"),
+], ids=["unclosed", "latin-1"])
+def test_card_refuses_a_readme_huggingface_hub_cannot_read_and_leaves_it(tmp_path, run_json, capsys, text, message):
+    readme = tmp_path / "m" / "README.md"
+    readme.parent.mkdir()
+    readme.write_bytes(text)
+    assert cli.main(["card", str(readme), "--results", str(run_json)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Nothing was written" in err and "Traceback" not in err
+    assert readme.read_bytes() == text
 
 
 def test_card_refuses_non_finite_values(tmp_path, run_json, capsys):

@@ -31,6 +31,7 @@ from ..cards import (
     known_task,
     model_metadata,
     parse_card,
+    read_card_text,
     read_entries,
     read_results,
     readme_path,
@@ -99,7 +100,7 @@ def _prepare(args: argparse.Namespace) -> tuple[list, list, dict]:
         if args.format != "model-index" else []
     folder = _folder(args.model)
     if index and readme_path(args.model).exists():  # a card we cannot read stops us before any write
-        parse_card(readme_path(args.model).read_text(), str(readme_path(args.model)))
+        parse_card(read_card_text(readme_path(args.model)), str(readme_path(args.model)))
     for path in _existing_eval_files(folder, entries):  # a broken existing file stops us before any write
         read_entries(path.read_text())
     meta = model_metadata(folder, base_model=args.base_model, license=args.license)

@@ -18,7 +18,6 @@ Space's own repo. Without it the requirement is the relative path ``./wheels/...
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import subprocess
 import sys
@@ -29,8 +28,8 @@ from pathlib import Path
 from huggingface_hub import SpaceCard
 
 from .. import __version__
-from ..durable import write_bytes, write_text
-from .common import EXIT_BAD_INPUT, EXIT_OK, error
+from ..durable import staged_dir, write_bytes, write_text
+from .common import EXIT_BAD_INPUT, EXIT_OK, error, keep_on_interrupt
 
 MODULE_DIR = Path("hf_geosharp", "geodesic_sharpness")  # the evaluate module's one folder, in the source
 MINILM_REPO = "sentence-transformers/all-MiniLM-L6-v2"
@@ -150,23 +149,13 @@ def export_space(out: Path, *, space_id: str | None = None, source: Path | None 
     if space_id is not None and space_id.count("/") != 1:
         raise ExportError(f"--space-id {space_id!r} is not OWNER/NAME.")
     root = source_root(source)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))  # a failure leaves ``out`` untouched
-    try:
+    done = f"the Space folder {out} is complete"  # what Ctrl-C reports once it is in place
+    with staged_dir(out, on_commit=lambda: keep_on_interrupt(done)) as staging:  # a failure leaves ``out`` untouched
         wheel = build_wheel(root, staging / "wheels")
         write_text(staging / "README.md", space_readme(root))
         write_text(staging / "app.py", (root / "spaces_demo" / "app.py").read_text())
         write_text(staging / "geodesic_sharpness.py", loading_script())
         write_text(staging / "requirements.txt", requirements(wheel.name, space_id))
-        mask = os.umask(0)
-        os.umask(mask)
-        staging.chmod(0o777 & ~mask)  # mkdtemp's folder is private; the Space folder gets the user's usual mode
-        if out.exists():
-            out.rmdir()  # checked empty above
-        os.replace(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return sorted(p for p in out.rglob("*") if p.is_file())
 
 

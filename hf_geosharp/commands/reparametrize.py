@@ -2,18 +2,17 @@
 
 A random group element by default, or with ``--hide flat|sharp`` the element that makes adaptive sharpness as small or
 as large as :func:`hf_geosharp.hide` finds. The copy is written with ``save_pretrained`` (with the model's tokenizer or
-image processor) into a temporary folder next to ``OUT`` and renamed into place; ``MODEL`` is never written. The
-function check (the largest output change on the probe batches, relative to the largest output) is printed.
+image processor) into a staging folder next to ``OUT`` and put in place by :func:`hf_geosharp.durable.replace_dir`:
+at every instant ``OUT`` is the old folder or the new one, complete, also on Ctrl-C (whose message says which);
+``MODEL`` is never written. The function check (the largest output change on the probe batches, relative to the
+largest output) is printed.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ from .. import durable
 from ..data import DataError, DataSpec, load_batches, load_model, load_processor
 from ..hide import FunctionChangedError, hide, reparametrize_checked
 from ..measures import Settings
-from .common import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, add_trust_remote_code, quiet_libraries
+from .common import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, add_trust_remote_code, keep_on_interrupt, quiet_libraries
 
 logger = logging.getLogger(__name__)
 
@@ -90,18 +89,6 @@ def _random_batches(model: torch.nn.Module, seed: int) -> list[dict[str, torch.T
     return [{"input_ids": torch.randint(0, config.vocab_size, (4, length), generator=generator)}]
 
 
-def _install(tmp: Path, out: Path) -> None:
-    """Rename the finished ``tmp`` to ``out``; an old ``out`` (empty, or ``--overwrite``) is moved aside first and
-    removed only once the new one is in place."""
-    old = None
-    if out.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{out.name}-old-", dir=out.parent))
-        os.replace(out, old / out.name)
-    os.replace(tmp, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 def run(args: argparse.Namespace) -> int:
     try:
         problem = _problem(args)
@@ -137,16 +124,18 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_FAILED if isinstance(err, FunctionChangedError) else EXIT_BAD_INPUT
     out = args.out.resolve()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    unchanged = f"nothing was written ({args.out} is as it was)" if out.exists() else "nothing was written"
+    keep_on_interrupt(unchanged)
+    committed = f"the new copy in {args.out} is complete"
     try:
-        model.save_pretrained(tmp)
-        if processor is not None:
-            processor.save_pretrained(tmp)
-        durable.write_json(tmp / RECORD, record)
-        _install(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        with durable.staged_dir(out, on_commit=lambda: keep_on_interrupt(committed)) as tmp:
+            model.save_pretrained(tmp)
+            if processor is not None:
+                processor.save_pretrained(tmp)
+            durable.write_json(tmp / RECORD, record)
+    except OSError as err:  # disk full, a quota: the staging folder is gone and OUT untouched
+        print(f"error: could not write {str(args.out)!r} ({err.strerror or err}); {unchanged}.", file=sys.stderr)
+        return EXIT_FAILED
     what = f"hide={args.hide}" if args.hide else "a random element"
     print(f"reparametrized {args.model} with {what} (condition <= {args.condition:g}, seed {args.seed}) -> {args.out}")
     print(f"function check: max |output change| / max |output| = {record['max_output_deviation']:.3g} "

@@ -19,14 +19,24 @@ from here, not from those modules.
 
 from .batches import launch_accelerator, load_batches, make_batches
 from .encoding import IGNORE_INDEX, MLM_PROBABILITY, encode
-from .models import CODE_CONFIGS, REMOTE_CODE_FIX, is_vision, load_model, load_processor, require_task, task_of
-from .spec import Columns, DataError, DataSpec, Task, hub_offline
+from .models import (
+    CODE_CONFIGS,
+    MODEL_PATH_SUFFIXES,
+    REMOTE_CODE_FIX,
+    is_vision,
+    load_model,
+    load_processor,
+    require_task,
+    task_of,
+)
+from .spec import Columns, DataError, DataSpec, Task, hub_offline, require_existing_path
 from .splits import (
     FILE_BUILDERS,
     IMAGE_COLUMNS,
     LABEL_COLUMNS,
     PAIR_COLUMNS,
     TEXT_COLUMNS,
+    check_source,
     load_split,
     resolve_columns,
     select_examples,
@@ -42,10 +52,12 @@ __all__ = [
     "IMAGE_COLUMNS",
     "LABEL_COLUMNS",
     "MLM_PROBABILITY",
+    "MODEL_PATH_SUFFIXES",
     "PAIR_COLUMNS",
     "REMOTE_CODE_FIX",
     "TEXT_COLUMNS",
     "Task",
+    "check_source",
     "encode",
     "hub_offline",
     "is_vision",
@@ -55,6 +67,7 @@ __all__ = [
     "load_processor",
     "load_split",
     "make_batches",
+    "require_existing_path",
     "require_task",
     "resolve_columns",
     "select_examples",

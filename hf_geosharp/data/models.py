@@ -13,7 +13,7 @@ import torch
 import transformers
 from safetensors import SafetensorError
 
-from .spec import DataError, Task, not_found
+from .spec import DataError, Task, not_found, require_existing_path
 
 
 def task_of(model: torch.nn.Module) -> Task | None:
@@ -95,6 +95,7 @@ def _from_pretrained(loader: Any, model_id: str, what: str, fix: str, trust_remo
         raise not_found(what, model_id, err) from None
 
 
+MODEL_PATH_SUFFIXES = (".json", ".safetensors", ".bin", ".pt", ".pth", ".ckpt")  # a file path, never a Hub id
 CODE_CONFIGS = ("config.json", "tokenizer_config.json", "preprocessor_config.json", "processor_config.json")
 
 
@@ -119,6 +120,7 @@ def load_model(model_id: str, *, trust_remote_code: bool = False) -> torch.nn.Mo
     if not isinstance(model_id, (str, os.PathLike)):
         raise DataError(f"model_id must be a folder path or a Hub id (a string), got {type(model_id).__name__}.")
     model_id = str(model_id)
+    require_existing_path("the model folder", model_id, MODEL_PATH_SUFFIXES)
     custom = _local_auto_map(model_id)
     if custom and not trust_remote_code:
         where = "; ".join(f"{name}: {', '.join(classes)}" for name, classes in custom.items())

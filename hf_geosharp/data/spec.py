@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 from huggingface_hub import constants
@@ -75,3 +77,25 @@ def not_found(what: str, name: str, err: Exception) -> DataError:
             f"(HF_HUB_OFFLINE=1). Pass a local path, or unset HF_HUB_OFFLINE on a machine with network access."
         )
     return DataError(f"could not load {what} {name!r} from a local path or the Hugging Face Hub: {err}")
+
+
+def _looks_local(name: str, extensions: tuple[str, ...]) -> bool:
+    """Whether ``name`` can only mean a local path, never a Hub id (``name`` or ``org/name``): it starts with ``./``,
+    ``../``, ``/`` or ``~``, has more than one ``/``, holds the OS's own separator (Windows), or ends in one of
+    ``extensions`` (a file type such as ``.csv``)."""
+    return (
+        name.startswith(("./", "../", "~", ".\\", "..\\")) or os.path.isabs(name) or name.count("/") > 1
+        or name.endswith(("/", os.sep)) or (os.sep != "/" and os.sep in name) or name.lower().endswith(extensions)
+    )
+
+
+def require_existing_path(what: str, name: str, extensions: tuple[str, ...] = ()) -> None:
+    """Refuse at once a ``name`` that can only be a local path and does not exist, before any Hub lookup (which would
+    answer with an id-format error, or retry for half a minute before saying it cannot reach the Hub)."""
+    if not _looks_local(name, extensions) or Path(name).exists():
+        return
+    expanded = Path(name).expanduser()
+    if expanded != Path(name) and expanded.exists():
+        raise DataError(f"{what} {name!r}: '~' is not expanded here (it was quoted); pass {str(expanded)!r}.")
+    raise DataError(f"{what} {name!r} does not exist (no such file or folder here); check the path. A Hub id "
+                    "looks like 'name' or 'org/name'.")

@@ -8,7 +8,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from .spec import Columns, DataError, DataSpec, not_found
+from .spec import Columns, DataError, DataSpec, not_found, require_existing_path
 
 logger = logging.getLogger(__name__)
 
@@ -17,12 +17,37 @@ PAIR_COLUMNS = {"sentence1": "sentence2", "premise": "hypothesis", "question1": 
 LABEL_COLUMNS = ("label", "labels", "class", "target", "category")
 IMAGE_COLUMNS = ("image", "img")
 FILE_BUILDERS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+DATA_FILE_SUFFIXES = (*FILE_BUILDERS, ".txt", ".arrow", ".zip", ".gz")  # a file path, never a Hub dataset name
+SCRIPT_FIX = (
+    "datasets no longer runs dataset loading scripts (and hf_geosharp runs no code it was not asked to); convert the "
+    "data to files (csv, json, jsonl or parquet, or a folder saved with save_to_disk()) and pass those"
+)
+
+
+def _loading_script(path: Path) -> Path | None:
+    """The loading script that ``datasets.load_dataset`` would find for the local ``path`` (``DIR/DIR.py``, or a
+    ``.py`` file itself), or ``None``."""
+    if path.suffix == ".py" and path.is_file():
+        return path
+    script = path / f"{path.resolve().name}.py"
+    return script if path.is_dir() and script.is_file() else None
+
+
+def check_source(spec: DataSpec) -> None:
+    """Refuse, before anything is loaded, a local dataset path that does not exist (no Hub lookup for it) or that
+    holds a loading script."""
+    require_existing_path("the dataset", spec.dataset, DATA_FILE_SUFFIXES)
+    path = Path(spec.dataset)
+    script = _loading_script(path) if path.exists() else None
+    if script is not None:
+        raise DataError(f"the dataset {spec.dataset!r} is a loading script ({script.name}): {SCRIPT_FIX}.")
 
 
 def load_split(spec: DataSpec) -> Any:
     """One split of a local or Hub dataset, as a ``datasets.Dataset``."""
     import datasets  # lazy here and below: importing datasets costs ~0.4 s, paid only by the steps that read one
 
+    check_source(spec)
     path = Path(spec.dataset)
     if path.exists():
         if spec.config:
@@ -63,6 +88,10 @@ def load_split(spec: DataSpec) -> Any:
             return datasets.load_dataset(name, config or spec.config, split=spec.split)
         except OSError as err:
             raise not_found("dataset", spec.dataset, err) from None
+        except RuntimeError as err:  # a Hub repo that holds a loading script
+            if "scripts are no longer supported" not in str(err):
+                raise
+            raise DataError(f"the Hub dataset {spec.dataset!r} is a loading script: {SCRIPT_FIX}.") from None
         except ValueError as err:  # an unknown split or config
             raise DataError(f"dataset {spec.dataset!r}: {err} Choose with --split / --config.") from None
     if isinstance(loaded, datasets.Dataset):  # load_from_disk of a single split

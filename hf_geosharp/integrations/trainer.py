@@ -23,6 +23,7 @@ from transformers.trainer_callback import CallbackHandler, TrainerControl, Train
 from transformers.training_args import TrainingArguments
 
 from ..api import SharpnessResult
+from ..checks import check_inputs, check_labels_present
 from ..measures import Settings, parse_measures, result_fields, run_measures
 
 logger = logging.getLogger(__name__)
@@ -158,6 +159,9 @@ class GeodesicSharpnessCallback(TrainerCallback):
             size = self.batch_size or args.per_device_eval_batch_size
             with untouched_rng():  # a masking collator draws random numbers
                 self.batches = subset_batches(self._dataset, self.n_examples, size, self.seed, collate, keep)
+        # what the first measurement would refuse, refused now: before the training time is spent
+        check_labels_present(self.batches, args.label_names or ["labels"], type(self).__name__)
+        check_inputs(kwargs["model"], self.batches)
         self._last_step = None
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:

@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 
 from ..api import SharpnessResult, adaptive_sharpness, collected_convergence_notes, geodesic_sharpness
 from ..data import DataError, DataSpec, load_batches, load_model, load_processor, load_split, require_task
+from ..measures import no_symmetry_note
 from ..relative_flatness import relative_flatness
 from ..store import ResultStore, data_identity, fingerprint, model_identity
 from ..symmetry import map_symmetries
@@ -135,6 +136,8 @@ def _compute_missing(
     smap = None
     if any(m.kind in ("inv", "mix") and m.name in missing for m in measures):
         smap = map_symmetries(model)
+        if note := no_symmetry_note(smap, ref.name):
+            logger.warning(note)
     for m in measures:
         if m.name not in missing:
             continue
