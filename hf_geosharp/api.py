@@ -32,7 +32,7 @@ def geodesic_sharpness(
     rho: float = 0.1,
     metric: Literal["inv", "mix"] = "inv",
     mode: Mode = "worst",
-    steps: Steps = "auto",
+    steps: Steps = 20,
     seed: int = 0,
     epsilon: float = 1e-6,
     loss_fn: LossFn | None = None,
@@ -64,10 +64,11 @@ def geodesic_sharpness(
         rho: radius of the geodesic ball.
         metric: ``"inv"`` (paper Eq. 9) or ``"mix"`` (Eq. 10).
         mode: ``"worst"`` (Auto-PGD, ``steps`` iterations) or ``"average"`` (``n_samples`` Gaussian directions).
-        steps: ``"auto"`` (default): the worst case continues until its best point is stationary (Frank-Wolfe gap
-            at most ``tol``), then starts again from the antipode (and, if they disagree, from random points) until
-            two starts agree within ``tol``, within ``max_steps`` steps (docs/method.md, "Convergence"). An integer:
-            exactly that many steps from one start, as in AS23 (``converged`` then certifies stationarity only).
+        steps: solver iterations per batch (worst case), exactly that many from one start as in AS23;
+            ``converged`` then certifies that the best point is stationary (Frank-Wolfe gap at most ``tol``). Or
+            ``"auto"``: continue until the best point is stationary, then start again from the antipode (and, if
+            they disagree, from random points) until two starts agree within ``tol``, within ``max_steps`` steps
+            (docs/method.md, "Convergence").
         seed: seeds the average-case samples (per batch, independent of the process that solves it).
         epsilon: relative, group-covariant rank relaxation of ``G^T G`` and ``H^T H`` (about ``epsilon`` relative
             to each head's own spectrum); 0 for the exact metric (then rank-deficient heads are refused).
@@ -105,7 +106,7 @@ def adaptive_sharpness(
     *,
     rho: float = 0.1,
     mode: Mode = "worst",
-    steps: Steps = "auto",
+    steps: Steps = 20,
     seed: int = 0,
     variant: Literal["clean", "as23"] = "clean",
     loss_fn: LossFn | None = None,

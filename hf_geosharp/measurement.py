@@ -101,8 +101,8 @@ Args:
         "{",".join(DEFAULT_MEASURES)}". The older `metric=` ("inv,mix") and `baseline=` select the same.
     rho (`float`, default {DEFAULTS.rho}): radius of the perturbation ball.
     mode (`str`, default "{DEFAULTS.mode}"): "worst" (maximise the loss over the ball) or "average".
-    steps (`int` or "auto", default "{DEFAULTS.steps}"): "auto" runs the worst case until it is certified (stationary,
-        and a second start agrees; `config["results"][key]["converged"]`); an integer runs exactly that many steps.
+    steps (`int` or "auto", default {DEFAULTS.steps}): solver iterations per batch (worst case), or "auto": until the
+        worst case is certified (stationary, and a second start agrees); `config["results"][key]["converged"]`.
     n_samples (`int`, default {DEFAULTS.n_samples}): random directions per batch (average case).
     batch_size (`int`, default {DEFAULT_BATCH_SIZE}): examples per batch; values are averaged over batches.
     max_length (`int`, default {DEFAULT_MAX_LENGTH}): truncation length when tokenizing `predictions`.

@@ -67,7 +67,7 @@ class Settings:
     Attributes:
         rho: radius of the perturbation ball.
         mode: ``"worst"`` or ``"average"``.
-        steps: ``"auto"`` (continue until certified, docs/method.md) or solver iterations per batch (worst case).
+        steps: solver iterations per batch (worst case), or ``"auto"`` (continue until certified, docs/method.md).
         n_samples: random directions per batch (average case).
         seed: seeds every random draw (per batch, independent of the process that solves it).
         epsilon: relaxation of the geodesic metric's Gram matrices (``None``: the engine's default).
@@ -77,7 +77,7 @@ class Settings:
 
     rho: float = 0.1
     mode: str = "worst"
-    steps: Any = "auto"
+    steps: Any = 20
     n_samples: int = 20
     seed: int = 0
     epsilon: float | None = None

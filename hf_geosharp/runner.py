@@ -51,7 +51,7 @@ class RunSettings:
 
     rho: float
     mode: Mode = "worst"
-    steps: Steps = "auto"
+    steps: Steps = 20
     seed: int = 0
     params: Literal["all", "trainable"] = "all"
     n_samples: int = 20

@@ -48,8 +48,8 @@ def add_data_arguments(p: argparse.ArgumentParser, n_examples: int, batch_size: 
                    help="inv, mix, adaptive, relative_flatness (default: all)")
     p.add_argument("--mode", type=comma_list(("worst", "average")), default=["worst"], help="worst and/or average")
     p.add_argument("--rho", type=positive(float), default=0.1, help="perturbation radius (default: 0.1)")
-    p.add_argument("--steps", type=steps_arg, default="auto",
-                   help="solver steps per batch (worst case), or auto: until certified (default: auto)")
+    p.add_argument("--steps", type=steps_arg, default=20,
+                   help="solver steps per batch (worst case), or auto: until certified (default: 20)")
     p.add_argument("--n-samples", type=positive(int), default=20, help="random directions per batch, average case")
     p.add_argument("--epsilon", type=non_negative(float), default=1e-6, help="regulariser of the geodesic metric")
     p.add_argument("--seed", type=seed, default=0, help="seed of the example shuffle, solver and bootstrap")

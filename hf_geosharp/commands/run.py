@@ -145,7 +145,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--mode", choices=("worst", "average"), default=DEFAULTS.mode, help="worst or average case")
     p.add_argument("--rho", type=positive(float), default=DEFAULTS.rho, help="perturbation radius")
     p.add_argument("--steps", type=steps_arg, default=DEFAULTS.steps,
-                   help="solver steps per batch (worst case), or auto: until certified (default: auto)")
+                   help="solver steps per batch (worst case), or auto: until certified (default: 20)")
     p.add_argument("--n-samples", type=positive(int), default=DEFAULTS.n_samples,
                    help="random directions per batch (average case)")  # fmt: skip
     p.add_argument("--epsilon", type=non_negative(float), default=DEFAULTS.epsilon,

@@ -95,7 +95,7 @@ class Settings:
     """Solver settings shared by all measures (each is part of every result's fingerprint)."""
 
     rho: float = 0.1
-    steps: int | str = "auto"
+    steps: int | str = 20
     n_samples: int = 20
     seed: int = 0
     epsilon: float = 1e-6
