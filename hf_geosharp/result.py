@@ -21,8 +21,9 @@ class SharpnessResult:
         per_batch_clean_loss: the clean loss of each batch.
         measure: e.g. ``"geodesic_inv_worst"`` or ``"adaptive_clean_worst"``.
         config: every setting that determines the number (rho, steps, seed, epsilon, ...).
-        stderr: standard error of ``value``: over batches for the worst case (NaN with one batch); over batches
-            and samples for the average case and relative flatness (see :func:`average_stderr`).
+        stderr: standard error of ``value``: over batches for the worst case and exact relative flatness (NaN
+            with one batch); over batches and samples for the average case and sampled relative flatness (see
+            :func:`average_stderr`).
         converged: the certificate of the worst case (docs/method.md, "Convergence"): every batch's best point is
             stationary on the ball (its relative Frank-Wolfe gap is at most ``config["tol"]``) and, under
             ``steps="auto"``, a second start reached the same value within ``tol``. Always True for measures that
