@@ -4,7 +4,7 @@ Importing the package writes nothing and starts nothing: the evaluate module is 
 ``geosharp register`` (which ``scripts/install.sh`` runs), never as a side effect of ``import hf_geosharp``.
 """
 
-__version__ = "0.4.0"
+__version__ = "0.4.1"
 
 import os as _os  # noqa: E402
 

@@ -20,6 +20,7 @@ import logging
 import os
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
+from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ REQUIRED = {
 }
 MODEL_FILE_SUFFIXES = (".safetensors", ".bin", ".json", ".txt", ".model", ".tiktoken")  # what from_pretrained reads
 NOT_MODEL_FILES = ("training_args.bin", "trainer_state.json")  # written by Trainer next to a model; never read
+DATASETS_CACHE_FILES = "cache-*.arrow"  # datasets' name for the results of map/filter/shuffle on disk
 _CHUNK = 1 << 20
 
 
@@ -200,8 +202,9 @@ def data_identity(spec: Any, dataset: Any = None) -> dict[str, Any]:
     key: dict[str, Any] = {"spec": asdict(spec)}
     if path.is_file():
         key["content"] = file_digest(path)
-    elif path.is_dir():
-        key["content"] = tree_digest(path, [p for p in path.rglob("*") if p.is_file()])
+    elif path.is_dir():  # not the cache-*.arrow files datasets writes beside the data when another tool maps it
+        files = [p for p in path.rglob("*") if p.is_file() and not fnmatch(p.name, DATASETS_CACHE_FILES)]
+        key["content"] = tree_digest(path, files)
     elif dataset is not None:
         key["fingerprint"] = getattr(dataset, "_fingerprint", None)
     return key

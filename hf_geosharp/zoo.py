@@ -13,6 +13,13 @@ Cache layout (``$HF_GEOSHARP_CACHE/zoo``, default ``~/.cache/hf_geosharp/zoo``):
 
 A member folder appears atomically (trained in a temporary folder, then renamed), and it is reused only when its
 recorded fingerprint matches its config, so an interrupted or outdated build is simply redone.
+
+Training is chaotic: a last-bit difference in one matmul grows into a different model within a few hundred steps
+(measured: relative weight distance ~1 after 780 steps, in float32 and in float64 alike). Each machine's kernels round
+differently (thread count, AVX2 or AVX-512, MKL's and oneDNN's own dispatch), so the zoo is trained in a child process
+whose kernels are pinned to a portable baseline (:data:`PORTABLE_KERNELS`): the same weights, bit for bit, on any
+x86-64 CPU, whatever the caller's thread count (checked by switching this machine's kernels: AVX2 or AVX-512, MKL's
+instruction set, one or two threads; ``tests/test_leaderboard.py``).
 """
 
 from __future__ import annotations
@@ -22,6 +29,9 @@ import hashlib
 import json
 import logging
 import os
+import subprocess
+import sys
+import tempfile
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -38,13 +48,24 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-ZOO_VERSION = 1  # bump when training changes, so that cached members are retrained
+ZOO_VERSION = 2  # bump when training changes, so that cached members are retrained (2: portable kernels)
 N_TRAIN = 500  # of the 1797 digits; the remaining 1297 are the test split (small train set: real gaps)
 SPLIT_SEED = 0
 METRICS_FILE = "zoo_metrics.json"
 DIGITS_DIR = "digits"
 SPLIT_FILE = "zoo_split.json"
 ZooSize = Literal["mini", "full"]
+# The child process that trains the zoo runs on these: ATen's scalar baseline instead of its AVX2/AVX-512 kernels,
+# MKL's conditional numerical reproducibility (identical results whatever instructions the CPU has), oneDNN capped at
+# SSE4.1 (which every x86-64 CPU of the last 15 years has), one thread. Each of the four changes the trained weights
+# when left out (measured on zoo-06, whose 780 steps took 10-12 s with or without them on a busy machine).
+PORTABLE_KERNELS = {
+    "ATEN_CPU_CAPABILITY": "default",
+    "MKL_CBWR": "COMPATIBLE",
+    "ONEDNN_MAX_CPU_ISA": "SSE41",
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+}
 
 
 def cache_root() -> Path:
@@ -78,7 +99,8 @@ def zoo_members(size: ZooSize | int = "full") -> list[ZooMember]:
     """The zoo's member configs: ``"full"`` (20 models, the demo), ``"mini"`` (4 fast models, tests) or a count.
 
     Hyperparameters are drawn from a seeded generator, with the number of optimiser steps capped so that the whole full
-    zoo trains in about two minutes on two CPU cores. The mini zoo is hand-picked to span small and large gaps quickly.
+    zoo trains in a few minutes on two CPU cores (407 s on a busy 2-core machine). The mini zoo is hand-picked to span
+    small and large gaps quickly.
     """
     if size == "mini":
         return [
@@ -216,6 +238,8 @@ def train_member(member: ZooMember, data: dict[str, tuple[np.ndarray, np.ndarray
         "train_loss": train["loss"], "train_error": train["error"],
         "test_loss": test["loss"], "test_error": test["error"],
         "fit_loss": _metrics(model, x_train, y_fit)["loss"], "n_params": sum(p.numel() for p in model.parameters()),
+        "kernels": {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                    "threads": torch.get_num_threads()},
     }
     model.save_pretrained(folder)
     image_processor().save_pretrained(folder)
@@ -288,12 +312,51 @@ def build_zoo(
     todo = [m for m in members if not _cached(root / m.name, m)]
     if todo:
         logger.info("training %d of %d zoo models into %s (cached ones are reused)", len(todo), len(members), root)
-        data = digits_arrays()
-        with torch_threads(1):
-            for member in tqdm(todo, desc="training zoo", unit="model", disable=not progress):
-                with staged_dir(root / member.name) as tmp:
-                    metrics = train_member(member, data, tmp)
-                logger.debug(
-                    "%s: train error %.3f, test error %.3f", member.name, metrics["train_error"], metrics["test_error"]
-                )
+        with tqdm(total=len(todo), desc="training zoo", unit="model", disable=not progress) as bar:
+            for metrics in train_portably(todo, root):
+                bar.update()
+                logger.debug("%s: train error %.3f, test error %.3f", metrics["member"]["name"],
+                             metrics["train_error"], metrics["test_error"])
     return Zoo(root, members)
+
+
+def train_portably(members: list[ZooMember], root: Path) -> Iterator[dict]:
+    """Train ``members`` into ``root/<name>`` in a child process on :data:`PORTABLE_KERNELS`; yields each member's
+    metrics as it is saved. The environment is read by torch, MKL and oneDNN when they load, hence the child."""
+    package_parent = str(Path(__file__).resolve().parents[1])  # the child imports this very copy of the package
+    child_code = (f"import sys; sys.path.insert(0, {package_parent!r}); "
+                  f"from hf_geosharp.zoo import _train_members_here; _train_members_here({str(root)!r})")
+    command = [sys.executable, "-c", child_code]
+    env = {**os.environ, **PORTABLE_KERNELS}
+    with tempfile.TemporaryFile("w+") as errors, subprocess.Popen(
+        command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors, text=True, env=env
+    ) as child:
+        assert child.stdin is not None and child.stdout is not None
+        try:
+            child.stdin.write(json.dumps([asdict(m) for m in members]))
+            child.stdin.close()
+            for line in child.stdout:
+                if line.startswith(_METRICS_LINE):
+                    yield json.loads(line[len(_METRICS_LINE):])
+                elif line.strip():
+                    logger.debug("zoo training: %s", line.rstrip())
+        except BaseException:  # the consumer stopped early (an error, Ctrl-C, a closed generator): no orphan
+            child.kill()
+            raise
+        if child.wait() != 0:
+            errors.seek(0)
+            raise RuntimeError(f"training the zoo failed (exit {child.returncode}):\n{errors.read().strip()[-4000:]}")
+
+
+_METRICS_LINE = "zoo-metrics "  # marks the child's result lines among anything a library prints
+
+
+def _train_members_here(root: str) -> None:
+    """The child's side of :func:`train_portably`: member configs as JSON on stdin, one metrics line per member."""
+    members = [ZooMember(**m) for m in json.loads(sys.stdin.read())]
+    data = digits_arrays()
+    torch.set_num_threads(1)
+    for member in members:
+        with staged_dir(Path(root) / member.name) as tmp:
+            metrics = train_member(member, data, tmp)
+        print(_METRICS_LINE + json.dumps(metrics), flush=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 from pathlib import Path
 
@@ -39,3 +40,20 @@ def test_supported_versions_block_is_generated_from_the_records_and_the_floors()
         assert Version(Version(recorded[name]).base_version) == Version(floor), (
             f"{name}: pyproject.toml declares >={floor}, the floors run recorded {recorded[name]}: "
             "rerun bash scripts/compat.sh floors")
+
+
+def test_the_demo_table_is_the_recorded_demo_run():
+    """The README's leaderboard table is docs/results/demo_taus.json (the taus.json of a fresh geosharp demo),
+    rounded as printed: editing one without the other fails here."""
+    recorded = json.loads((REPO / "docs" / "results" / "demo_taus.json").read_text())
+    labels = {"geodesic inv (worst)": "geodesic_inv_worst", "geodesic mix (worst)": "geodesic_mix_worst",
+              "adaptive (clean solver, worst)": "adaptive_clean_worst",
+              "relative flatness (Petzka et al., exact)": "relative_flatness", "parameter norm (trivial)": "param_norm",
+              "clean training loss (trivial)": "clean_loss"}
+    section = README.split("\n### The embedded demo\n", 1)[1]
+    for label, key in labels.items():
+        t = recorded["taus"][key]
+        count = recorded["certified"].get(key)
+        row = (f"| {label} | {t['tau']:+.2f} | [{t['ci_low']:+.2f}, {t['ci_high']:+.2f}] | {t['p_value']:.2g} | "
+               f"{'-' if count is None else f'{count[0]} of {count[1]}'} |")
+        assert row in section, row

@@ -141,6 +141,24 @@ def test_fingerprints_follow_content_not_names(tmp_path, monkeypatch):
     assert data_identity(spec) != before
 
 
+def test_selecting_examples_writes_nothing_into_a_saved_dataset_and_keeps_its_identity(tmp_path):
+    """A second run must find the same data key: datasets' shuffle on a dataset loaded from disk would write
+    cache-*.arrow files into the folder, and a folder's key must not change with such files either."""
+    from hf_geosharp.data import load_split, select_examples
+    from hf_geosharp.zoo import export_digits
+
+    folder = export_digits(tmp_path / "digits")
+    spec = DataSpec(dataset=str(folder), split="train", n_examples=64, seed=3)
+    before, files = data_identity(spec), sorted(folder.rglob("*"))
+    chosen = select_examples(load_split(spec), spec)
+    assert len(chosen) == 64 and chosen[0] != load_split(spec)[0]  # shuffled, yet
+    assert sorted(folder.rglob("*")) == files  # nothing written beside the data
+    (folder / "train" / "cache-0123456789abcdef.arrow").write_bytes(b"written by another tool")
+    assert data_identity(spec) == before
+    (folder / "train" / "extra.arrow").write_bytes(b"data")
+    assert data_identity(spec) != before  # any other file is part of the data
+
+
 def test_hub_ids_are_fingerprinted_by_their_revision(tmp_path, monkeypatch):
     """Offline, the revision comes from the local cache: the snapshot a Hub id resolves to."""
     from huggingface_hub import constants

@@ -4,8 +4,8 @@ Trains (or reuses from the cache) the embedded zoo of small ViTs on scikit-learn
 leaderboard (geodesic inv and mix, adaptive; gap = test minus train error), and prints the table, the Kendall taus,
 the plot's path and a model-card snippet for the flattest model. Then the hide & seek section
 (:func:`hf_geosharp.hide.hide_and_seek`): every model moved along its symmetry group, randomly and adversarially,
-with the function unchanged; geodesic sharpness does not move, adaptive sharpness does. A second run reuses the
-cached zoo and results.
+with the function unchanged; geodesic sharpness does not move, adaptive sharpness does. The last line says which
+results are not certified. A second run reuses the cached zoo and results and measures nothing.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from ..cards import card_yaml, dataset_info, eval_result
 from ..data import DataSpec, load_batches, load_model, load_processor
 from ..durable import OutputPathError, check_writable
 from ..hide import hide_and_seek, seek_figure, seek_lines
-from ..leaderboard import GapSpec, ranked
+from ..leaderboard import GapSpec, Leaderboard, convergence_fix, ranked
 from ..measures import Settings
 from ..store import ResultStore, fingerprint, model_identity
 from ..zoo import build_zoo, cache_root, torch_threads
@@ -146,4 +146,19 @@ def run(args: argparse.Namespace) -> int:
     if not args.quiet:
         print(f"\nzoo: {len(zoo.members)} models in {zoo.root} ({trained - start:.0f} s); "
               f"leaderboard: {ranked_at - trained:.0f} s; hide & seek: {time.perf_counter() - ranked_at:.0f} s")
+        print(convergence_summary(board, args.steps))
     return EXIT_OK
+
+
+def convergence_summary(board: Leaderboard, steps: int | str) -> str:
+    """The demo's last line: whether every number of the leaderboard is certified, and which are not."""
+    total = sum(1 for records in board.results.values() for r in records if r is not None and "converged" in r)
+    if not (unconverged := board.not_converged()):
+        return f"convergence: all {total} results of the leaderboard are certified (steps={steps})"
+    by_measure: dict[str, list[str]] = {}
+    for model, measure in unconverged:
+        by_measure.setdefault(measure, []).append(model)
+    parts = [f"{measure} on {len(models)} of {len(board.rows)} models"
+             + (f" ({', '.join(models)})" if len(models) <= 5 else "") for measure, models in by_measure.items()]
+    return (f"convergence: {len(unconverged)} of {total} results are NOT certified at steps={steps}: "
+            f"{'; '.join(parts)}. Their values may be below the maximum ({convergence_fix(steps)}).")

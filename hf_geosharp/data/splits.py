@@ -173,6 +173,8 @@ def select_examples(ds: Any, spec: DataSpec) -> Any:
         logger.warning("--n-examples %d but split %r of %r has %d rows; using all %d.", n, spec.split, spec.dataset,
                        len(ds), len(ds))  # fmt: skip
         n = len(ds)
+    # in memory: on a dataset loaded from disk, datasets would otherwise write cache-*.arrow index files into the
+    # user's data folder
     if spec.shuffle:
-        ds = ds.shuffle(seed=spec.seed)
-    return ds.select(range(n))
+        ds = ds.shuffle(seed=spec.seed, keep_in_memory=True)
+    return ds.select(range(n), keep_in_memory=True)

@@ -16,10 +16,10 @@ One job per module: :mod:`.inputs` (models, measures, settings, gap), :mod:`.run
 
 from .inputs import KINDS, GapMetric, GapSpec, Kind, Measure, Mode, ModelRef, Settings, read_gap_file, resolve_models
 from .report import markdown, ranked, scatter_plot, table_markdown, taus_markdown, write_csv, write_outputs
-from .run import TRIVIAL, Leaderboard, evaluate_split, run_leaderboard
+from .run import TRIVIAL, Leaderboard, convergence_fix, evaluate_split, run_leaderboard
 from .statistics import MIN_MODELS_FOR_CI, kendall_taus
 
 __all__ = ["KINDS", "MIN_MODELS_FOR_CI", "TRIVIAL", "GapMetric", "GapSpec", "Kind", "Leaderboard", "Measure",
-           "ModelRef", "Mode", "Settings", "evaluate_split", "kendall_taus", "markdown", "ranked", "read_gap_file",
-           "resolve_models", "run_leaderboard", "scatter_plot", "table_markdown", "taus_markdown", "write_csv",
-           "write_outputs"]
+           "ModelRef", "Mode", "Settings", "convergence_fix", "evaluate_split", "kendall_taus", "markdown", "ranked",
+           "read_gap_file", "resolve_models", "run_leaderboard", "scatter_plot", "table_markdown", "taus_markdown",
+           "write_csv", "write_outputs"]

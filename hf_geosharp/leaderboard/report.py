@@ -40,10 +40,12 @@ def taus_markdown(board: Leaderboard) -> str:
         return ""
     lines = [f"Kendall tau against the generalisation gap (test minus train {board.gap_metric}), "
              f"{len(board.rows)} models, bootstrap 95 % interval:", "",
-             "| predictor | tau | 95 % CI | p-value |", "|---|---|---|---|"]
+             "| predictor | tau | 95 % CI | p-value | certified |", "|---|---|---|---|---|"]
     for name, t in board.taus.items():
         ci = f"[{_fmt(t['ci_low'], '+.3f')}, {_fmt(t['ci_high'], '+.3f')}]"
-        lines.append(f"| {name} | {_fmt(t['tau'], '+.3f')} | {ci} | {_fmt(t['p_value'], '.3g')} |")
+        certified = board.certified(name)
+        count = "-" if certified is None else f"{certified[0]} of {certified[1]}"
+        lines.append(f"| {name} | {_fmt(t['tau'], '+.3f')} | {ci} | {_fmt(t['p_value'], '.3g')} | {count} |")
     return "\n".join(lines) + "\n"
 
 
@@ -90,7 +92,8 @@ def write_outputs(board: Leaderboard, out_dir: Path) -> dict[str, Path]:
     write_csv(board, paths["csv"])
     if board.taus:
         paths["taus"] = out_dir / "taus.json"
-        write_json(paths["taus"], {"gap_metric": board.gap_metric, "taus": board.taus})
+        certified = {name: list(count) for name in board.measures if (count := board.certified(name)) is not None}
+        write_json(paths["taus"], {"gap_metric": board.gap_metric, "taus": board.taus, "certified": certified})
         paths["plot"] = out_dir / "scatter.png"
         scatter_plot(board, paths["plot"])
     return paths

@@ -69,6 +69,19 @@ class Leaderboard:
     def predictors(self) -> list[str]:
         return [*self.measures, *TRIVIAL]
 
+    def certified(self, measure: str) -> tuple[int, int] | None:
+        """How many of ``measure``'s results are certified converged, of how many (None for a trivial predictor)."""
+        if measure not in self.measures:
+            return None
+        i = self.measures.index(measure)
+        flags = [records[i].get("converged") for records in self.results.values() if records[i] is not None]
+        return sum(flag is not False for flag in flags), len(flags)
+
+    def not_converged(self) -> list[tuple[str, str]]:
+        """(model, measure) of every worst-case result that is not certified converged, computed or cached."""
+        return [(model, record["measure"]) for model, records in self.results.items() for record in records
+                if record is not None and record.get("converged") is False]
+
 
 def run_leaderboard(
     models: list[ModelRef],
@@ -95,7 +108,6 @@ def run_leaderboard(
     rows, results = [], {}
     todo = len(models) * (len(measures) + 1 + (gap is not None and gap_table is None))
     bar = tqdm(total=todo, desc="leaderboard", unit="result", disable=not progress)
-    not_converged = 0
     for ref in models:
         model = model_identity(ref.source)
         keys = {m.name: fingerprint(kind="measure", model=model, measure=m.name, data=data_key, **asdict(settings))
@@ -107,21 +119,25 @@ def run_leaderboard(
         missing = [k for k, key in keys.items() if store.get(key) is None]
         bar.update(len(keys) - len(missing))
         if missing:
-            with collected_convergence_notes() as notes:  # one summary line below, not a warning per result
+            with collected_convergence_notes():  # one summary line below, not a warning per result
                 _compute_missing(ref, data, measures, settings, gap, store, keys, missing, bar, trust_remote_code)
-            not_converged += len(notes)
         rows.append(_row(ref, measures, store, keys, gap, gap_table))
         results[ref.name] = [store.get(keys[m.name]) for m in measures]
     bar.close()
-    if not_converged:
-        fix = "use --steps auto" if settings.steps != "auto" else "a lower --rho is certified more easily"
-        logger.warning("%d of the results computed in this run are not converged at steps=%s (not certified as the "
-                       "maximum; each stored record says so in 'converged' and why in 'convergence_note'); %s.",
-                       not_converged, settings.steps, fix)
     board = Leaderboard(rows, [m.name for m in measures], gap.metric if gap is not None else None, results)
+    if unconverged := board.not_converged():
+        logger.warning("%d of the worst-case results are not converged at steps=%s (not certified as the maximum; "
+                       "each stored record says so in 'converged' and why in 'convergence_note'); %s.",
+                       len(unconverged), settings.steps, convergence_fix(settings.steps))
     if gap is not None:
         board.taus = kendall_taus(rows, board.predictors, seed=settings.seed)
     return board
+
+
+def convergence_fix(steps: int | str) -> str:
+    """What to change when some worst-case results are not certified at ``steps``."""
+    return ("--steps auto continues until certified or says why not" if steps != "auto"
+            else "a lower --rho is certified more easily")
 
 
 def _compute_missing(
