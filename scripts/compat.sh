@@ -2,6 +2,8 @@
 # Install hf_geosharp into .compat/KIND and run the compatibility subset there (CI runs both kinds):
 #   bash scripts/compat.sh floors   # every dependency at the lower bound pyproject.toml declares (uv lowest-direct)
 #   bash scripts/compat.sh newest   # every dependency at its newest release
+# "Every dependency" is the core ones and those of the extras (hf_geosharp[space,test]: gradio, pandas, peft,
+# gradio_client, playwright, ruff, setuptools, pytest, pytest-timeout), each at the same resolution.
 # torch is the 2.13.0 CPU wheel in both (otherwise a resolver pulls a multi-GB CUDA build). The installed versions go
 # to .ci/versions/KIND.txt (scripts/supported_versions.py); for floors, a version other than the declared floor fails.
 set -euo pipefail
@@ -12,8 +14,9 @@ case "$kind" in
     newest) resolution=highest ;;
     *) echo "usage: bash scripts/compat.sh floors|newest" >&2; exit 2 ;;
 esac
-# The subset: import and optional imports, the CLI (help and runs), the evaluate module, cards, the Trainer callback
-# and the README's example (not its versions block: the newest releases change it).
+# The subset: import and optional imports, the CLI (help and runs), the evaluate module, cards, the Trainer callback,
+# the README's example (not its versions block: the newest releases change it), the Space (exported with setuptools,
+# installed into a fresh venv, driven through gradio_client and Debian's chromium via playwright) and PEFT LoRA.
 TESTS=(
     tests/test_optional_imports.py
     tests/test_readme.py::test_the_python_example_runs_as_written
@@ -21,6 +24,10 @@ TESTS=(
     tests/test_evaluate_module.py
     tests/test_cards.py
     tests/test_integrations.py
+    tests/test_gradio_space.py
+    tests/test_symmetry_mapping.py::test_lora_pairs_and_trainable_scope
+    tests/test_symmetry_report.py::test_healthy_model_has_no_warnings_and_zero_lora_factor_is_flagged
+    "tests/test_symmetry_sharpness.py::test_geodesic_sharpness_is_invariant_under_reparametrization[lora-inv]"
 )
 venv=".compat/$kind"
 rm -rf "$venv"
@@ -31,9 +38,11 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 "$venv/bin/pip" install -q uv
 echo "torch==2.13.0" > "$venv/torch.txt"
 "$venv/bin/uv" pip install -q --python "$venv/bin/python" --resolution "$resolution" --override "$venv/torch.txt" \
-    -e . "pytest>=8" "pytest-timeout>=2.3"
+    -e ".[space,test]"
 "$venv/bin/python" scripts/supported_versions.py record "$kind"
 export HF_HOME="$PWD/$venv/hf_home"
+export HF_HUB_OFFLINE=1 HF_EVALUATE_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 GRADIO_ANALYTICS_ENABLED=False
 "$venv/bin/geosharp" --help >/dev/null
 "$venv/bin/geosharp" register >/dev/null
+"$venv/bin/ruff" check .  # the test extra's ruff
 "$venv/bin/python" -m pytest -q -p no:cacheprovider "${TESTS[@]}"

@@ -83,8 +83,8 @@ def build_wheel(root: Path, out_dir: Path) -> Path:
                                "--no-index", "-w", str(staging), tmp], capture_output=True, text=True)
         wheels = sorted(staging.glob("hf_geosharp-*.whl"))
         if proc.returncode != 0 or len(wheels) != 1:
-            raise ExportError(f"building the wheel failed (it needs setuptools>=77 in this environment: "
-                              f"pip install 'setuptools>=77'): {proc.stderr.strip()[-2000:]}")
+            raise ExportError(f"building the wheel failed (it needs setuptools>=77.0.3 in this environment: "
+                              f"pip install 'setuptools>=77.0.3'): {proc.stderr.strip()[-2000:]}")
         out_dir.mkdir(parents=True, exist_ok=True)
         return write_bytes(out_dir / wheels[0].name, wheels[0].read_bytes())
 
