@@ -70,8 +70,17 @@ def scatter_plot(board: Leaderboard, path: Path) -> None:
     fig = Figure(figsize=(3.2 * len(names), 3.2))
     axes = fig.subplots(1, len(names), squeeze=False, sharey=True)
     gap = [r["gap"] for r in board.rows]
+    uncertified = set(board.not_converged())
     for ax, name in zip(axes[0], names):
-        ax.scatter([r[name] for r in board.rows], gap, s=18, color="#c44e52" if name in TRIVIAL else "#4c72b0")
+        color = "#c44e52" if name in TRIVIAL else "#4c72b0"
+        hollow = [(r["model"], name) in uncertified for r in board.rows]  # a lower bound, not the maximum
+        for flag, face in ((False, color), (True, "none")):
+            points = [(r[name], g) for r, g, h in zip(board.rows, gap, hollow) if h == flag]
+            if points:
+                ax.scatter(*zip(*points), s=18, facecolors=face, edgecolors=color,
+                           label="not certified" if flag else None)
+        if any(hollow):
+            ax.legend(fontsize=7, loc="best")
         t = board.taus[name]
         ci = f"[{_fmt(t['ci_low'], '+.2f')}, {_fmt(t['ci_high'], '+.2f')}]"
         ax.set_title(f"{name}\n\u03c4 = {_fmt(t['tau'], '+.2f')} {ci}", fontsize=9)
