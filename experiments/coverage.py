@@ -58,12 +58,14 @@ _SHRINK = {
     **dict.fromkeys(("num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num"), 2),
     **dict.fromkeys(("head_dim", "d_kv", "kv_channels", "attention_head_size", "qk_nope_head_dim",
                      "qk_rope_head_dim", "v_head_dim"), 8),
+    "qk_head_dim": 16,  # MLA: qk_nope_head_dim + qk_rope_head_dim
     **dict.fromkeys(("num_hidden_layers", "n_layer", "num_layers", "n_layers", "encoder_layers", "decoder_layers",
                      "num_encoder_layers", "num_decoder_layers", "text_layers", "vision_layers"), 2),
     **dict.fromkeys(("intermediate_size", "ffn_dim", "d_ff", "n_inner", "encoder_ffn_dim", "decoder_ffn_dim",
                      "hidden_dim", "mlp_dim"), 64),
     **dict.fromkeys(("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts"), 4),
     "num_experts_per_tok": 2,
+    **dict.fromkeys(("n_group", "topk_group"), 1),  # expert groups must divide the shrunk experts
     "vocab_size": VOCAB,
     **dict.fromkeys(("max_position_embeddings", "n_positions", "max_target_positions"), 128),
     "max_source_positions": 32,
@@ -94,6 +96,14 @@ def _shrink(values: dict[str, Any]) -> dict[str, Any]:
             out[key] = [v if v < VOCAB - 16 else VOCAB - 1 for v in value]
         else:
             out[key] = value
+    if "kv_lora_rank" in out:  # MLA: kv_b_proj makes one key per query head; RoPE acts on qk_rope_head_dim only
+        if isinstance(out.get("num_key_value_heads"), int):
+            out["num_key_value_heads"] = out.get("num_attention_heads")
+        factor = (out.get("rope_parameters") or {}).get("partial_rotary_factor") or 1.0
+        if isinstance(out.get("head_dim"), int) and isinstance(out.get("qk_rope_head_dim"), int):
+            out["head_dim"] = int(out["qk_rope_head_dim"] / factor)
+    if out.get("num_experts_per_tok", 0) is None and any(out.get(k) for k in ("n_routed_experts", "num_experts")):
+        out["num_experts_per_tok"] = 2
     layers = out.get("num_hidden_layers")
     if isinstance(layers, int) and isinstance(out.get("layer_types"), list) and len(out["layer_types"]) > layers:
         out["layer_types"] = out["layer_types"][:layers]

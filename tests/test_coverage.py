@@ -9,7 +9,8 @@ from experiments import coverage
 
 @pytest.mark.parametrize("model_type,layout", [("bert", "separate q/k/v"),
                                                ("gpt_bigcode", "GPTBigCode multi-query [Q | K | V]"),
-                                               ("deberta-v2", "DeBERTa-v2 disentangled")])
+                                               ("deberta-v2", "DeBERTa-v2 disentangled"),
+                                               ("deepseek_v3", "multi-head latent attention")])
 def test_mapped_types_pass_the_probe_and_the_control_is_visible(model_type, layout):
     row = coverage.examine(model_type)
     assert row["status"] == "mapped" and row["layouts"] == [layout]

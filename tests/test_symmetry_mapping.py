@@ -12,6 +12,8 @@ from .fixtures.architectures import ARCHITECTURES, build
 
 # transformers casts q and k to float32 inside GPT-J's and GPT-Neo's eager attention, even for float64 models
 FLOAT32_INSIDE = {"gptj_interleaved": 1e-5, "gpt_neo": 1e-5}
+# and DeepSeek-V2's complex RoPE rotates q and k in float32
+FLOAT32_INSIDE["deepseek_v2_mla_qproj"] = 1e-5
 
 
 def _outputs(model: torch.nn.Module, batch: dict) -> torch.Tensor:
@@ -54,7 +56,9 @@ def test_reparametrization_moves_weights_but_not_outputs(arch):
 
 @pytest.mark.parametrize("arch,kind,wrong", [("llama_gqa", "qk", "full GL"), ("phi_partial", "qk", "full GL"),
                                              ("gptj_interleaved", "qk", "rotate_half pairing"),
-                                             ("roformer_rotary_value", "vo", "full GL")])
+                                             ("roformer_rotary_value", "vo", "full GL"),
+                                             ("deepseek_v3_mla", "qk", "full GL"),
+                                             ("deepseek_v3_mla", "qk", "rotate_half pairing")])
 def test_the_probe_catches_a_wrong_rope_group(arch, kind, wrong):
     """Guards the probe's power: the commutant is needed, and the pairing of rotary dims matters."""
     from hf_geosharp.geometry.lie import rope_commutant_basis
@@ -105,11 +109,16 @@ EXPECTED = {
     "deberta_v2_shared": _orbit(1, 2, 2, 8, None),  # position terms reuse W_q, W_k
     "deberta_v2_separate": _orbit(1, 2, 2, 8, None),  # pos_query_proj in G, pos_key_proj in H
     "deberta": _orbit(1, 2, 2, 8, None),
+    # MLA: 4 heads x GL(6) on the nope blocks, one RoPE commutant (dim 4) shared by all heads, 4 x GL(10) on VO
+    "deepseek_v3_mla": (4 + 1, 4, 4 * 36 + 4 + 4 * 100),
+    "deepseek_v2_mla_qproj": (4 + 1, 4, 4 * 36 + 4 + 4 * 100),
 }
 
 # rows of one QK pair's G and H (weights + bias rows), read off the layouts: position projections add rows
 QK_ROWS = {"gpt_bigcode_mqa": (4 * 33, 33), "deberta_v2_shared": (17, 17), "deberta_v2_separate": (34, 34),
-           "deberta": (34, 32)}  # DeBERTa v1: q_bias + pos_q_proj bias on G; no key or pos_proj bias on H
+           "deberta": (34, 32),  # DeBERTa v1: q_bias + pos_q_proj bias on G; no key or pos_proj bias on H
+           # MLA's nope pair: q_b_proj's input is the q latent (12), q_proj's the hidden state (32); keys kv_lora_rank
+           "deepseek_v3_mla": (12, 10), "deepseek_v2_mla_qproj": (32, 10)}
 
 
 @pytest.mark.parametrize("arch", sorted(QK_ROWS))

@@ -209,10 +209,13 @@ class _PairBuilder:
                            "redundant beyond the GL orbit", lay.module)
             self._add(PairBlock("qk", lay.module, g_index, h_index, basis, labels, note),
                       self._params(lay.q, *lay.q_more, lay.k, lay.k_extra, *lay.k_more))
+        if lay.rope_part is not None:
+            self._add_rope_part(lay)
         if lay.v.lora or lay.o.lora:
             self._note("LoRA on v/o: the VO pair is left unmapped because a LoRA factor cannot belong to two groups; "
                        "the adapters' (B, A) pairs are mapped instead", lay.module)
             return
+        d = lay.vo_head_dim
         g_index = torch.stack([self._rows(lay.v, g, d, lay.v_extra) for g in range(lay.n_kv)])
         h_index = torch.stack([torch.cat([lay.o.weight[:, i * d:(i + 1) * d] for i in grp]) for grp in groups])
         basis, note = None, f"{lay.layout}; GL({d})"
@@ -221,6 +224,25 @@ class _PairBuilder:
             note = f"{lay.layout}; values are rotated too: GL({d}) reduced to the commutant of the rotations"
         self._add(PairBlock("vo", lay.module, g_index, h_index, basis, labels, note),
                   self._params(lay.v, lay.v_extra) + [lay.o.params[0]])
+
+    def _add_rope_part(self, lay: AttentionLayout) -> None:
+        """One QK pair over all heads for MLA's decoupled RoPE slices: ``G`` stacks every head's rotated query rows,
+        ``H`` is the rotated key that all heads share, so one element of the RoPE commutant acts on all of them."""
+        part = lay.rope_part
+        r = part.k.out_features
+        if part.q.lora or part.k.lora:
+            return
+        g_index = torch.cat([self._rows(part.q, i, r, None) for i in range(lay.n_heads)])[None]
+        h_index = self._rows(part.k, 0, r, None)[None]
+        basis, note = None, f"{lay.layout}; decoupled RoPE part (key shared by all heads): GL({r})"
+        if part.rope is not None:
+            rotary_dim, interleaved = part.rope
+            basis = rope_commutant_basis(r, rotary_dim, interleaved=interleaved)
+            pairing = "(2j, 2j+1)" if interleaved else "(j, j+r/2)"
+            note = (f"{lay.layout}; decoupled RoPE part (key shared by all heads), pairs {pairing}: GL({r}) reduced "
+                    f"to the commutant of the rotations (dim {basis.shape[0]})")
+        self._add(PairBlock("qk", lay.module, g_index, h_index, basis, [f"{lay.module} RoPE part (all heads)"], note),
+                  self._params(part.q, part.k))
 
     def add_lora(self, name: str, module: nn.Module, smap: SymmetryMap) -> None:
         """One GL(r) pair ``(G, H) = (B, A^T)`` per adapter: the update ``B A`` is all the model sees."""

@@ -46,7 +46,7 @@ def _config_of(holders: list[nn.Module], ctx: LayoutContext) -> object:
     return ctx.config
 
 
-def _source(obj: object) -> str:
+def source(obj: object) -> str:
     try:
         return inspect.getsource(obj)
     except (OSError, TypeError):
@@ -63,18 +63,18 @@ def _rope(holders: list[nn.Module], config: object, head_dim: int) -> tuple[int,
     if getattr(config, "alibi", False):
         return None
     classes = {type(h) for h in holders}
-    if not any(word in _source(cls.forward) for cls in classes for word in _ROPE_WORDS):
+    if not any(word in source(cls.forward) for cls in classes for word in _ROPE_WORDS):
         return None
     rotary_dim = _rotary_dim(holders, config, head_dim)
     # pairs (2j, 2j+1) instead of rotate_half's (j, j + r/2): GPT-J, RoFormer, Cohere, gpt-oss, SAM3's 2-D RoPE
-    sources = [src for cls in classes for src in [_source(cls), *_rotary_helpers(cls)]]
+    sources = [src for cls in classes for src in [source(cls), *rotary_helpers(cls)]]
     interleaved = any(word in src for src in sources for word in ("rotate_every_two", "rotate_pairwise", "::2]"))
     if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > head_dim:
         raise Unmappable(f"rotary dimension {rotary_dim} is not even and within head_dim {head_dim}")
     return rotary_dim, interleaved
 
 
-def _rotary_helpers(cls: type, depth: int = 3) -> list[str]:
+def rotary_helpers(cls: type, depth: int = 3) -> list[str]:
     """Sources of the rotary helpers the class's forward calls, followed through the helpers they call.
 
     Only functions whose name mentions rot/rope are followed, so a file that holds a second RoPE style for another
@@ -82,12 +82,12 @@ def _rotary_helpers(cls: type, depth: int = 3) -> list[str]:
     """
     namespace = vars(sys.modules[cls.__module__])
     seen: dict[str, str] = {}
-    frontier = [_source(cls.forward)]
+    frontier = [source(cls.forward)]
     for _ in range(depth):
         called = {n for src in frontier for n in re.findall(r"\b([A-Za-z_]\w*)\s*\(", src)}
         new = [n for n in called if n not in seen and ("rot" in n.lower() or "rope" in n.lower())
                and inspect.isfunction(namespace.get(n))]
-        frontier = [seen.setdefault(n, _source(namespace[n])) for n in new]
+        frontier = [seen.setdefault(n, source(namespace[n])) for n in new]
     return list(seen.values())
 
 
@@ -108,7 +108,7 @@ def _rotary_dim(holders: list[nn.Module], config: object, head_dim: int) -> int:
 
 def _qk_norm(holders: list[nn.Module], head_dim: int) -> str | None:
     """Why QK is not GL-symmetric when q/k are normalised, or ``None`` without qk-norm."""
-    if any(re.search(r"\bnormalize\(", _source(type(h).forward)) for h in holders):
+    if any(re.search(r"\bnormalize\(", source(type(h).forward)) for h in holders):
         raise Unmappable("the forward calls normalize(...) on q/k or on the heads' output (cosine attention, "
                          "YOSO); a parameter-free normalisation breaks GL(h), so nothing is mapped")
     for holder in holders:
@@ -134,11 +134,12 @@ def finish_layout(name: str, layout: str, holders: list[nn.Module], ctx: LayoutC
     """The checked layout of recognised projections, with head counts, RoPE and qk-norm read off ``holders`` (the
     attention module and the one holding q, if that is a child); every adapter ends here."""
     config = _config_of(holders, ctx)
-    n_heads = o.weight.shape[1] // head_dim
+    n_heads = o.weight.shape[1] // (extra.get("v_head_dim") or head_dim)
     n_kv = k.out_features // head_dim
     result = AttentionLayout(name, layout, q, k, v, o, n_heads, n_kv, head_dim, **extra)
     result.validate()
-    result.rope = _rope(holders, config, head_dim)
+    # with a decoupled RoPE part (MLA) the rotation acts there, not on the head_dim block of q and k
+    result.rope = None if result.rope_part is not None else _rope(holders, config, head_dim)
     result.rope_on_values = result.rope is not None and any(getattr(h, "rotary_value", False) for h in holders)
     result.qk_norm = _qk_norm(holders, head_dim)
     _check_accounted(holders[-1], result)
@@ -152,8 +153,10 @@ def _check_accounted(holder: nn.Module, lay: AttentionLayout) -> None:
     from the values) may act between the projections and break the group action; a fallback is safe, a wrong map
     is not. QK norms are handled by :func:`_qk_norm`, and :data:`_SAFE_EXTRAS` are known to leave the action alone.
     """
-    known = {id(p) for proj in (lay.q, lay.k, lay.v, lay.o, lay.k_extra, lay.v_extra, *lay.q_more, *lay.k_more)
-             if proj is not None for p in proj.params}
+    rope_part = () if lay.rope_part is None else (lay.rope_part.q, lay.rope_part.k)
+    known = {id(p) for proj in (lay.q, lay.k, lay.v, lay.o, lay.k_extra, lay.v_extra, *lay.q_more, *lay.k_more,
+                                *rope_part) if proj is not None for p in proj.params}
+    known |= {id(p) for p in lay.latent}
     for name in _QK_NORM_NAMES:
         norm = getattr(holder, name, None)
         if isinstance(norm, nn.Module):
