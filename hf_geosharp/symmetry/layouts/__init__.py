@@ -16,7 +16,7 @@ declares each such overlap.
 from __future__ import annotations
 
 from .deberta import deberta, deberta_v2
-from .fused import falcon, fused_blocks, gpt2_conv1d, gpt_bigcode, interleaved_qkv, multihead_attention
+from .fused import codegen, falcon, fused_blocks, gpt2_conv1d, gpt_bigcode, interleaved_qkv, multihead_attention
 from .latent import latent_attention
 from .layout import Adapter, AttentionLayout, DecoupledRope, LayoutContext, Proj, Unmappable, is_lora_layer, unwrap_lora
 from .separate import separate_qkv
@@ -35,6 +35,7 @@ PRECEDES: dict[Adapter, tuple[Adapter, ...]] = {
     falcon: (interleaved_qkv,),
     interleaved_qkv: (),
     fused_blocks: (),
+    codegen: (),
     # separate projections plus position projections that must stack onto the QK pair; the names differ from every
     # separate q/k/v path today, and the order keeps a new path from mapping DeBERTa-v2 without its position terms
     deberta_v2: (separate_qkv,),
@@ -71,6 +72,7 @@ __all__ = [
     "LayoutContext",
     "Proj",
     "Unmappable",
+    "codegen",
     "deberta",
     "deberta_v2",
     "falcon",

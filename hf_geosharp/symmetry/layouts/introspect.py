@@ -14,6 +14,7 @@ from torch import nn
 from .layout import AttentionLayout, LayoutContext, Proj, Unmappable
 
 _HEAD_DIM_ATTRS = ("head_dim", "attention_head_size", "head_size", "key_value_proj_dim")
+_N_HEADS_ATTRS = ("num_heads", "num_attention_heads", "n_heads", "heads", "n_head")
 _QK_NORM_NAMES = ("q_norm", "k_norm", "q_layernorm", "k_layernorm", "query_layernorm", "key_layernorm", "q_ln", "k_ln",
                   "qk_norm")
 # parameters inside an attention module that provably leave the GL action alone: they add to the scores
@@ -22,16 +23,34 @@ _QK_NORM_NAMES = ("q_norm", "k_norm", "q_layernorm", "k_layernorm", "query_layer
 _SAFE_EXTRAS = {"relative_attention_bias": "relative-position score bias", "sinks": "attention sinks",
                 "relative_position_bias_table": "relative-position score bias table",
                 "LayerNorm": "residual LayerNorm after the output projection (ALBERT)"}
+# parameters that sit inside the score or between the heads and the output, with the operation that breaks GL(h)
+_BREAKING_EXTRAS = {
+    name: why for names, why in (
+        (("rel_pos_h", "rel_pos_w"), "decomposed relative-position tables multiplied by q (SAM's q . R_h + q . R_w): "
+                                     "the tables would have to move with the key side of the group"),
+        (("pos_bias_u", "pos_bias_v", "linear_pos"), "Transformer-XL relative positions ((q + u) . k + (q + v) . "
+                                                     "W_pos p): u, v and W_pos would have to move with the pair"),
+        (("distance_embedding",), "relative-position key embeddings multiplied by q (Shaw et al.: q . r_(i-j)): the "
+                                  "embedding table would have to move with the key side of the group"),
+        (("attn_sub_norm",), "a norm on the heads' output before the output projection"),
+    ) for name in names
+}
 _ROPE_WORDS = ("rotary", "rotate_half", "rotate_every_two", "apply_rope")
 
 
-def find_head_dim(holders: list[nn.Module], config: object) -> int:
-    """The head size the modules store (under any of the usual names), else the config's."""
+def find_head_dim(holders: list[nn.Module], config: object, width: int | None = None) -> int:
+    """The head size the modules store (under any of the usual names), else ``width`` (the output projection's
+    input units) over the head count the modules store, else the config's."""
     for holder in holders:
         for attr in _HEAD_DIM_ATTRS:
             value = getattr(holder, attr, None)
             if isinstance(value, int) and value > 0:
                 return value
+    for holder in holders:
+        for attr in _N_HEADS_ATTRS:
+            heads = getattr(holder, attr, None)
+            if isinstance(heads, int) and heads > 0 and width and width % heads == 0:
+                return width // heads
     for attr in ("head_dim", "d_kv"):
         value = getattr(config, attr, None)
         if isinstance(value, int) and value > 0:
@@ -106,6 +125,24 @@ def _rotary_dim(holders: list[nn.Module], config: object, head_dim: int) -> int:
     return int(head_dim * factors.pop())
 
 
+def _called_sources(cls: type) -> list[str]:
+    """The forward's source and the sources of the module-level functions it calls (one level)."""
+    namespace = vars(sys.modules[cls.__module__])
+    forward = source(cls.forward)
+    called = set(re.findall(r"\b([A-Za-z_]\w*)\s*\(", forward))
+    return [forward] + [source(namespace[n]) for n in sorted(called) if inspect.isfunction(namespace.get(n))]
+
+
+def _refuse_pooled_queries(holders: list[nn.Module]) -> None:
+    """Refuse a forward that max-pools q, k or v (Hiera's mask-unit attention, SAM-2's query pooling): a max over
+    positions taken coordinate by coordinate does not commute with a change of basis of the head."""
+    for holder in holders:
+        pooled = any(isinstance(m, (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d)) for m in holder.children())
+        if pooled or any(re.search(r"max_pool|\.max\(dim=|\.amax\(", src) for src in _called_sources(type(holder))):
+            raise Unmappable("the forward max-pools the queries (or keys/values) over positions: a coordinatewise "
+                             "max does not commute with GL(h), so nothing is mapped")
+
+
 def _qk_norm(holders: list[nn.Module], head_dim: int) -> str | None:
     """Why QK is not GL-symmetric when q/k are normalised, or ``None`` without qk-norm."""
     if any(re.search(r"\bnormalize\(", source(type(h).forward)) for h in holders):
@@ -142,6 +179,7 @@ def finish_layout(name: str, layout: str, holders: list[nn.Module], ctx: LayoutC
     result.rope = None if result.rope_part is not None else _rope(holders, config, head_dim)
     result.rope_on_values = result.rope is not None and any(getattr(h, "rotary_value", False) for h in holders)
     result.qk_norm = _qk_norm(holders, head_dim)
+    _refuse_pooled_queries(holders)
     _check_accounted(holders[-1], result)
     return result
 
@@ -166,6 +204,10 @@ def _check_accounted(holder: nn.Module, lay: AttentionLayout) -> None:
                and not any(part == "base_layer" or part.startswith("lora_") for part in n.split("."))]  # PEFT
     if unknown:
         shown = ", ".join(unknown[:4]) + (", ..." if len(unknown) > 4 else "")
+        known_why = [_BREAKING_EXTRAS[n.split(".")[0]] for n in unknown if n.split(".")[0] in _BREAKING_EXTRAS]
+        if known_why and len(known_why) == len(unknown):
+            why = "; ".join(dict.fromkeys(known_why))
+            raise Unmappable(f"{why} ({shown}); not mapped")
         raise Unmappable(f"parameters no projection explains ({shown}) may act between q/k/v and the output "
                          "(a norm, a gate, a mask from the values), so the group action is not proven; not mapped")
 
