@@ -2,7 +2,9 @@
 
 For each model type of ``CONFIG_MAPPING_NAMES`` the sweep builds a tiny random instance from its default config
 (sizes shrunk generically: hidden 32, 4 heads of 8, 2 KV heads where the config has them, 2 layers, vocabulary 128,
-eager attention, float64; nested text/vision/audio configs alike), maps it with :func:`hf_geosharp.map_symmetries`
+eager attention, float64; nested text/vision/audio configs alike; per-layer entries cut to the layers kept; where
+the config's validators or the model's constructor refuse the result, :func:`_repair` changes the field the message
+names), maps it with :func:`hf_geosharp.map_symmetries`
 and runs the functional probe: after ``reparametrize(condition=100)`` every output must agree with the original to
 ``PROBE_TOL`` (relative). A negative control (the group element applied to ``G`` only, a deliberately wrong action)
 must move the outputs by at least ``CONTROL_MIN``; otherwise the probe cannot see the attention and is reported as
@@ -78,13 +80,13 @@ _SHRINK = {
 _FILL_NONE = ("head_dim", "num_key_value_heads", "vocab_size", "intermediate_size")
 
 
-def _shrink(values: dict[str, Any]) -> dict[str, Any]:
+def _shrink(values: dict[str, Any], kinds_first: bool = False) -> dict[str, Any]:
     """A copy of a config dict with every size entry shrunk; nested config dicts are shrunk too."""
     out: dict[str, Any] = {}
     n_specials = 0
     for key, value in values.items():
         if isinstance(value, dict) and ("model_type" in value or key.endswith("_config")):
-            out[key] = _shrink(value)
+            out[key] = _shrink(value, kinds_first)
         elif isinstance(value, dict) and isinstance(value.get("mrope_section"), list):
             n = len(value["mrope_section"])  # multimodal RoPE sections must add up to head_dim / 2 = 4
             sections = [4 // n] * n
@@ -115,32 +117,34 @@ def _shrink(values: dict[str, Any]) -> dict[str, Any]:
             out["head_dim"] = int(out["qk_rope_head_dim"] / factor)
     if out.get("num_experts_per_tok", 0) is None and any(out.get(k) for k in ("n_routed_experts", "num_experts")):
         out["num_experts_per_tok"] = 2
-    _per_layer(values, out)
+    _per_layer(values, out, kinds_first)
     patch, size = out.get("patch_size"), out.get("image_size")
     if isinstance(patch, int) and isinstance(size, int) and size > 4 * patch:
         out["image_size"] = 4 * patch
     return out
 
 
-def _per_layer(values: dict[str, Any], out: dict[str, Any]) -> None:
-    """Cut per-layer entries (lists as long as a shrunk layer count, dicts keyed by layer index) to the new count."""
+def _per_layer(values: dict[str, Any], out: dict[str, Any], kinds_first: bool) -> None:
+    """Cut per-layer entries (layer kinds and ``*layer*`` lists as long as a shrunk layer count, dicts keyed by layer
+    index) to the new count; per-stage lists (a backbone's ``depths``) keep their stages."""
     shrunk = {values[k]: out[k] for k in _SHRINK if _SHRINK[k] == 2 and isinstance(values.get(k), int)
               and isinstance(out.get(k), int) and out[k] < values[k]}
     layers = out.get("num_hidden_layers")
     for key, value in out.items():
-        if isinstance(value, list) and len(value) in shrunk and _SHRINK.get(key) != 2:
-            out[key] = _first_layers(value, shrunk[len(value)])
+        per_layer = all(isinstance(v, str) for v in value) or "layer" in key if isinstance(value, list) else False
+        if per_layer and len(value) in shrunk and _SHRINK.get(key) != 2:
+            out[key] = _first_layers(value, shrunk[len(value)], kinds_first)
         elif isinstance(value, dict) and value and isinstance(layers, int) and all(
                 str(k).isdigit() for k in value):
             out[key] = {k: v for k, v in value.items() if int(k) < layers}
     if isinstance(layers, int) and isinstance(out.get("layer_types"), list) and len(out["layer_types"]) > layers:
-        out["layer_types"] = _first_layers(out["layer_types"], layers)
+        out["layer_types"] = _first_layers(out["layer_types"], layers, kinds_first)
 
 
-def _first_layers(value: list[Any], n: int) -> list[Any]:
-    """The first ``n`` per-layer entries; for layer kinds (strings) every kind first, so that a validator asking for
-    at least one attention (or dense, or full) layer still finds it."""
-    if not all(isinstance(v, str) for v in value):
+def _first_layers(value: list[Any], n: int, kinds_first: bool) -> list[Any]:
+    """The first ``n`` per-layer entries; with ``kinds_first``, for layer kinds (strings) every kind first, so that a
+    validator asking for at least one attention (or dense, or full) layer still finds it."""
+    if not kinds_first or not all(isinstance(v, str) for v in value):
         return value[:n]
     kinds = list(dict.fromkeys(value))[:n]
     return kinds + value[:n - len(kinds)]
@@ -155,9 +159,10 @@ def tiny_model(model_type: str, seed: int = 0) -> torch.nn.Module:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     config_cls = CONFIG_MAPPING[model_type]
-    values = _shrink(_default_config(config_cls).to_dict())
-    values.update(OVERRIDES.get(model_type, {}))
+    default = _default_config(config_cls).to_dict()
+    values = {**_shrink(default), **OVERRIDES.get(model_type, {})}
     model_cls = _model_class(model_type, config_cls)
+    kinds_first = False
     for attempt in range(_REPAIRS + 1):
         try:
             config = config_cls.from_dict(values)
@@ -166,6 +171,10 @@ def tiny_model(model_type: str, seed: int = 0) -> torch.nn.Module:
             model = model_cls(config)
             break
         except Exception as exc:  # noqa: BLE001 - a validator's or constructor's refusal names what to repair
+            if not kinds_first and attempt < _REPAIRS:  # first retry: keep every layer kind among the layers kept
+                kinds_first = True
+                values = {**_shrink(default, kinds_first=True), **OVERRIDES.get(model_type, {})}
+                continue
             repaired = _repair(values, str(exc)) if attempt < _REPAIRS else None
             if repaired is None:
                 raise
@@ -605,7 +614,9 @@ def markdown(payload: dict[str, Any]) -> str:
         f"Generated by `python -m experiments.coverage` (transformers {payload['transformers']}, torch "
         f"{payload['torch']}, {payload['seconds']:.0f} s). Every model type of `CONFIG_MAPPING_NAMES` was built as a "
         "tiny random float64 model from its default config (hidden 32, 4 heads of 8, 2 KV heads where the config has "
-        "them, 2 layers, vocabulary 128, eager attention), mapped with `map_symmetries`, and probed: after "
+        "them, 2 layers, vocabulary 128, eager attention; per-layer lists cut to the layers kept; a field that a "
+        "config validator or the constructor refuses is repaired as its message asks, and `OVERRIDES` holds the few "
+        "fields with no generic default), mapped with `map_symmetries`, and probed: after "
         f"`reparametrize(condition=100)` every output tensor must agree to {PROBE_TOL:g} relative, and a deliberately "
         f"wrong action (`G A^-1` with `H` unchanged) must move them by at least {CONTROL_MIN:g}, otherwise the probe "
         "is inconclusive. Raw rows: `docs/results/coverage.json`.",

@@ -143,6 +143,16 @@ def _refuse_pooled_queries(holders: list[nn.Module]) -> None:
                              "max does not commute with GL(h), so nothing is mapped")
 
 
+def _refuse_other_norms(holders: list[nn.Module]) -> None:
+    """Refuse a norm child that is not a qk-norm (EmbeddingGemma-2's parameter-free ``v_norm`` on the values): a norm
+    without parameters escapes the unexplained-parameter check, and normalising v or the heads' output breaks VO."""
+    for holder in holders:
+        for name, child in holder.named_children():
+            if "norm" in type(child).__name__.lower() and name not in _QK_NORM_NAMES and name not in _SAFE_EXTRAS:
+                raise Unmappable(f"{name} ({type(child).__name__}) normalises the values or the heads' output, which "
+                                 "breaks GL(h) on VO; not mapped")
+
+
 def _qk_norm(holders: list[nn.Module], head_dim: int) -> str | None:
     """Why QK is not GL-symmetric when q/k are normalised, or ``None`` without qk-norm."""
     if any(re.search(r"\bnormalize\(", source(type(h).forward)) for h in holders):
@@ -180,6 +190,8 @@ def finish_layout(name: str, layout: str, holders: list[nn.Module], ctx: LayoutC
     result.rope_on_values = result.rope is not None and any(getattr(h, "rotary_value", False) for h in holders)
     result.qk_norm = _qk_norm(holders, head_dim)
     _refuse_pooled_queries(holders)
+    if result.rope_part is None:  # MLA's latent RMSNorms sit before the pairs (docs/symmetries.md)
+        _refuse_other_norms(holders)
     _check_accounted(holders[-1], result)
     return result
 
