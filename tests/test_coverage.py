@@ -36,7 +36,7 @@ def test_max_pooled_queries_fall_back_with_their_reason():
 # each of these failed to build from its shrunk default config before the generator repaired it: per-layer lists
 # (validate_layer_type), a field the validator names with its value, per-stage head lists, a None size, layer kinds
 # that must all stay, a Mamba override, a sub-module with its own config
-@pytest.mark.parametrize("model_type", ["deepseek_v32", "xlnet", "swinv2", "ministral", "olmo_hybrid", "mamba2",
+@pytest.mark.parametrize("model_type", ["deepseek_v32", "xlnet", "donut-swin", "ministral", "olmo_hybrid", "mamba2",
                                         "sam2_mask_decoder"])
 def test_the_generator_satisfies_each_config_classs_validators(model_type):
     model = coverage.tiny_model(model_type)
