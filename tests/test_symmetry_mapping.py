@@ -12,6 +12,8 @@ from .fixtures.architectures import ARCHITECTURES, build
 
 # transformers casts q and k to float32 inside GPT-J's and GPT-Neo's eager attention, even for float64 models
 FLOAT32_INSIDE = {"gptj_interleaved": 1e-5, "gpt_neo": 1e-5}
+# and DeepSeek-V2's complex RoPE rotates q and k in float32, MPT and CodeGen take the softmax in float32
+FLOAT32_INSIDE |= {"deepseek_v2_mla_qproj": 1e-5, "mpt_fused": 1e-5, "codegen_sharded": 1e-5}
 
 
 def _outputs(model: torch.nn.Module, batch: dict) -> torch.Tensor:
@@ -54,7 +56,9 @@ def test_reparametrization_moves_weights_but_not_outputs(arch):
 
 @pytest.mark.parametrize("arch,kind,wrong", [("llama_gqa", "qk", "full GL"), ("phi_partial", "qk", "full GL"),
                                              ("gptj_interleaved", "qk", "rotate_half pairing"),
-                                             ("roformer_rotary_value", "vo", "full GL")])
+                                             ("roformer_rotary_value", "vo", "full GL"),
+                                             ("deepseek_v3_mla", "qk", "full GL"),
+                                             ("deepseek_v3_mla", "qk", "rotate_half pairing")])
 def test_the_probe_catches_a_wrong_rope_group(arch, kind, wrong):
     """Guards the probe's power: the commutant is needed, and the pairing of rotary dims matters."""
     from hf_geosharp.geometry.lie import rope_commutant_basis
@@ -105,11 +109,18 @@ EXPECTED = {
     "deberta_v2_shared": _orbit(1, 2, 2, 8, None),  # position terms reuse W_q, W_k
     "deberta_v2_separate": _orbit(1, 2, 2, 8, None),  # pos_query_proj in G, pos_key_proj in H
     "deberta": _orbit(1, 2, 2, 8, None),
+    "mpt_fused": _orbit(1, 4, 4, 8, None),  # ALiBi leaves GL(h)
+    "codegen_sharded": _orbit(1, 8, 8, 8, 4),
+    # MLA: 4 heads x GL(6) on the nope blocks, one RoPE commutant (dim 4) shared by all heads, 4 x GL(10) on VO
+    "deepseek_v3_mla": (4 + 1, 4, 4 * 36 + 4 + 4 * 100),
+    "deepseek_v2_mla_qproj": (4 + 1, 4, 4 * 36 + 4 + 4 * 100),
 }
 
 # rows of one QK pair's G and H (weights + bias rows), read off the layouts: position projections add rows
 QK_ROWS = {"gpt_bigcode_mqa": (4 * 33, 33), "deberta_v2_shared": (17, 17), "deberta_v2_separate": (34, 34),
-           "deberta": (34, 32)}  # DeBERTa v1: q_bias + pos_q_proj bias on G; no key or pos_proj bias on H
+           "deberta": (34, 32),  # DeBERTa v1: q_bias + pos_q_proj bias on G; no key or pos_proj bias on H
+           # MLA's nope pair: q_b_proj's input is the q latent (12), q_proj's the hidden state (32); keys kv_lora_rank
+           "deepseek_v3_mla": (12, 10), "deepseek_v2_mla_qproj": (32, 10)}
 
 
 @pytest.mark.parametrize("arch", sorted(QK_ROWS))
@@ -258,7 +269,8 @@ def _swap_key_and_value(smap) -> None:
                                          ("gpt_bigcode_mha", _swap_key_and_value),
                                          ("deberta_v2_separate", _drop_position_rows),
                                          ("deberta", _drop_position_rows),
-                                         ("deberta_v2_shared", None)])
+                                         ("deberta_v2_shared", None),
+                                         ("codegen_sharded", _swap_key_and_value)])  # shards are [q | v | k]
 def test_the_probe_catches_a_wrong_map_of_each_new_layout(arch, breaks):
     """Negative controls: a plausible wrong map of the layout changes the outputs (the probe has power here)."""
     tiny = build(arch)
@@ -306,3 +318,64 @@ def test_no_generic_adapter_shadows_a_specific_one_on_any_tiny_model():
             assert claimed[first] <= claimed[later], f"{pair}: the generic adapter is tried first and shadows"
             assert later in PRECEDES[first], f"{pair}: an overlap PRECEDES does not declare"
     assert overlaps >= 1  # Falcon's query_key_value is also GPT-NeoX's: the check has something to check
+
+
+def test_a_clamped_fused_qkv_is_a_fallback_with_its_reason():
+    tiny = build("mpt_fused")
+    tiny.model.transformer.blocks[0].attn.clip_qkv = 4.0
+    smap = map_symmetries(tiny.model)
+    assert not smap.blocks and "clip_qkv" in smap.fallbacks[0].reason
+
+
+class _MaxPooledAttention(torch.nn.Module):
+    """Separate q/k/v/o whose forward max-pools the queries over pairs of positions (Hiera-style)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = 2, 4
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (torch.nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.q_proj(x).view(x.shape[0], -1, 2, 8).max(dim=2).values
+        scores = torch.softmax(q @ self.k_proj(x).transpose(1, 2), dim=-1)
+        return self.o_proj(scores @ self.v_proj(x))
+
+
+class _DeformableAttention(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.sampling_offsets, self.attention_weights = torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)
+
+
+class _LinearAttention(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.to_query, self.to_key, self.final = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.final(torch.relu(self.to_query(x)) * self.to_key(x).sum(1, keepdim=True))
+
+
+class _ConvAttention(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k = torch.nn.Conv2d(4, 4, 1), torch.nn.Conv2d(4, 4, 1)
+
+
+class _OddNamesAttention(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix, self.out = torch.nn.Linear(8, 24), torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.mix(x).chunk(3, dim=-1)
+        return self.out(torch.softmax(q @ k.transpose(1, 2), dim=-1) @ v)
+
+
+@pytest.mark.parametrize("module,words", [(_MaxPooledAttention, "max-pools"), (_DeformableAttention, "deformable"),
+                                          (_LinearAttention, "no softmax"), (_ConvAttention, "convolutions"),
+                                          (_OddNamesAttention, "mix, out are not a known q/k/v/o layout")])
+def test_every_fallback_states_its_structural_reason(module, words):
+    smap = map_symmetries(torch.nn.Sequential(module()))
+    assert not smap.blocks and len(smap.fallbacks) == 1
+    assert words in smap.fallbacks[0].reason and "no adapter recognises" not in smap.fallbacks[0].reason

@@ -12,11 +12,12 @@ from .fixtures.architectures import build
 # one per layout family (every layout passes; the subset keeps the suite fast): separate q/k/v, Conv1D, GQA + RoPE
 # commutant, interleaved fused + partial rotary, Falcon grouped, fused blocks + GQA + partial rotary, encoder-decoder
 # with cross-attention, nn.MultiheadAttention, PEFT LoRA, GPTBigCode (multi-query and per head), DeBERTa (v2 with
-# shared and separate position projections, v1); mix on a plain, a reduced-group and a DeBERTa model
+# shared and separate position projections, v1), multi-head latent attention; mix on a plain, a reduced-group and a
+# DeBERTa model
 CASES = [("bert", "inv"), ("bert", "mix"), ("gpt2_conv1d", "inv"), ("llama_gqa", "inv"), ("llama_gqa", "mix"),
          ("gpt_neox_partial", "inv"), ("falcon_grouped", "inv"), ("phi3_fused", "inv"), ("bart", "inv"),
          ("mha", "inv"), ("lora", "inv"), ("gpt_bigcode_mqa", "inv"), ("gpt_bigcode_mha", "inv"),
-         ("deberta_v2_shared", "inv"), ("deberta_v2_separate", "mix"), ("deberta", "inv")]
+         ("deberta_v2_shared", "inv"), ("deberta_v2_separate", "mix"), ("deberta", "inv"), ("deepseek_v3_mla", "inv")]
 
 
 @pytest.mark.parametrize("arch,metric", CASES)

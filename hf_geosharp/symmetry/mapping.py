@@ -19,6 +19,7 @@ from torch import nn
 from ..geometry.lie import rope_commutant_basis
 from .base import Fallback, PairBlock, SymmetryMap
 from .layouts import ADAPTERS, AttentionLayout, LayoutContext, Proj, Unmappable, is_lora_layer
+from .layouts.introspect import source
 
 logger = logging.getLogger(__name__)
 
@@ -109,13 +110,54 @@ def _unrecognised(model: nn.Module, claimed: set[str]) -> list[Fallback]:
             continue
         if next(module.parameters(), None) is None:
             continue
-        weights = [n for n, sub in module.named_modules() if isinstance(getattr(sub, "weight", None), torch.Tensor)
-                   and sub.weight.dim() == 2]
-        shown = ", ".join(weights[:8]) + (", ..." if len(weights) > 8 else "")
-        out.append(Fallback(name, f"{type(module).__name__}: no adapter recognises this attention layout (matrices: "
-                                  f"{shown or 'none'}); its parameters are treated elementwise"))
+        out.append(Fallback(name, f"{type(module).__name__}: {structural_reason(module)}; its parameters are "
+                                  "treated elementwise"))
         reported.add(name)
     return out
+
+
+_SCORE_WORDS = ("softmax", "attention_interface", "scaled_dot_product_attention", "ALL_ATTENTION_FUNCTIONS",
+                "eager_attention_forward")
+# child names that identify an attention variant no adapter maps, with what in it breaks (or escapes) the pair form
+_KNOWN_VARIANTS = (
+    ("sampling_offsets", "multiscale deformable attention: the attention weights are a linear map of the query "
+                         "alone and the values are sampled at predicted offsets, so there is no q.k score and no QK "
+                         "pair (a per-head VO pair would survive, which no adapter maps yet)"),
+    ("longformer_self_attn", "Longformer attention: separate global query/key/value projections score the global "
+                             "tokens, a second QK pair on the same heads that no adapter stacks yet"),
+    ("experts", "mixture of attention heads: the query and output projections are experts routed per token, so a "
+                "head's W_q and W_O change from token to token"),
+    ("r_w_bias", "Transformer-XL relative attention with learned content and position biases added to q"),
+    ("r_r_bias", "relative attention with position biases added to q (Funnel)"),
+    ("o_a_proj", "grouped low-rank output projection (o_a/o_b) and a compressed KV cache with its own projections"),
+)
+
+
+def structural_reason(module: nn.Module) -> str:
+    """Why no adapter maps ``module``: the operation that breaks the GL(h) pairs, or the parameters that no known
+    layout accounts for, read off its children, parameters and forward source."""
+    children = {n.split(".")[-1] for n, _ in module.named_modules()} | {n.split(".")[-1] for n, _ in
+                                                                        module.named_parameters()}
+    for child, why in _KNOWN_VARIANTS:
+        if child in children:
+            return why
+    linear = [n for n, sub in module.named_modules() if isinstance(getattr(sub, "weight", None), torch.Tensor)
+              and sub.weight.dim() == 2]
+    convs = [n for n, sub in module.named_modules() if isinstance(sub, (nn.Conv1d, nn.Conv2d, nn.Conv3d))]
+    params = [n for n, _ in module.named_parameters()]
+    if not linear and convs:
+        return (f"the projections are convolutions ({', '.join(convs[:6])}): the adapters read q/k/v/o as linear "
+                "maps of the token features, so a convolution's spatial taps are not a layout they can pair")
+    if not linear:
+        shown = ", ".join(params[:6]) + (", ..." if len(params) > 6 else "")
+        return f"no projection matrices (parameters: {shown}): no q/k/v/o layout to pair"
+    sources = [source(type(sub).forward) for sub in module.modules()]
+    if not any(word in src for src in sources for word in _SCORE_WORDS):
+        return ("no softmax over q.k scores in the forward (linear, additive, gated or recurrent attention): the "
+                f"GL(h) argument needs scores that see q and k only through q k^T (matrices: {', '.join(linear[:6])})")
+    shown = ", ".join(linear[:8]) + (", ..." if len(linear) > 8 else "")
+    return (f"the matrices {shown} are not a known q/k/v/o layout: no adapter can tell which output units are which "
+            "head's query, key and value, so the layout cannot account for these parameters")
 
 
 class _PairBuilder:
@@ -209,10 +251,13 @@ class _PairBuilder:
                            "redundant beyond the GL orbit", lay.module)
             self._add(PairBlock("qk", lay.module, g_index, h_index, basis, labels, note),
                       self._params(lay.q, *lay.q_more, lay.k, lay.k_extra, *lay.k_more))
+        if lay.rope_part is not None:
+            self._add_rope_part(lay)
         if lay.v.lora or lay.o.lora:
             self._note("LoRA on v/o: the VO pair is left unmapped because a LoRA factor cannot belong to two groups; "
                        "the adapters' (B, A) pairs are mapped instead", lay.module)
             return
+        d = lay.vo_head_dim
         g_index = torch.stack([self._rows(lay.v, g, d, lay.v_extra) for g in range(lay.n_kv)])
         h_index = torch.stack([torch.cat([lay.o.weight[:, i * d:(i + 1) * d] for i in grp]) for grp in groups])
         basis, note = None, f"{lay.layout}; GL({d})"
@@ -221,6 +266,25 @@ class _PairBuilder:
             note = f"{lay.layout}; values are rotated too: GL({d}) reduced to the commutant of the rotations"
         self._add(PairBlock("vo", lay.module, g_index, h_index, basis, labels, note),
                   self._params(lay.v, lay.v_extra) + [lay.o.params[0]])
+
+    def _add_rope_part(self, lay: AttentionLayout) -> None:
+        """One QK pair over all heads for MLA's decoupled RoPE slices: ``G`` stacks every head's rotated query rows,
+        ``H`` is the rotated key that all heads share, so one element of the RoPE commutant acts on all of them."""
+        part = lay.rope_part
+        r = part.k.out_features
+        if part.q.lora or part.k.lora:
+            return
+        g_index = torch.cat([self._rows(part.q, i, r, None) for i in range(lay.n_heads)])[None]
+        h_index = self._rows(part.k, 0, r, None)[None]
+        basis, note = None, f"{lay.layout}; decoupled RoPE part (key shared by all heads): GL({r})"
+        if part.rope is not None:
+            rotary_dim, interleaved = part.rope
+            basis = rope_commutant_basis(r, rotary_dim, interleaved=interleaved)
+            pairing = "(2j, 2j+1)" if interleaved else "(j, j+r/2)"
+            note = (f"{lay.layout}; decoupled RoPE part (key shared by all heads), pairs {pairing}: GL({r}) reduced "
+                    f"to the commutant of the rotations (dim {basis.shape[0]})")
+        self._add(PairBlock("qk", lay.module, g_index, h_index, basis, [f"{lay.module} RoPE part (all heads)"], note),
+                  self._params(part.q, part.k))
 
     def add_lora(self, name: str, module: nn.Module, smap: SymmetryMap) -> None:
         """One GL(r) pair ``(G, H) = (B, A^T)`` per adapter: the update ``B A`` is all the model sees."""

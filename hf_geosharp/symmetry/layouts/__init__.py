@@ -16,8 +16,9 @@ declares each such overlap.
 from __future__ import annotations
 
 from .deberta import deberta, deberta_v2
-from .fused import falcon, fused_blocks, gpt2_conv1d, gpt_bigcode, interleaved_qkv, multihead_attention
-from .layout import Adapter, AttentionLayout, LayoutContext, Proj, Unmappable, is_lora_layer, unwrap_lora
+from .fused import codegen, falcon, fused_blocks, gpt2_conv1d, gpt_bigcode, interleaved_qkv, multihead_attention
+from .latent import latent_attention
+from .layout import Adapter, AttentionLayout, DecoupledRope, LayoutContext, Proj, Unmappable, is_lora_layer, unwrap_lora
 from .separate import separate_qkv
 
 # adapter -> the more generic adapters it must be tried before, because they would also recognise its modules and
@@ -34,10 +35,14 @@ PRECEDES: dict[Adapter, tuple[Adapter, ...]] = {
     falcon: (interleaved_qkv,),
     interleaved_qkv: (),
     fused_blocks: (),
+    codegen: (),
     # separate projections plus position projections that must stack onto the QK pair; the names differ from every
     # separate q/k/v path today, and the order keeps a new path from mapping DeBERTa-v2 without its position terms
     deberta_v2: (separate_qkv,),
     deberta: (),
+    # MLA without q_lora_rank has a q_proj and an o_proj but no k_proj/v_proj: today separate q/k/v never matches
+    # it; the order keeps a path that accepts a missing k_proj from mapping the latent without its RoPE part
+    latent_attention: (separate_qkv,),
     separate_qkv: (),
 }
 
@@ -63,9 +68,11 @@ __all__ = [
     "PRECEDES",
     "Adapter",
     "AttentionLayout",
+    "DecoupledRope",
     "LayoutContext",
     "Proj",
     "Unmappable",
+    "codegen",
     "deberta",
     "deberta_v2",
     "falcon",
@@ -74,6 +81,7 @@ __all__ = [
     "gpt_bigcode",
     "interleaved_qkv",
     "is_lora_layer",
+    "latent_attention",
     "multihead_attention",
     "order_adapters",
     "separate_qkv",

@@ -1,5 +1,6 @@
 """Adapters for fused q/k/v projections: GPT-2's ``Conv1D``, GPTBigCode, Falcon's three layouts, interleaved
-``[H, 3, d]`` (GPT-NeoX, BLOOM), ``[Q | K | V]`` blocks (Phi-3, ModernBERT) and ``nn.MultiheadAttention``."""
+``[H, 3, d]`` (GPT-NeoX, BLOOM), ``[Q | K | V]`` blocks (Phi-3, ModernBERT, MPT, vision towers), CodeGen's
+model-parallel shards and ``nn.MultiheadAttention``."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from .introspect import find_head_dim, finish_layout
+from .introspect import child_module, find_head_dim, finish_layout
 from .layout import AttentionLayout, LayoutContext, Proj, Unmappable, unwrap_lora
 
 
@@ -66,14 +67,23 @@ def interleaved_qkv(name: str, module: nn.Module, ctx: LayoutContext) -> Attenti
     return finish_layout(name, "interleaved fused qkv [H, 3, d]", [module], ctx, q, k, v, ctx.proj(dense), d)
 
 
+# (fused q/k/v, output) child paths whose fused output units are [Q | K | V] blocks
+_FUSED_BLOCKS = (("qkv_proj", "o_proj"), ("Wqkv", "Wo"), ("Wqkv", "out_proj"), ("qkv", "proj"), ("qkv", "projection"),
+                 ("attention.qkv", "output.dense"), ("att_proj", "out_proj"))
+
+
 def fused_blocks(name: str, module: nn.Module, ctx: LayoutContext) -> AttentionLayout | None:
-    """Fused ``[Q (H*d) | K (KV*d) | V (KV*d)]`` projection (Phi-3 ``qkv_proj``, ModernBERT ``Wqkv``)."""
-    for qkv_name, o_name in (("qkv_proj", "o_proj"), ("Wqkv", "Wo")):
-        qkv, o_mod = getattr(module, qkv_name, None), getattr(module, o_name, None)
+    """Fused ``[Q (H*d) | K (KV*d) | V (KV*d)]`` projection (Phi-3 ``qkv_proj``, ModernBERT ``Wqkv``, MPT ``Wqkv``,
+    the ``qkv``/``proj`` of ViT-style vision towers: Qwen-VL, GLM-4V, SAM, BLIP, TimeSformer, ...)."""
+    for qkv_name, o_name in _FUSED_BLOCKS:
+        qkv, o_mod = child_module(module, qkv_name), child_module(module, o_name)
         if qkv is None or o_mod is None:
             continue
-        d = find_head_dim([module], ctx.config)
+        if getattr(module, "clip_qkv", None):
+            raise Unmappable(f"clip_qkv={module.clip_qkv} clamps q, k and v elementwise, which no GL(h) element "
+                             "commutes with; not mapped")
         fused, o = ctx.proj(qkv), ctx.proj(o_mod)
+        d = find_head_dim([module], ctx.config, o.weight.shape[1])
         q_units = o.weight.shape[1]
         kv_units = (fused.out_features - q_units) // 2
         q = fused.select(slice(0, q_units))
@@ -124,3 +134,18 @@ def gpt_bigcode(name: str, module: nn.Module, ctx: LayoutContext) -> AttentionLa
         q, k, v = (fused.select(rows[:, i].reshape(-1)) for i in range(3))
         layout = "GPTBigCode per-head [H, 3, d]"
     return finish_layout(name, layout, [module], ctx, q, k, v, ctx.proj(c_proj), d)
+
+
+def codegen(name: str, module: nn.Module, ctx: LayoutContext) -> AttentionLayout | None:
+    """CodeGen ``qkv_proj``: ``mp_num`` model-parallel shards, each ``[q | v | k]`` of ``H/mp_num`` heads (note the
+    order), i.e. output units ``[mp, 3, local]``; heads are numbered shard-major, as ``out_proj`` reads them."""
+    qkv, out = getattr(module, "qkv_proj", None), getattr(module, "out_proj", None)
+    if qkv is None or out is None or not isinstance(getattr(module, "mp_num", None), int):
+        return None
+    fused, o = ctx.proj(qkv), ctx.proj(out)
+    d = find_head_dim([module], ctx.config, o.weight.shape[1])
+    if fused.out_features % (3 * module.mp_num):
+        raise Unmappable(f"qkv_proj has {fused.out_features} units, not 3 x mp_num {module.mp_num} shards")
+    rows = torch.arange(fused.out_features).view(module.mp_num, 3, -1)
+    q, v, k = (fused.select(rows[:, i].reshape(-1)) for i in range(3))
+    return finish_layout(name, "CodeGen sharded qkv [mp, q | v | k]", [module], ctx, q, k, v, o, d)

@@ -39,6 +39,17 @@ class Proj:
 
 
 @dataclass
+class DecoupledRope:
+    """The decoupled RoPE part of multi-head latent attention: every head's rotated query slice (``q``, head-major
+    ``[H*r]`` units) meets one rotated key of ``r`` units shared by all heads (``k``, MQA-style). ``rope`` is
+    ``(r, interleaved)``, or ``None`` where the forward does not rotate it (then GL(r) acts)."""
+
+    q: Proj
+    k: Proj
+    rope: tuple[int, bool] | None
+
+
+@dataclass
 class AttentionLayout:
     """One attention module as projections: head ``i`` owns q rows and o columns ``[i*d, (i+1)*d)``.
 
@@ -48,6 +59,10 @@ class AttentionLayout:
     (``add_bias_kv``); their ``weight`` is a vector ``[KV*d]``. ``q_more``/``k_more`` are further projections whose
     head slices meet the keys/queries in a score term (DeBERTa's relative-position projections): their rows are
     stacked onto the QK pair's ``G``/``H``. ``key_bias_visible`` says why the key bias is seen (``None``: it is not).
+    Multi-head latent attention adds three things: ``v_head_dim``, the VO head size where it differs from the QK
+    ``head_dim``; ``rope_part``, a second QK pair (one group over all heads) for the decoupled RoPE slices; and
+    ``latent``, parameters the layout explains but leaves out of every pair (the latent down-projections and their
+    RMSNorms), which are treated elementwise.
     """
 
     module: str
@@ -67,18 +82,29 @@ class AttentionLayout:
     q_more: tuple[Proj, ...] = ()
     k_more: tuple[Proj, ...] = ()
     key_bias_visible: str | None = None
+    v_head_dim: int | None = None
+    rope_part: DecoupledRope | None = None
+    latent: tuple[nn.Parameter, ...] = ()
+
+    @property
+    def vo_head_dim(self) -> int:
+        return self.head_dim if self.v_head_dim is None else self.v_head_dim
 
     def validate(self) -> None:
-        h, kv, d = self.n_heads, self.n_kv, self.head_dim
-        if d <= 0 or h <= 0 or kv <= 0 or h % kv:
+        h, kv, d, dv = self.n_heads, self.n_kv, self.head_dim, self.vo_head_dim
+        if d <= 0 or dv <= 0 or h <= 0 or kv <= 0 or h % kv:
             raise Unmappable(f"inconsistent head counts: {h} query heads, {kv} KV heads, head_dim {d}")
         expected = {"q": (self.q.out_features, h * d), "k": (self.k.out_features, kv * d),
-                    "v": (self.v.out_features, kv * d), "o input": (self.o.weight.shape[1], h * d)}
+                    "v": (self.v.out_features, kv * dv), "o input": (self.o.weight.shape[1], h * dv)}
+        if self.rope_part is not None:
+            r = self.rope_part.k.out_features
+            expected |= {"rotated q": (self.rope_part.q.out_features, h * r)}
         expected |= {f"extra q {i}": (p.out_features, h * d) for i, p in enumerate(self.q_more)}
         expected |= {f"extra k {i}": (p.out_features, kv * d) for i, p in enumerate(self.k_more)}
         for what, (got, want) in expected.items():
             if got != want:
-                raise Unmappable(f"{what} has {got} units but {h} heads x {kv} KV heads x head_dim {d} need {want}")
+                dims = f"head_dim {d}" + (f", v_head_dim {dv}" if dv != d else "")
+                raise Unmappable(f"{what} has {got} units but {h} heads x {kv} KV heads x {dims} need {want}")
 
 
 class LayoutContext:
