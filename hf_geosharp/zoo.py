@@ -15,11 +15,11 @@ A member folder appears atomically (trained in a temporary folder, then renamed)
 recorded fingerprint matches its config, so an interrupted or outdated build is simply redone.
 
 Training is chaotic: a last-bit difference in one matmul grows into a different model within a few hundred steps
-(measured after 780 steps, 1 against 2 threads: relative weight distance 1.1 in float32, 0.35 in float64). Each machine's kernels round
-differently (thread count, AVX2 or AVX-512, MKL's and oneDNN's own dispatch), so the zoo is trained in a child process
-whose kernels are pinned to a portable baseline (:data:`PORTABLE_KERNELS`): the same weights, bit for bit, on any
-x86-64 CPU, whatever the caller's thread count (checked by switching this machine's kernels: AVX2 or AVX-512, MKL's
-instruction set, one or two threads; ``tests/test_leaderboard.py``).
+(measured after 780 steps, 1 against 2 threads: relative weight distance 1.1 in float32, 0.35 in float64). Each
+machine's kernels round differently (thread count, AVX2 or AVX-512, MKL's and oneDNN's own dispatch), so the zoo is
+trained in a child process whose kernels are pinned to a portable baseline (:data:`PORTABLE_KERNELS`): the same
+weights, bit for bit, on any x86-64 CPU, whatever the caller's thread count (checked by switching this machine's
+kernels: AVX2 or AVX-512, MKL's instruction set, one or two threads; ``tests/test_leaderboard.py``).
 """
 
 from __future__ import annotations
