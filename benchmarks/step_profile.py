@@ -66,37 +66,37 @@ class StageClock:
                 self._stack[-1][0] += cpu
                 self._stack[-1][1] += wall
 
-    def timed(self, name: str, fn: Callable) -> Callable:
+    def timed(self, name: str, fn: Callable, returned: str | None = None) -> Callable:
+        """``fn`` timed as stage ``name``; with ``returned``, the function it returns is timed as that stage."""
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             with self.stage(name):
                 result = fn(*args, **kwargs)
-            if name == "weights" and callable(result):  # exp_point returns the pullback: time it as geometry
-                return self.timed("pair geometry", result)
-            return result
+            return self.timed(returned, result) if returned is not None and callable(result) else result
 
         return wrapper
 
 
-# (owner, attribute, stage): the engine's stages, patched for the duration of one profiled solve only
+# (owner, attribute, stage, stage of the function it returns): the engine's stages, patched for the duration of one
+# profiled solve only; exp_point returns the pullback of the curvature terms
 PATCHES = [
-    (objective_module.Objective, "__call__", "substitution"),
-    (objective_module.Objective, "_backward", "backward"),
-    (space.PerturbationSpace, "exp_point", "weights"),
-    (space.PerturbationSpace, "ascent_direction", "direction"),
-    (pair_group.PairGroup, "part", "pair geometry"),
-    (gl_quotient.GLQuotient, "euclidean_to_riemannian_gradient", "pair geometry"),
-    (gl_quotient.GLQuotient, "projection", "pair geometry"),
-    (gl_quotient.GLQuotient, "exp2_correction_with_pullback", "pair geometry"),
-    (elementwise.ElementwiseGeometry, "riemannian_gradient_pass", "direction"),
-    (solver.Pool, "combine_into", "vectors"),
+    (objective_module.Objective, "__call__", "substitution", None),
+    (objective_module.Objective, "_backward", "backward", None),
+    (space.PerturbationSpace, "exp_point", "weights", "pair geometry"),
+    (space.PerturbationSpace, "ascent_direction", "direction", None),
+    (pair_group.PairGroup, "part", "pair geometry", None),
+    (gl_quotient.GLQuotient, "euclidean_to_riemannian_gradient", "pair geometry", None),
+    (gl_quotient.GLQuotient, "projection", "pair geometry", None),
+    (gl_quotient.GLQuotient, "exp2_correction_with_pullback", "pair geometry", None),
+    (elementwise.ElementwiseGeometry, "riemannian_gradient_pass", "direction", None),
+    (solver.Pool, "combine_into", "vectors", None),
 ]
 
 
 @contextlib.contextmanager
 def profiled(clock: StageClock) -> Iterator[None]:
     """The engine with every stage of :data:`PATCHES` timed, and each objective's loss function timed as forward."""
-    originals = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in PATCHES]
+    originals = [(owner, attr, getattr(owner, attr)) for owner, attr, _, _ in PATCHES]
     init = objective_module.Objective.__init__
 
     def timed_init(self, *args: Any, **kwargs: Any) -> None:
@@ -104,8 +104,8 @@ def profiled(clock: StageClock) -> Iterator[None]:
         self.loss_fn = clock.timed("forward", self.loss_fn)
 
     try:
-        for owner, attr, name in PATCHES:
-            setattr(owner, attr, clock.timed(name, getattr(owner, attr)))
+        for owner, attr, name, returned in PATCHES:
+            setattr(owner, attr, clock.timed(name, getattr(owner, attr), returned))
         objective_module.Objective.__init__ = timed_init
         yield
     finally:

@@ -21,14 +21,14 @@ def _batches(model, n: int = 2, seed: int = 0) -> list[dict[str, torch.Tensor]]:
 
 @pytest.mark.parametrize("measure", ["adaptive_clean", "geodesic_inv"])
 def test_stages_partition_the_solve_and_the_engine_is_restored(measure):
-    model, originals = tiny_bert(), [getattr(owner, attr) for owner, attr, _ in step_profile.PATCHES]
+    model, originals = tiny_bert(), [getattr(owner, attr) for owner, attr, _, _ in step_profile.PATCHES]
     batches, smap = _batches(model), gs.map_symmetries(model)
     clock = step_profile.StageClock()
     start = time.perf_counter()
     with step_profile.profiled(clock), clock.stage("outer"):
         value = step_profile._solve(measure, model, batches, smap, steps=3, rho=0.05)
     measured = time.perf_counter() - start
-    assert [getattr(owner, attr) for owner, attr, _ in step_profile.PATCHES] == originals
+    assert [getattr(owner, attr) for owner, attr, _, _ in step_profile.PATCHES] == originals
     assert value == step_profile._solve(measure, model, batches, smap, steps=3, rho=0.05)  # timing changes nothing
     assert set(clock.cpu) - {"outer"} <= set(step_profile.STAGES)
     assert clock.calls["substitution"] >= 2 * (3 + 1)  # (steps + 1) model calls per batch at least

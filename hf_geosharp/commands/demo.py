@@ -152,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
 
 def convergence_summary(board: Leaderboard, steps: int | str) -> str:
     """The demo's last line: whether every number of the leaderboard is certified, and which are not."""
-    total = sum(1 for records in board.results.values() for r in records if r is not None and "converged" in r)
+    total = sum(count[1] for m in board.measures if (count := board.certified(m)) is not None)
     if not (unconverged := board.not_converged()):
         return f"convergence: all {total} results of the leaderboard are certified (steps={steps})"
     by_measure: dict[str, list[str]] = {}
