@@ -163,8 +163,8 @@ def _worker(w: Workload, device: str, rho: float, placement: str) -> dict[str, A
     import torch.distributed as dist
 
     import hf_geosharp as gs
-    from hf_geosharp.shard_layout import fsdp_state
-    from hf_geosharp.sharding import shard_model
+    from hf_geosharp.engine.placement.fsdp_layout import fsdp_state
+    from hf_geosharp.engine.placement.sharding import shard_model
 
     from .common import forward_backward
     from .models import SIZES, bert_batches, bert_classifier, symmetry_map

@@ -82,8 +82,8 @@ def _measure(case: str, w: Workload, device: str, rho: float) -> dict[str, int]:
 
 def _left_out(model: torch.nn.Module, batches: list) -> int:
     """Embedding entries that the zero-start solvers do not hold (rows no batch looks up), counted after the peak."""
-    from hf_geosharp.embedding_rows import scan_used_rows
-    from hf_geosharp.objective import default_loss
+    from hf_geosharp.engine.model_function.embedding_rows import scan_used_rows
+    from hf_geosharp.engine.model_function.objective import default_loss
 
     params = list(model.parameters())
     used = scan_used_rows(dict(enumerate(params)), lambda: [default_loss(model, b) for b in batches])

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import hf_geosharp as gs
-from hf_geosharp.objective import Objective
+from hf_geosharp.engine.model_function.objective import Objective
 
 from .common import forward_backward, interleaved
 from .config import RunConfig, Workload

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 import hf_geosharp as gs
-from hf_geosharp.solver import Pool
-from hf_geosharp.space import PerturbationSpace, SpaceOptions
+from hf_geosharp.engine.solvers.apgd import Pool
+from hf_geosharp.engine.space.perturbation_space import PerturbationSpace, SpaceOptions
 from hf_geosharp.symmetry.base import PairBlock
 
 from .common import forward_backward, interleaved, synchronize
@@ -52,7 +52,7 @@ def geometry_step_seconds(space: PerturbationSpace, device: str, repeats: int) -
     xi_prev.copy_(xi)
     theta, grad = torch.empty_like(xi), egrad.clone()
 
-    def step() -> None:  # what apgd does per step besides calling the model (see hf_geosharp.solver.apgd)
+    def step() -> None:  # what apgd does per step besides calling the model (see hf_geosharp.engine.solvers.apgd.apgd)
         space.ascent_direction(egrad, pool.stacked([xi, xi_prev]), out=d)
         pool.combine_into(d, 0.5, [(0.3, xi), (0.2, xi_prev)])
         pullback = space.exp_point(xi, theta, True)

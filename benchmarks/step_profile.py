@@ -30,9 +30,11 @@ from typing import Any
 import torch
 
 import hf_geosharp as gs
-from hf_geosharp import objective as objective_module
-from hf_geosharp import pair_group, solver, space
-from hf_geosharp.geometry import elementwise, gl_quotient
+from hf_geosharp.engine.geometry import elementwise, gl_quotient
+from hf_geosharp.engine.model_function import objective as objective_module
+from hf_geosharp.engine.solvers import apgd as solver
+from hf_geosharp.engine.space import pair_group
+from hf_geosharp.engine.space import perturbation_space as space
 
 from .common import forward_backward
 from .config import RunConfig, Workload

@@ -22,10 +22,10 @@ from typing import Any
 import torch
 
 import hf_geosharp as gs
-from hf_geosharp import runner
 from hf_geosharp.durable import write_json
-from hf_geosharp.objective import default_loss, preserved_model_state
-from hf_geosharp.space import SpaceOptions
+from hf_geosharp.engine import runner
+from hf_geosharp.engine.model_function.objective import default_loss, preserved_model_state
+from hf_geosharp.engine.space.perturbation_space import SpaceOptions
 
 from .epsilon_conditioning import tiny_bert
 

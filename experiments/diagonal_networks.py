@@ -14,7 +14,7 @@ For each net we measure
   :func:`hf_geosharp.adaptive_sharpness` on a two-parameter ``nn.Module``; ``--adaptive-variant as23`` for AS23's
   ``m_apgd_l2``);
 * worst-case geodesic sharpness for the inv and mix metrics with the **exact** geodesics of a diagonal net
-  (:class:`ExactGeodesicSpace`, solved by the library's :func:`hf_geosharp.solver.apgd`);
+  (:class:`ExactGeodesicSpace`, solved by the library's :func:`hf_geosharp.engine.solvers.apgd.apgd`);
 
 and report Kendall's tau against the test loss with a bootstrap 95 % interval, beside trivial predictors. Three
 switches are known to decide the outcome and each is a flag: the mix constraint (``--mix-constraint``), the
@@ -45,7 +45,7 @@ from torch import Tensor, nn
 
 import hf_geosharp as gs
 from hf_geosharp.durable import atomic_path, write_json
-from hf_geosharp.solver import apgd
+from hf_geosharp.engine.solvers.apgd import apgd
 
 logger = logging.getLogger(__name__)
 

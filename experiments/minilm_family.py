@@ -49,8 +49,8 @@ import torch
 from examples.minilm_spam import PACKAGE, read_corpus
 from hf_geosharp import durable
 from hf_geosharp.leaderboard import TRIVIAL, kendall_taus
+from hf_geosharp.leaderboard.store import ResultStore
 from hf_geosharp.measures import MEASURES, Settings, run_measure
-from hf_geosharp.store import ResultStore
 from hf_geosharp.zoo import cache_root, torch_threads
 
 logger = logging.getLogger(__name__)

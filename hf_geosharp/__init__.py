@@ -9,8 +9,8 @@ __version__ = "0.4.1"
 import os as _os  # noqa: E402
 
 from .api import NotConvergedWarning, SharpnessResult, adaptive_sharpness, geodesic_sharpness  # noqa: E402
+from .engine.relative_flatness import relative_flatness  # noqa: E402
 from .hide import HideResult, hide  # noqa: E402
-from .relative_flatness import relative_flatness  # noqa: E402
 from .symmetry import SymmetryMap, map_symmetries, reparametrize  # noqa: E402
 
 __all__ = ["HideResult", "NotConvergedWarning", "SharpnessResult", "SymmetryMap", "adaptive_sharpness",

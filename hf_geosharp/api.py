@@ -1,8 +1,9 @@
 """Public entry points: :func:`geodesic_sharpness` and :func:`adaptive_sharpness`.
 
-Each checks its settings, freezes them into a :class:`~hf_geosharp.runner.RunSettings` and hands the model to the
-runner (:mod:`hf_geosharp.runner`); the model is used as a function of the perturbation and restored exactly
-afterwards (:mod:`hf_geosharp.objective`). Results are :class:`~hf_geosharp.result.SharpnessResult`.
+Each checks its settings, freezes them into a :class:`~hf_geosharp.engine.runner.RunSettings` and hands the model to the
+runner (:mod:`hf_geosharp.engine.runner`); the model is used as a function of the perturbation and restored exactly
+afterwards (:mod:`hf_geosharp.engine.model_function.objective`). Results are
+:class:`~hf_geosharp.engine.result.SharpnessResult`.
 """
 
 from __future__ import annotations
@@ -12,13 +13,13 @@ from typing import Any, Literal
 
 from torch import nn
 
-from .checks import Steps, check_common, check_convergence_args, check_epsilon
-from .geometry.elementwise import Curvature
-from .objective import LossFn
-from .result import NotConvergedWarning, SharpnessResult, collected_convergence_notes
-from .runner import Mode, RunSettings, run
-from .solver import AUTO_MAX_STEPS, CONVERGENCE_TOL, StepNormalization
-from .space import SpaceOptions
+from .engine.checks import Steps, check_common, check_convergence_args, check_epsilon
+from .engine.geometry.elementwise import Curvature
+from .engine.model_function.objective import LossFn
+from .engine.result import NotConvergedWarning, SharpnessResult, collected_convergence_notes
+from .engine.runner import Mode, RunSettings, run
+from .engine.solvers.apgd import AUTO_MAX_STEPS, CONVERGENCE_TOL, StepNormalization
+from .engine.space.perturbation_space import SpaceOptions
 from .symmetry.base import SymmetryMap
 
 __all__ = ["NotConvergedWarning", "SharpnessResult", "adaptive_sharpness", "collected_convergence_notes",

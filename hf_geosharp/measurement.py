@@ -18,11 +18,12 @@ then spreads the batches over the ranks (through ``accelerate``) and gathers the
 the one-process result. Do not use evaluate's ``num_process``/``process_id`` options: they make rank 0 compute alone.
 
 Sharded use (FSDP2): under ``torchrun``, ``compute(model_id=..., fsdp=True)`` loads the model on every rank, maps its
-symmetries and shards it (:func:`hf_geosharp.sharding.shard_model`); a ``model=`` the user sharded is measured sharded
-without the flag. The shards of the examples are joined and batched as above, and every rank then solves every batch
-together with the others: for a loss that is a mean over examples (classification) each rank passes the engine its
-rows of every batch (compute is shared too); otherwise (token-averaged losses, a custom ``loss_fn``, a batch with
-fewer rows than ranks) every rank passes the whole batches. Either way every rank returns the one-process result.
+symmetries and shards it (:func:`hf_geosharp.engine.placement.sharding.shard_model`); a ``model=`` the user sharded is
+measured sharded without the flag. The shards of the examples are joined and batched as above, and every rank then
+solves every batch together with the others: for a loss that is a mean over examples (classification) each rank passes
+the engine its rows of every batch (compute is shared too); otherwise (token-averaged losses, a custom ``loss_fn``, a
+batch with fewer rows than ranks) every rank passes the whole batches. Either way every rank returns the one-process
+result.
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ from .data import (
     require_task,
     task_of,
 )
+from .engine.placement.sharding import attention_placement, init_distributed, is_sharded, shard_model
 from .measures import DEFAULT_MEASURES, MEASURES, Settings, parse_measures, result_fields, run_measures, spec
-from .sharding import attention_placement, init_distributed, is_sharded, shard_model
 from .symmetry import map_symmetries
 
 INPUTS = ("predictions", "input_ids", "attention_mask", "token_type_ids", "pixel_values", "labels")
@@ -234,7 +235,7 @@ def _start_fsdp(model: torch.nn.Module | None, device: Any) -> None:
     """Join the launcher's process group for ``fsdp=True``, or say why it cannot apply."""
     if model is not None and not is_sharded(model):
         raise ValueError("fsdp=True shards a model that compute loads (model_id=); compute never modifies a model "
-                         "it is given. Shard yours with hf_geosharp.sharding.shard_model(model), then "
+                         "it is given. Shard yours with hf_geosharp.engine.placement.sharding.shard_model(model), then "
                          "compute(model=model) measures it sharded.")  # fmt: skip
     if device is not None:
         raise ValueError("device= does not apply with fsdp=True: each rank uses its own GPU (LOCAL_RANK), or the CPU.")

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .api import SharpnessResult, adaptive_sharpness, geodesic_sharpness
-from .relative_flatness import relative_flatness
+from .engine.relative_flatness import relative_flatness
 
 logger = logging.getLogger(__name__)
 

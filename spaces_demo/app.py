@@ -29,7 +29,6 @@ import gradio as gr
 import pandas as pd
 import torch
 
-from hf_geosharp.cards import card_yaml, dataset_info, eval_result, task_type
 from hf_geosharp.data import (
     DataError,
     DataSpec,
@@ -41,6 +40,7 @@ from hf_geosharp.data import (
     make_batches,
     require_task,
 )
+from hf_geosharp.hub.cards import card_yaml, dataset_info, eval_result, task_type
 from hf_geosharp.leaderboard import (
     GapSpec,
     Measure,
@@ -51,8 +51,8 @@ from hf_geosharp.leaderboard import (
     write_outputs,
 )
 from hf_geosharp.leaderboard import Settings as BoardSettings
+from hf_geosharp.leaderboard.store import STORE_FILE, ResultStore, StoreLockedError, output_lock
 from hf_geosharp.measures import DEFAULT_MEASURES, MEASURES, Settings, no_symmetry_note, run_measures
-from hf_geosharp.store import STORE_FILE, ResultStore, StoreLockedError, output_lock
 from hf_geosharp.symmetry import map_symmetries
 from hf_geosharp.symmetry.report import format_report
 from hf_geosharp.zoo import ZooMember, build_zoo, torch_threads, zoo_members

@@ -20,8 +20,9 @@ import torch
 import torch.distributed as dist
 
 import hf_geosharp as gs
-from hf_geosharp import coordinates, runner
-from hf_geosharp.sharding import shard_model
+from hf_geosharp.engine import runner
+from hf_geosharp.engine.placement.sharding import shard_model
+from hf_geosharp.engine.space import coordinates
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
 from tests.fsdp_worker import build, placement_fn  # noqa: E402

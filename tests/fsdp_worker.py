@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.func import functional_call
 
-from hf_geosharp.shard_layout import ShardedLayout, fsdp_state
-from hf_geosharp.sharding import shard_model
+from hf_geosharp.engine.placement.fsdp_layout import ShardedLayout, fsdp_state
+from hf_geosharp.engine.placement.sharding import shard_model
 
 TOL = 1e-12
 QKV = ("query", "key", "value", "q_proj", "k_proj", "v_proj")

@@ -235,8 +235,8 @@ def test_objective_gradient_matches_finite_differences_through_exp2(metric):
     """The solver's gradient (streamed per-parameter gradients + closed-form Exp2 pullback) against a central difference
     of the loss along a random direction, at a perturbed point: the slow, obvious reference of the fast path.
     The LayerNorm bias starts at zero, so it is frozen and the direction leaves it alone."""
-    from hf_geosharp.objective import Objective, default_loss, measured_parameters
-    from hf_geosharp.space import PerturbationSpace, SpaceOptions
+    from hf_geosharp.engine.model_function.objective import Objective, default_loss, measured_parameters
+    from hf_geosharp.engine.space.perturbation_space import PerturbationSpace, SpaceOptions
 
     model = ToyAttention().eval()
     names, params = measured_parameters(model)

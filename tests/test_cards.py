@@ -13,8 +13,17 @@ from huggingface_hub import ModelCard, ModelCardData, constants, metadata_load, 
 from huggingface_hub.errors import RemoteEntryNotFoundError
 from huggingface_hub.repocard_data import model_index_to_eval_results
 
-from hf_geosharp import __version__, cli, publish
-from hf_geosharp.cards import TEMPLATE_DIR, CardError, DatasetInfo, dataset_info, eval_result, known_task, read_results
+from hf_geosharp import __version__, cli
+from hf_geosharp.hub import publish
+from hf_geosharp.hub.cards import (
+    TEMPLATE_DIR,
+    CardError,
+    DatasetInfo,
+    dataset_info,
+    eval_result,
+    known_task,
+    read_results,
+)
 from hf_geosharp.measures import MEASURES
 
 EXISTING = """---

@@ -1,4 +1,4 @@
-"""The worst case holds only the embedding rows its batches look up (hf_geosharp.embedding_rows).
+"""The worst case holds only the embedding rows its batches look up (hf_geosharp.engine.model_function.embedding_rows).
 
 Properties: the scan finds exactly the rows the batches use and leaves whole every weight that something other than
 a lookup reads; the value with the rows left out equals the value with whole weights (the left-out rows have zero
@@ -17,9 +17,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import hf_geosharp as gs
-from hf_geosharp import runner
-from hf_geosharp.embedding_rows import RowLookup, UsedRows, scan_used_rows
-from hf_geosharp.objective import default_loss
+from hf_geosharp.engine import runner
+from hf_geosharp.engine.model_function.embedding_rows import RowLookup, UsedRows, scan_used_rows
+from hf_geosharp.engine.model_function.objective import default_loss
 
 from .fixtures import architectures
 from .fixtures.hf_models import one_thread  # noqa: F401  (autouse: one torch thread for tiny models)

@@ -188,17 +188,17 @@ def test_collected_convergence_notes_replace_the_per_call_warning(caplog):
     model, batches = _noisy_bert(0.2), _batches(n=1)
     with warnings.catch_warnings():
         warnings.simplefilter("error", gs.NotConvergedWarning)  # a warning inside the block would raise here
-        with caplog.at_level("WARNING", logger="hf_geosharp.result"), collected_convergence_notes() as notes:
+        with caplog.at_level("WARNING", logger="hf_geosharp.engine.result"), collected_convergence_notes() as notes:
             res = gs.geodesic_sharpness(model, batches, rho=1.0, metric="inv", steps=20, progress=False)
     assert not res.converged and len(notes) == 1 and "steps='auto'" in notes[0]
-    assert not [r for r in caplog.records if r.name == "hf_geosharp.result"]
+    assert not [r for r in caplog.records if r.name == "hf_geosharp.engine.result"]
 
 
 @pytest.mark.parametrize("metric", ["inv", "mix"])
 def test_solver_identities_hold_exactly_with_a_large_relaxation(metric):
     """``ascent_direction``'s fast products (``<R e, v>_g = <e, v>`` for horizontal ``v``) against the slow metric
     inner products at epsilon = 1e-2: they need the projection to be exactly g-orthogonal in the relaxed metric."""
-    from hf_geosharp.space import PerturbationSpace, SpaceOptions
+    from hf_geosharp.engine.space.perturbation_space import PerturbationSpace, SpaceOptions
 
     model = tiny_bert().double()
     theta0 = torch.cat([p.detach().reshape(-1) for p in model.parameters()])

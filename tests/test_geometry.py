@@ -6,8 +6,8 @@ import scipy.integrate
 import scipy.linalg
 import torch
 
-from hf_geosharp.geometry.elementwise import ElementwiseGeometry
-from hf_geosharp.geometry.gl_quotient import GLQuotient
+from hf_geosharp.engine.geometry.elementwise import ElementwiseGeometry
+from hf_geosharp.engine.geometry.gl_quotient import GLQuotient
 
 K, N, M, H = 3, 7, 5, 3
 METRICS = ["inv", "mix"]

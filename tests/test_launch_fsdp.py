@@ -131,7 +131,7 @@ def _evaluate_rank(data_path: str, model: str, out_dir: str) -> None:
 
     import torch.distributed as dist
 
-    engine = logging.getLogger("hf_geosharp.sharded_run")
+    engine = logging.getLogger("hf_geosharp.engine.placement.fsdp")
     seen: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: seen.append(record.getMessage())
@@ -146,7 +146,7 @@ def _evaluate_rank(data_path: str, model: str, out_dir: str) -> None:
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps({**out, "engine_log": seen}))
     from transformers import AutoTokenizer
 
-    from hf_geosharp.sharding import shard_model
+    from hf_geosharp.engine.placement.sharding import shard_model
 
     mine = shard_model(tiny_bert().double())  # sharded by the caller: measured sharded without the flag
     out = module.compute(model=mine, tokenizer=AutoTokenizer.from_pretrained(model), **share, batch_size=3,

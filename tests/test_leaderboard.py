@@ -36,7 +36,7 @@ from hf_geosharp.leaderboard import (
     run_leaderboard,
     write_outputs,
 )
-from hf_geosharp.store import STORE_FILE, ResultStore
+from hf_geosharp.leaderboard.store import STORE_FILE, ResultStore
 from hf_geosharp.zoo import (
     METRICS_FILE,
     SPLIT_FILE,

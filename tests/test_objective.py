@@ -1,6 +1,6 @@
-"""The model-as-function layer (``hf_geosharp.objective``): the one wrapper around PyTorch's private
-``_reparametrize_module``, pinned here, and the objective's gradient written over its own perturbed weights, against
-a slow, obvious reference (``torch.func.functional_call`` and ``torch.autograd.grad``)."""
+"""The model-as-function layer (``hf_geosharp.engine.model_function.objective``): the one wrapper around PyTorch's
+private ``_reparametrize_module``, pinned here, and the objective's gradient written over its own perturbed weights,
+against a slow, obvious reference (``torch.func.functional_call`` and ``torch.autograd.grad``)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from hf_geosharp.objective import Objective, default_loss, measured_parameters, reparametrized
-from hf_geosharp.space import PerturbationSpace, SpaceOptions
+from hf_geosharp.engine.model_function.objective import Objective, default_loss, measured_parameters, reparametrized
+from hf_geosharp.engine.space.perturbation_space import PerturbationSpace, SpaceOptions
 from hf_geosharp.symmetry import map_symmetries
 
 from .fixtures.hf_models import one_thread  # noqa: F401  (autouse: one torch thread for tiny models)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_geosharp import cards
+from hf_geosharp.hub import cards
 
 REPO = Path(__file__).resolve().parents[1]
 EVAL_RESULT_NAMES = ("EvalResultEntry", "eval_result_entries_to_yaml", "parse_eval_result_entries")

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_geosharp.coordinates import Factor, stack_alike
-from hf_geosharp.space import PerturbationSpace, SpaceOptions
+from hf_geosharp.engine.space.coordinates import Factor, stack_alike
+from hf_geosharp.engine.space.perturbation_space import PerturbationSpace, SpaceOptions
+from hf_geosharp.engine.space.workspace import Workspace
 from hf_geosharp.symmetry import map_symmetries
-from hf_geosharp.workspace import Workspace
 
 from .fixtures.hf_models import one_thread  # noqa: F401  (autouse: one torch thread for tiny models)
 from .fixtures.intact import tiny_bert

@@ -9,11 +9,11 @@ import functools
 import pytest
 import torch
 
-from hf_geosharp.reference_space import ReferenceSpace, projection_defects
-from hf_geosharp.space import PerturbationSpace, SpaceOptions
+from hf_geosharp.engine.space.perturbation_space import PerturbationSpace, SpaceOptions
+from hf_geosharp.engine.space.reference_space import ReferenceSpace, projection_defects
+from hf_geosharp.engine.space.workspace import Workspace
 from hf_geosharp.symmetry import map_symmetries
 from hf_geosharp.symmetry.base import PairBlock
-from hf_geosharp.workspace import Workspace
 
 from .fixtures.architectures import build
 from .fixtures.hf_models import one_thread  # noqa: F401  (autouse: one torch thread for tiny models)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import hf_geosharp as gs
-from hf_geosharp.relative_flatness import feature_layer, relative_flatness
+from hf_geosharp.engine.relative_flatness import feature_layer, relative_flatness
 
 from .fixtures.hf_models import tiny_bert
 

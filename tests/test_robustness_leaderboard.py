@@ -15,7 +15,7 @@ import pytest
 
 from hf_geosharp import cli
 from hf_geosharp.data import DataSpec
-from hf_geosharp.store import LOCK_FILE, STORE_FILE, data_identity, model_identity, output_lock
+from hf_geosharp.leaderboard.store import LOCK_FILE, STORE_FILE, data_identity, model_identity, output_lock
 
 from .fixtures.hf_models import one_thread, save_text_model, write_csv  # noqa: F401  (one_thread: autouse)
 
@@ -55,7 +55,7 @@ def test_a_damaged_store_is_reported_and_the_rest_is_used(setup, caplog):
     ]) + b"\n")
     caplog.clear()
     assert setup["board"]() == 0
-    err = caplog.text  # a warning of hf_geosharp.store: the command line prints it on stderr
+    err = caplog.text  # a warning of hf_geosharp.leaderboard.store: the command line prints it on stderr
     assert "skipped 4 damaged line(s) (line 2, 3, 4, 5; the first: not UTF-8)" in err and "recomputed" in err
     after = [json.loads(line) for line in lines(setup["store"]) if _usable(line)]
     assert after[:1] == [stats]  # kept, not recomputed, and nothing was rewritten in place

@@ -1,10 +1,10 @@
-"""The FSDP2 layout (``hf_geosharp.sharding``): each check runs ``tests/fsdp_worker.py`` under ``torchrun`` on CPU with
-gloo, on a tiny float64 BERT (3 labels, so the head is sharded unevenly, with empty shards over 4 ranks) and a tiny
-Llama with GQA and RoPE, against an unsharded copy of the same model. The worker checks, on every rank: the shards
-placed by ``localize`` rebuild every parameter exactly; the loss under ``serving`` equals the unsharded loss at the
-perturbed weights, also after ``theta`` moved in place; ``stream_gradients`` gives the local pieces of the unsharded
-gradient, zeros for a frozen parameter; shards, ``.grad``, ``requires_grad`` and modes are unchanged afterwards,
-also after an exception or a KeyboardInterrupt inside ``serving``; unsupported setups are refused."""
+"""The FSDP2 layout (``hf_geosharp.engine.placement.sharding``): each check runs ``tests/fsdp_worker.py`` under
+``torchrun`` on CPU with gloo, on a tiny float64 BERT (3 labels, so the head is sharded unevenly, with empty shards over
+4 ranks) and a tiny Llama with GQA and RoPE, against an unsharded copy of the same model. The worker checks, on every
+rank: the shards placed by ``localize`` rebuild every parameter exactly; the loss under ``serving`` equals the unsharded
+loss at the perturbed weights, also after ``theta`` moved in place; ``stream_gradients`` gives the local pieces of the
+unsharded gradient, zeros for a frozen parameter; shards, ``.grad``, ``requires_grad`` and modes are unchanged
+afterwards, also after an exception or a KeyboardInterrupt inside ``serving``; unsupported setups are refused."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_geosharp.shard_layout import fsdp_state
+from hf_geosharp.engine.placement.fsdp_layout import fsdp_state
 
 from .fixtures.torchrun import torchrun
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_geosharp.solver import as23_checkpoints
-from hf_geosharp.space import PerturbationSpace, SpaceOptions
+from hf_geosharp.engine.solvers.apgd import as23_checkpoints
+from hf_geosharp.engine.space.perturbation_space import PerturbationSpace, SpaceOptions
 from hf_geosharp.symmetry import map_symmetries
 
 from .fixtures.hf_models import one_thread  # noqa: F401  (autouse: one torch thread for tiny models)
@@ -20,7 +20,7 @@ def test_as23_checkpoint_schedule():
 
 def test_blocked_ellipsoid_projection_matches_the_reference_formula(monkeypatch):
     """AS23's projection, evaluated block by block, against the reference's whole-vector formula (docs/spec.md §5.1)."""
-    from hf_geosharp import as23 as solver
+    from hf_geosharp.engine.solvers import as23 as solver
 
     monkeypatch.setattr(solver, "_BLOCK", 1000)  # many blocks, and a ragged last one
     g = torch.Generator().manual_seed(0)
@@ -46,8 +46,8 @@ def test_blocked_ellipsoid_projection_matches_the_reference_formula(monkeypatch)
 
 def test_solver_bookkeeping_keeps_iterates_in_the_ball():
     """Iterates never leave the ball, and the best iterate's norm from the Gram bookkeeping is its real norm."""
-    from hf_geosharp import objective as objective_module
-    from hf_geosharp.solver import apgd
+    from hf_geosharp.engine.model_function import objective as objective_module
+    from hf_geosharp.engine.solvers.apgd import apgd
 
     model = tiny_bert()
     names, params = objective_module.measured_parameters(model)

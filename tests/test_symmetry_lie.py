@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_geosharp.geometry.lie import random_group_element, rope_commutant_basis
+from hf_geosharp.engine.geometry.lie import random_group_element, rope_commutant_basis
 
 
 def _rotation(head_dim: int, rotary_dim: int, position: float, interleaved: bool) -> torch.Tensor:

@@ -61,7 +61,7 @@ def test_reparametrization_moves_weights_but_not_outputs(arch):
                                              ("deepseek_v3_mla", "qk", "rotate_half pairing")])
 def test_the_probe_catches_a_wrong_rope_group(arch, kind, wrong):
     """Guards the probe's power: the commutant is needed, and the pairing of rotary dims matters."""
-    from hf_geosharp.geometry.lie import rope_commutant_basis
+    from hf_geosharp.engine.geometry.lie import rope_commutant_basis
 
     tiny = build(arch)
     smap = map_symmetries(tiny.model)

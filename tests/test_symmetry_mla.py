@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers as tf
 
-from hf_geosharp.geometry.lie import rope_commutant_basis
+from hf_geosharp.engine.geometry.lie import rope_commutant_basis
 from hf_geosharp.symmetry import map_symmetries, reparametrize
 
 from .fixtures.architectures import _MLA, _causal, _hf, build

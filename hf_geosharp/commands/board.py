@@ -20,7 +20,7 @@ from ..leaderboard import (
     run_leaderboard,
     write_outputs,
 )
-from ..store import STORE_FILE, ResultStore, StoreLockedError, output_lock
+from ..leaderboard.store import STORE_FILE, ResultStore, StoreLockedError, output_lock
 from .common import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,

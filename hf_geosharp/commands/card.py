@@ -20,7 +20,7 @@ from pathlib import Path
 
 from huggingface_hub import ModelCard
 
-from ..cards import (
+from ..hub.cards import (
     CardError,
     card_yaml,
     dataset_info,
@@ -38,7 +38,7 @@ from ..cards import (
     write_card,
     write_eval_results,
 )
-from ..publish import Publication, push, require_online
+from ..hub.publish import Publication, push, require_online
 from .common import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
 
 FORMATS = ("model-index", "eval-results", "both")

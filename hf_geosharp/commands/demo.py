@@ -18,13 +18,13 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from ..api import collected_convergence_notes
-from ..cards import card_yaml, dataset_info, eval_result
 from ..data import DataSpec, load_batches, load_model, load_processor
 from ..durable import OutputPathError, check_writable
 from ..hide import hide_and_seek, seek_figure, seek_lines
+from ..hub.cards import card_yaml, dataset_info, eval_result
 from ..leaderboard import GapSpec, Leaderboard, convergence_fix, ranked
+from ..leaderboard.store import ResultStore, fingerprint, model_identity
 from ..measures import Settings
-from ..store import ResultStore, fingerprint, model_identity
 from ..zoo import build_zoo, cache_root, torch_threads
 from .board import add_data_arguments, execute
 from .common import EXIT_BAD_INPUT, EXIT_OK

@@ -3,8 +3,9 @@
 Data parallel: every process holds the whole model and the engine shares the batches out. Sharded (``torchrun ...
 -m hf_geosharp run --fsdp``, or ``accelerate launch`` with an FSDP config such as ``examples/accelerate_fsdp2.yaml``):
 every rank loads the model and all batches, maps the symmetries on the unsharded model, shards it with
-:func:`hf_geosharp.sharding.shard_model` and solves every batch together with the other ranks, each holding its
-shard of the weights and of the solver's state. Rank 0 prints and writes; every rank exits with the same code.
+:func:`hf_geosharp.engine.placement.sharding.shard_model` and solves every batch together with the other ranks, each
+holding its shard of the weights and of the solver's state. Rank 0 prints and writes; every rank exits with the same
+code.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..data import DataError, launch_accelerator
-from ..sharding import attention_placement, init_distributed, shard_model
+from ..engine.placement.sharding import attention_placement, init_distributed, shard_model
 
 logger = logging.getLogger(__name__)
 

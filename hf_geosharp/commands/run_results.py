@@ -19,9 +19,9 @@ import torch
 
 from .. import __version__
 from ..durable import write_json
+from ..engine.solvers.apgd import AUTO_BLOCK
+from ..leaderboard.store import file_digest, model_identity
 from ..measures import Settings, result_fields, run_measure, spec
-from ..solver import AUTO_BLOCK
-from ..store import file_digest, model_identity
 
 VERSIONED = ("torch", "transformers", "datasets", "accelerate", "huggingface_hub", "evaluate")
 WEIGHT_SUFFIXES = (".safetensors", ".bin")

@@ -26,9 +26,9 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from ..geometry.lie import random_group_element
+from ..engine.geometry.lie import random_group_element
+from ..engine.model_function.objective import default_loss, preserved_model_state
 from ..measures import Settings, run_measure
-from ..objective import default_loss, preserved_model_state
 from ..symmetry import map_symmetries
 from ..symmetry._flat import flat_vector, parameters_in_order
 from ..symmetry.base import SymmetryMap

@@ -23,7 +23,7 @@ from transformers.trainer_callback import CallbackHandler, TrainerControl, Train
 from transformers.training_args import TrainingArguments
 
 from ..api import SharpnessResult
-from ..checks import check_inputs, check_labels_present
+from ..engine.checks import check_inputs, check_labels_present
 from ..measures import Settings, parse_measures, result_fields, run_measures
 
 logger = logging.getLogger(__name__)

@@ -5,10 +5,10 @@ batches, correlates every measure with the gap (Kendall tau, as in the paper's S
 and always puts two trivial predictors beside the sharpness measures, the parameter norm and the clean training loss:
 a measure that does not beat them tells the reader little.
 
-Long runs must survive being killed, so every number goes into a :class:`~hf_geosharp.store.ResultStore` the moment
-it is computed, keyed by a fingerprint of the content of the model and the data (:mod:`hf_geosharp.store`). A rerun
-with the same settings skips every finished (model, measure) and only computes what is missing. Every output file is
-written durably (:mod:`hf_geosharp.durable`).
+Long runs must survive being killed, so every number goes into a :class:`~hf_geosharp.leaderboard.store.ResultStore` the
+moment it is computed, keyed by a fingerprint of the content of the model and the data
+(:mod:`hf_geosharp.leaderboard.store`). A rerun with the same settings skips every finished (model, measure) and only
+computes what is missing. Every output file is written durably (:mod:`hf_geosharp.durable`).
 
 One job per module: :mod:`.inputs` (models, measures, settings, gap), :mod:`.run` (measuring into the store),
 :mod:`.statistics` (Kendall taus) and :mod:`.report` (Markdown, CSV, plot).

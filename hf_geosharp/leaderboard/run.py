@@ -15,12 +15,12 @@ from tqdm.auto import tqdm
 
 from ..api import SharpnessResult, adaptive_sharpness, collected_convergence_notes, geodesic_sharpness
 from ..data import DataError, DataSpec, load_batches, load_model, load_processor, load_split, require_task
+from ..engine.relative_flatness import relative_flatness
 from ..measures import no_symmetry_note
-from ..relative_flatness import relative_flatness
-from ..store import ResultStore, data_identity, fingerprint, model_identity
 from ..symmetry import map_symmetries
 from .inputs import GapSpec, Measure, ModelRef, Settings, read_gap_file
 from .statistics import kendall_taus
+from .store import ResultStore, data_identity, fingerprint, model_identity
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from ..geometry.lie import rope_commutant_basis
+from ..engine.geometry.lie import rope_commutant_basis
 from .base import Fallback, PairBlock, SymmetryMap
 from .layouts import ADAPTERS, AttentionLayout, LayoutContext, Proj, Unmappable, is_lora_layer
 from .layouts.introspect import source

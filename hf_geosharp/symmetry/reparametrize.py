@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from ..geometry.lie import random_group_element
+from ..engine.geometry.lie import random_group_element
 from ._flat import flat_vector, parameters_in_order
 from .base import SymmetryMap
 from .mapping import map_symmetries

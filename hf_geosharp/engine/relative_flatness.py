@@ -24,9 +24,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from . import __version__
+from .. import __version__
 from .checks import check_batch, check_model
-from .objective import LossFn, default_loss, preserved_model_state, reparametrized, to_device
+from .model_function.objective import LossFn, default_loss, preserved_model_state, reparametrized, to_device
 from .result import SharpnessResult, average_stderr, batch_stderr
 from .runner import batch_seed
 

@@ -1,5 +1,6 @@
 """Sharding a model for a measurement with FSDP2 (``--fsdp``, ``compute(fsdp=True)``), and the placement that keeps
-every attention row on one rank; the engine's view of the sharded model is :mod:`hf_geosharp.shard_layout`."""
+every attention row on one rank; the engine's view of the sharded model is
+:mod:`hf_geosharp.engine.placement.fsdp_layout`."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .shard_layout import fsdp_modules
+from .fsdp_layout import fsdp_modules
 
 logger = logging.getLogger(__name__)
 

@@ -14,8 +14,9 @@ Which of the two it is, is found out by comparing fingerprints of the batches ac
 be identical give the same number either way.
 
 For the worst case, an embedding's rows that no rank's batches look up are left out, as in one process
-(:mod:`hf_geosharp.embedding_rows`): each rank holds the used rows of its shard, FSDP still gathers the model's own
-shard of the weight, and the lookups read the used rows, assembled on every rank by one small all-reduce.
+(:mod:`hf_geosharp.engine.model_function.embedding_rows`): each rank holds the used rows of its shard, FSDP still
+gathers the model's own shard of the weight, and the lookups read the used rows, assembled on every rank by one small
+all-reduce.
 """
 
 from __future__ import annotations
@@ -31,13 +32,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .coordinates import pair_parameters
-from .embedding_rows import RowLookup, UsedRows, rows_of_every_rank, scan_used_rows
-from .objective import LossFn, Objective, measured_parameters, refuse_reentrant_checkpointing
-from .shard_layout import ShardedLayout
-from .space import PerturbationSpace, SpaceOptions
-from .symmetry.base import SymmetryMap
-from .workspace import Workspace
+from ...symmetry.base import SymmetryMap
+from ..model_function.embedding_rows import RowLookup, UsedRows, rows_of_every_rank, scan_used_rows
+from ..model_function.objective import LossFn, Objective, measured_parameters, refuse_reentrant_checkpointing
+from ..space.coordinates import pair_parameters
+from ..space.perturbation_space import PerturbationSpace, SpaceOptions
+from ..space.workspace import Workspace
+from .fsdp_layout import ShardedLayout
 
 logger = logging.getLogger(__name__)
 
@@ -54,11 +55,11 @@ class HeldRows:
 
 
 class ShardedObjective(Objective):
-    """The objective of :class:`~hf_geosharp.objective.Objective` on an FSDP2 model: the perturbed local shards are
-    written into the flat buffer ``out``, which FSDP all-gathers from (``layout.serving``); each parameter's local
-    gradient is copied over its perturbed weights after the reduce-scatter (``layout.stream_gradients``). The
-    embeddings in ``held`` (by parameter position) are served from the model's own shards and looked up in their
-    perturbed used rows."""
+    """The objective of :class:`~hf_geosharp.engine.model_function.objective.Objective` on an FSDP2 model: the perturbed
+    local shards are written into the flat buffer ``out``, which FSDP all-gathers from (``layout.serving``); each
+    parameter's local gradient is copied over its perturbed weights after the reduce-scatter
+    (``layout.stream_gradients``). The embeddings in ``held`` (by parameter position) are served from the model's own
+    shards and looked up in their perturbed used rows."""
 
     def __init__(self, model: nn.Module, layout: ShardedLayout, space: PerturbationSpace, loss_fn: LossFn,
                  rho: float, shares: bool, held: dict[int, HeldRows]) -> None:

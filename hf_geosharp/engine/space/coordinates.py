@@ -1,14 +1,15 @@
 """Where the attention pairs sit in the solver's flat vector: strided boxes, factors and pair groups.
 
-A tangent vector is one flat tensor (see :class:`hf_geosharp.space.PerturbationSpace`). A pair group's ``G`` and
-``H`` factors are ``[k, n, h]`` tensors whose entries are scattered over that vector; this module moves them in and
-out. It holds no geometry and no buffers: callers pass the output tensors (from a
-:class:`hf_geosharp.workspace.Workspace`), and every operation can act on a range of heads, so that the geometry
-can work on a few heads at a time with small scratch buffers.
+A tangent vector is one flat tensor (see :class:`hf_geosharp.engine.space.perturbation_space.PerturbationSpace`). A pair
+group's ``G`` and ``H`` factors are ``[k, n, h]`` tensors whose entries are scattered over that vector; this module
+moves them in and out. It holds no geometry and no buffers: callers pass the output tensors (from a
+:class:`hf_geosharp.engine.space.workspace.Workspace`), and every operation can act on a range of heads, so that the
+geometry can work on a few heads at a time with small scratch buffers.
 
 Under FSDP a factor may also have *shared rows*: rows whose ``h`` entries live on several ranks (a head cut by a
 shard boundary, or a bias row). Those rows are assembled on every rank by one sum over the ranks (each rank adds
-its own entries to zeros) and written back only where this rank owns the entries (see :mod:`hf_geosharp.sharding`).
+its own entries to zeros) and written back only where this rank owns the entries (see
+:mod:`hf_geosharp.engine.placement.sharding`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .symmetry.base import PairBlock
+from ...symmetry.base import PairBlock
 
 Reduce = Callable[[Tensor], Tensor]
 ALL_HEADS = slice(None)
@@ -219,7 +220,7 @@ class Factor:
 def stack_alike(blocks: list[PairBlock]) -> list[tuple[Tensor, Tensor, Tensor | None]]:
     """Stack the index maps of blocks with equal pair shapes and group into one ``[sum k, n, h]`` block.
 
-    Every formula of :class:`~hf_geosharp.geometry.gl_quotient.GLQuotient` is batched over the leading (head)
+    Every formula of :class:`~hf_geosharp.engine.geometry.gl_quotient.GLQuotient` is batched over the leading (head)
     dimension, so the twelve layers of a BERT become two geometry objects (QK, VO) instead of 24."""
     groups: dict[tuple, list[PairBlock]] = {}
     for b in blocks:

@@ -2,16 +2,18 @@
 
 A tangent vector ``xi`` is a flat tensor laid out like the concatenation of the base point's segments (the
 parameters being measured, flattened). Coordinates that belong to a GL(h) pair are handled by
-:class:`~hf_geosharp.geometry.gl_quotient.GLQuotient`; all other coordinates by
-:class:`~hf_geosharp.geometry.elementwise.ElementwiseGeometry`. Adaptive sharpness is the same space with no pairs
-and first-order steps, so one solver serves both measures. Where the pairs sit is :mod:`hf_geosharp.coordinates`.
+:class:`~hf_geosharp.engine.geometry.gl_quotient.GLQuotient`; all other coordinates by
+:class:`~hf_geosharp.engine.geometry.elementwise.ElementwiseGeometry`. Adaptive sharpness is the same space with no
+pairs and first-order steps, so one solver serves both measures. Where the pairs sit is
+:mod:`hf_geosharp.engine.space.coordinates`.
 
 Performance and memory: a solver step must cost one forward and one backward plus little else, and the parameter
 vector is large (1e8 entries), so
 
 * pair blocks of equal shape (every layer of a BERT) are stacked into one group, and every geometric operation runs
-  on a few heads of a group at a time, with temporaries from the space's :class:`~hf_geosharp.workspace.Workspace`:
-  nothing pair-sized is allocated per step and the peak does not grow with the pairs;
+  on a few heads of a group at a time, with temporaries from the space's
+  :class:`~hf_geosharp.engine.space.workspace.Workspace`: nothing pair-sized is allocated per step and the peak does not
+  grow with the pairs;
 * the space stores nothing parameter-sized: it reads the base point from the weights and recomputes ``w^2`` in
   each pass;
 * :meth:`PerturbationSpace.exp_point` writes the perturbed point into a caller's buffer without autograd; the
@@ -21,9 +23,9 @@ vector is large (1e8 entries), so
   ``<grad f, x>_g = <df, x>`` for horizontal ``x``, so the solver's norms cost one matrix-vector product per step,
   and it may write the direction over the gradient it comes from.
 
-Sharded runs (:mod:`hf_geosharp.sharding`) pass a ``shard``: every vector is then this rank's part, the pair
-factors hold this rank's rows (see :class:`~hf_geosharp.coordinates.SharedRows`), and every sum goes through
-``shard.all_reduce``.
+Sharded runs (:mod:`hf_geosharp.engine.placement.sharding`) pass a ``shard``: every vector is then this rank's part, the
+pair factors hold this rank's rows (see :class:`~hf_geosharp.engine.space.coordinates.SharedRows`), and every sum goes
+through ``shard.all_reduce``.
 """
 
 from __future__ import annotations
@@ -35,11 +37,11 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from ...symmetry.base import PairBlock
+from ..geometry.elementwise import Curvature, ElementwiseGeometry, per_segment
+from ..geometry.gl_quotient import GLQuotient, Metric
 from .coordinates import Factor, stack_alike
-from .geometry.elementwise import Curvature, ElementwiseGeometry, per_segment
-from .geometry.gl_quotient import GLQuotient, Metric
 from .pair_group import PairGroup
-from .symmetry.base import PairBlock
 from .workspace import Workspace
 
 Pullback = Callable[[Tensor], None]
@@ -70,7 +72,8 @@ class SpaceOptions:
 
 
 class Shard(Protocol):
-    """What a sharded run tells the space (implemented by :class:`hf_geosharp.sharding.ShardedLayout`)."""
+    """What a sharded run tells the space (implemented by
+    :class:`hf_geosharp.engine.placement.sharding.ShardedLayout`)."""
 
     rank: int
     global_shapes: list[torch.Size]

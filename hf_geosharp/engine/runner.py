@@ -1,4 +1,4 @@
-"""The runner: model and batches in, :class:`~hf_geosharp.result.SharpnessResult` out.
+"""The runner: model and batches in, :class:`~hf_geosharp.engine.result.SharpnessResult` out.
 
 It checks the inputs, builds the perturbation space and the objective once, runs the solver on each batch (batches
 are spread over the processes of an ``accelerate.Accelerator``; the randomness of batch ``i`` depends on ``(seed,
@@ -22,19 +22,34 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from . import __version__
-from .as23 import apgd_as23
+from .. import __version__
+from ..symmetry.base import PairBlock, SymmetryMap
 from .checks import Steps, check_inputs
-from .coordinates import pair_parameters
-from .embedding_rows import UsedRows, scan_used_rows
-from .objective import LossFn, Objective, default_loss, measured_parameters, preserved_model_state, to_device
+from .model_function.embedding_rows import UsedRows, scan_used_rows
+from .model_function.objective import (
+    LossFn,
+    Objective,
+    default_loss,
+    measured_parameters,
+    preserved_model_state,
+    to_device,
+)
+from .placement.fsdp import build_sharded
+from .placement.fsdp_layout import ShardedLayout, fsdp_state
 from .result import SharpnessResult, average_stderr, batch_stderr, warn_not_converged
-from .shard_layout import ShardedLayout, fsdp_state
-from .sharded_run import build_sharded
-from .solver import AUTO_BLOCK, AUTO_MAX_STEPS, CONVERGENCE_TOL, SolveResult, StepNormalization, apgd, average_case
-from .space import PerturbationSpace, SpaceOptions
-from .symmetry.base import PairBlock, SymmetryMap
-from .workspace import Workspace
+from .solvers.apgd import (
+    AUTO_BLOCK,
+    AUTO_MAX_STEPS,
+    CONVERGENCE_TOL,
+    SolveResult,
+    StepNormalization,
+    apgd,
+    average_case,
+)
+from .solvers.as23 import apgd_as23
+from .space.coordinates import pair_parameters
+from .space.perturbation_space import PerturbationSpace, SpaceOptions
+from .space.workspace import Workspace
 
 logger = logging.getLogger(__name__)
 
@@ -155,7 +170,8 @@ def release_freed_memory() -> None:
 
 def _run_sharded(model: nn.Module, layout: ShardedLayout, batches: list[Any], settings: RunSettings,
                  loss_fn: LossFn, progress: bool, symmetry_map: SymmetryMap | None) -> SharpnessResult:
-    """Every rank solves every batch together (see :mod:`hf_geosharp.sharded_run`) and returns the full result."""
+    """Every rank solves every batch together (see :mod:`hf_geosharp.engine.placement.fsdp`) and returns the full
+    result."""
     with preserved_model_state(model):
         names, params = measured_parameters(model)
         blocks = _pair_blocks(model, names, settings, symmetry_map)
@@ -240,7 +256,7 @@ def _pair_blocks(model: nn.Module, names: list[str], settings: RunSettings,
     if settings.options is None or settings.options.metric is None:
         return []
     if symmetry_map is None:
-        from .symmetry import map_symmetries
+        from ..symmetry import map_symmetries
 
         symmetry_map = map_symmetries(model, params=settings.params)
     if symmetry_map.param_names != names:

@@ -1,4 +1,5 @@
-"""A plain, slow perturbation space: the oracle that :class:`~hf_geosharp.space.PerturbationSpace` is tested against.
+"""A plain, slow perturbation space: the oracle that
+:class:`~hf_geosharp.engine.space.perturbation_space.PerturbationSpace` is tested against.
 
 :class:`ReferenceSpace` has the fast space's protocol and is built from the same inputs, but spells every formula out
 densely and shares none of the fast paths (no strided factors, no workspace, no head chunks, no closed-form pullback,
@@ -30,9 +31,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .geometry.gl_quotient import GLQuotient
-from .space import Pullback, SpaceOptions
-from .symmetry.base import PairBlock
+from ...symmetry.base import PairBlock
+from ..geometry.gl_quotient import GLQuotient
+from .perturbation_space import Pullback, SpaceOptions
 
 #: Weights smaller than this in magnitude are frozen (``ElementwiseGeometry``'s default).
 ZERO_TOL = 1e-12
@@ -95,8 +96,9 @@ class ReferenceSpace:
     Args:
         base: the weights, one flat tensor or the parameters being measured (as for ``PerturbationSpace``).
         blocks: GL(h) pair blocks indexing the concatenation of ``base`` (ignored when ``options.metric`` is None).
-        options: the same :class:`~hf_geosharp.space.SpaceOptions` as the space under test (default: the defaults).
-        movable: ``[N]`` bool, the coordinates that may be perturbed (default: all); a block with a frozen
+        options: the same :class:`~hf_geosharp.engine.space.perturbation_space.SpaceOptions` as the space under test
+        (default: the defaults). movable: ``[N]`` bool, the coordinates that may be perturbed (default: all); a block
+        with a frozen
             coordinate is measured elementwise, as in the fast space.
 
     There is no sampler: the tests check the fast space's samples with :meth:`horizontal` instead.

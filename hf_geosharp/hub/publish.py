@@ -2,8 +2,8 @@
 
 The model's owner reviews the change, so everything goes through ``HfApi().create_commit(..., create_pr=True)``:
 the current card and eval-results files are read from the repo, the new entries are merged into them (the same rules
-as locally, :mod:`hf_geosharp.cards`), and the merged files are committed together. Optionally the run's JSON goes to
-a results dataset repo laid out like the Open LLM Leaderboard's details (``<org>/<model>/results_<timestamp>.json``,
+as locally, :mod:`hf_geosharp.hub.cards`), and the merged files are committed together. Optionally the run's JSON goes
+to a results dataset repo laid out like the Open LLM Leaderboard's details (``<org>/<model>/results_<timestamp>.json``,
 one file per model and run), committed directly (it is the user's own repo).
 
 Refused before any network use (and before anything is written locally, see ``geosharp card``) when

@@ -3,9 +3,9 @@
 The worst case is Auto-PGD as used by Andriushchenko et al. 2023 (AS23) and by the paper's Algorithm 1:
 step-size checkpoints, halving, momentum and best-point tracking. :func:`apgd` is the clean version
 (one forward and one backward per step: the loss of an iterate comes from the forward that gives its gradient).
-:func:`hf_geosharp.as23.apgd_as23` reproduces the reference code's quirks so that adaptive-sharpness numbers are
-comparable with the literature. The solvers talk to a space only through ``zero``, ``empty``, ``ascent_direction``,
-``random_tangent_vector`` and ``norm``; the objective is a callable
+:func:`hf_geosharp.engine.solvers.as23.apgd_as23` reproduces the reference code's quirks so that adaptive-sharpness
+numbers are comparable with the literature. The solvers talk to a space only through ``zero``, ``empty``,
+``ascent_direction``, ``random_tangent_vector`` and ``norm``; the objective is a callable
 ``(xi, need_grad, out=None) -> (loss, euclidean_grad | None)`` that writes the gradient into ``out`` when given.
 
 Parameter-sized vectors (1e8 entries for BERT-base) are the cost that is not forward or backward, so the solvers keep

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .coordinates import Factor, SharedRows
+from ..space.coordinates import Factor, SharedRows
 
 __all__ = ["ShardedLayout", "fsdp_state"]
 

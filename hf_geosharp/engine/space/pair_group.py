@@ -1,6 +1,6 @@
 """A group of equal-shaped attention pairs as the perturbation space works on it: where its factors sit in the flat
-vector (:class:`~hf_geosharp.coordinates.Factor`), its geometry at the base point, the head chunks in which every
-operation runs, and, where the layout allows, views of its base point into the weights, so that no copy of the
+vector (:class:`~hf_geosharp.engine.space.coordinates.Factor`), its geometry at the base point, the head chunks in which
+every operation runs, and, where the layout allows, views of its base point into the weights, so that no copy of the
 paired weights is kept (each chunk reads its own into the workspace).
 """
 
@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..geometry.gl_quotient import GLQuotient
 from .coordinates import Factor
-from .geometry.gl_quotient import GLQuotient
 from .workspace import Workspace
 
 Pair = tuple[Tensor, Tensor]

@@ -18,8 +18,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import stateless
 
+from ..space.perturbation_space import PerturbationSpace
 from .embedding_rows import RowLookup, UsedRows
-from .space import PerturbationSpace
 
 LossFn = Callable[[nn.Module, Any], Tensor]
 
@@ -158,8 +158,8 @@ class Objective:
     Args:
         names, params: the parameters the space covers (its base segments, in order); the others stay the model's.
         used_rows: ``{position in params: rows}`` for embedding weights of which the space holds only the rows the
-            batches look up (:mod:`hf_geosharp.embedding_rows`); their lookups read the perturbed rows, and the
-            model keeps its own weight.
+            batches look up (:mod:`hf_geosharp.engine.model_function.embedding_rows`); their lookups read the perturbed
+            rows, and the model keeps its own weight.
     """
 
     def __init__(

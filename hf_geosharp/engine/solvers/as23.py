@@ -1,5 +1,6 @@
 """AS23's adaptive worst case (``m_apgd_l2`` of Andriushchenko et al. 2023), quirks included, for comparison with
-published adaptive-sharpness numbers; :func:`hf_geosharp.solver.apgd` is the clean solver the defaults use."""
+published adaptive-sharpness numbers; :func:`hf_geosharp.engine.solvers.apgd.apgd` is the clean solver the defaults
+use."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from .solver import CONVERGENCE_TOL, Objective, Pool, SolveResult, StepSchedule, relative_gap
+from .apgd import CONVERGENCE_TOL, Objective, Pool, SolveResult, StepSchedule, relative_gap
 
 _BLOCK = 1 << 20  # coordinates per block of the bisection's sums: a few MiB, so a block stays in cache
 

@@ -15,7 +15,7 @@ Honesty rules: the dataset is a Hub id (with config, split and revision) only wh
 written as ``type: local:<name>``, which is not a Hub id (the format requires a ``type``). ``source`` is written only
 when there is a real URL (``--source-url``, or a homepage in the package metadata). ``library_name``/``base_model``/
 ``license`` come from the model's existing card, its ``config.json`` or the user, never from a guess. No NaN is
-written. Pushing lives in :mod:`hf_geosharp.publish`.
+written. Pushing lives in :mod:`hf_geosharp.hub.publish`.
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData
 if TYPE_CHECKING:
     from huggingface_hub import EvalResultEntry
 
-from . import __version__
-from .durable import atomic_path, write_text
-from .measures import MEASURES
+from .. import __version__
+from ..durable import atomic_path, write_text
+from ..measures import MEASURES
 
 logger = logging.getLogger(__name__)
 
