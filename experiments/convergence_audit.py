@@ -25,6 +25,7 @@ import hf_geosharp as gs
 from hf_geosharp.durable import write_json
 from hf_geosharp.engine import runner
 from hf_geosharp.engine.model_function.objective import default_loss, preserved_model_state
+from hf_geosharp.engine.settings import RunSettings
 from hf_geosharp.engine.space.perturbation_space import SpaceOptions
 
 from .epsilon_conditioning import tiny_bert
@@ -56,7 +57,7 @@ def independent_maximum(model: torch.nn.Module, batch: dict, name: str, rho: flo
     points of the sphere: no momentum, no step-size checkpoints, and the space's slow, obvious paths
     (``riemannian_gradient``, ``horizontal``, ``project``) rather than the solver's fused ``ascent_direction``."""
     options = SpaceOptions(name) if name in ("inv", "mix") else None
-    settings = runner.RunSettings(rho, options=options, variant=None if options else "clean")
+    settings = RunSettings(rho, options=options, variant=None if options else "clean")
     with preserved_model_state(model):
         space, objective = runner._build(model, settings, None, default_loss, {0: batch})
         objective.batch = batch

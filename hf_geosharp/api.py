@@ -17,7 +17,8 @@ from .engine.checks import Steps, check_common, check_convergence_args, check_ep
 from .engine.geometry.elementwise import Curvature
 from .engine.model_function.objective import LossFn
 from .engine.result import NotConvergedWarning, SharpnessResult, collected_convergence_notes
-from .engine.runner import Mode, RunSettings, run
+from .engine.runner import run
+from .engine.settings import Mode, RunSettings
 from .engine.solvers.apgd import AUTO_MAX_STEPS, CONVERGENCE_TOL, StepNormalization
 from .engine.space.perturbation_space import SpaceOptions
 from .symmetry.base import SymmetryMap

@@ -20,6 +20,7 @@ import hf_geosharp as gs
 from hf_geosharp.engine import runner
 from hf_geosharp.engine.model_function.embedding_rows import RowLookup, UsedRows, scan_used_rows
 from hf_geosharp.engine.model_function.objective import default_loss
+from hf_geosharp.engine.settings import RunSettings
 
 from .fixtures import architectures
 from .fixtures.hf_models import one_thread  # noqa: F401  (autouse: one torch thread for tiny models)
@@ -35,7 +36,7 @@ def _whole(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _used(model: nn.Module, batches: list, loss_fn=default_loss) -> dict[str, int]:
     """``{parameter name: rows held}`` of the default worst-case build."""
-    _, objective = runner._build(model, runner.RunSettings(0.05), None, loss_fn, dict(enumerate(batches)))
+    _, objective = runner._build(model, RunSettings(0.05), None, loss_fn, dict(enumerate(batches)))
     return {objective.names[i]: u.rows.numel() for i, u in objective.used_rows.items()}
 
 
@@ -137,12 +138,12 @@ def test_padding_checkpointing_and_tied_weights(monkeypatch):
 
 def test_space_holds_only_the_used_rows():
     model, batches = tiny_bert(), tiny_batches(2, rows=3, length=6)
-    space, objective = runner._build(model, runner.RunSettings(0.05), None, default_loss, dict(enumerate(batches)))
+    space, objective = runner._build(model, RunSettings(0.05), None, default_loss, dict(enumerate(batches)))
     left_out = sum((p.shape[0] - objective.used_rows[i].rows.numel()) * p.shape[1]
                    for i, p in enumerate(objective.params) if i in objective.used_rows)
     assert left_out > 0
     assert space.numel == sum(p.numel() for p in model.parameters()) - left_out
-    whole, _ = runner._build(model, runner.RunSettings(0.05, mode="average"), None, default_loss,
+    whole, _ = runner._build(model, RunSettings(0.05, mode="average"), None, default_loss,
                              dict(enumerate(batches)))
     assert whole.numel == sum(p.numel() for p in model.parameters())  # the average case draws every coordinate
 

@@ -83,7 +83,7 @@ def _prepare(args: argparse.Namespace) -> tuple[list, list, dict]:
     if args.format != "model-index" and not args.benchmark:
         raise CardError(f"--format {args.format} needs --benchmark DATASET_ID: .eval_results entries point at a "
                         "benchmark dataset on the Hub that carries an eval.yaml (template: "
-                        "hf_geosharp/templates/eval.yaml). Use --format model-index for results on any dataset.")
+                        "hf_geosharp/hub/templates/eval.yaml). Use --format model-index for results on any dataset.")
     if args.results_repo and not args.push:
         raise CardError("--results-repo needs --push REPO_ID.")
     results, context = read_results(args.results)

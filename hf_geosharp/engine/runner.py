@@ -15,8 +15,7 @@ import logging
 import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -24,7 +23,7 @@ from tqdm.auto import tqdm
 
 from .. import __version__
 from ..symmetry.base import PairBlock, SymmetryMap
-from .checks import Steps, check_inputs
+from .checks import check_inputs
 from .model_function.embedding_rows import UsedRows, scan_used_rows
 from .model_function.objective import (
     LossFn,
@@ -37,15 +36,8 @@ from .model_function.objective import (
 from .placement.fsdp import build_sharded
 from .placement.fsdp_layout import ShardedLayout, fsdp_state
 from .result import SharpnessResult, average_stderr, batch_stderr, warn_not_converged
-from .solvers.apgd import (
-    AUTO_BLOCK,
-    AUTO_MAX_STEPS,
-    CONVERGENCE_TOL,
-    SolveResult,
-    StepNormalization,
-    apgd,
-    average_case,
-)
+from .settings import RunSettings
+from .solvers.apgd import AUTO_BLOCK, SolveResult, apgd, average_case
 from .solvers.as23 import apgd_as23
 from .space.coordinates import pair_parameters
 from .space.perturbation_space import PerturbationSpace, SpaceOptions
@@ -53,71 +45,23 @@ from .space.workspace import Workspace
 
 logger = logging.getLogger(__name__)
 
-Mode = Literal["worst", "average"]
 #: Weights smaller than this in magnitude cannot move (the elementwise metric divides by them).
 ZERO_TOL = 1e-12
 
 
-@dataclass(frozen=True)
-class RunSettings:
-    """Every setting that determines a measurement (checked by the public functions before they build one).
-
-    ``options`` is None for adaptive sharpness; ``variant`` is None for geodesic sharpness."""
-
-    rho: float
-    mode: Mode = "worst"
-    steps: Steps = 20
-    seed: int = 0
-    params: Literal["all", "trainable"] = "all"
-    n_samples: int = 20
-    tol: float = CONVERGENCE_TOL
-    max_steps: int = AUTO_MAX_STEPS
-    options: SpaceOptions | None = None
-    step_normalization: StepNormalization = "riemannian"
-    variant: Literal["clean", "as23"] | None = None
-
-    @property
-    def measure(self) -> str:
-        if self.options is not None:
-            return f"geodesic_{self.options.metric}_{self.mode}"
-        return f"adaptive_{self.variant}_{self.mode}" if self.mode == "worst" else "adaptive_average"
-
-    @property
-    def full_gradient(self) -> bool:
-        """AS23 and the Euclidean step normalisation divide by the global gradient norm, frozen and zero-weight
-        coordinates included; every other solver only needs the coordinates that can move."""
-        return self.variant == "as23" or self.step_normalization == "euclidean"
-
-    def config(self) -> dict[str, Any]:
-        """The settings as results carry them (``SharpnessResult.config``)."""
-        common = dict(rho=self.rho, mode=self.mode, steps=self.steps, seed=self.seed, params=self.params,
-                      n_samples=self.n_samples, tol=self.tol, max_steps=self.max_steps)
-        if self.options is None:
-            return {**common, "variant": self.variant}
-        o = self.options
-        return {**common, "metric": o.metric, "epsilon": o.epsilon, "second_order": o.second_order,
-                "riemannian_norm": o.riemannian_norm, "horizontal_projection": o.horizontal_projection,
-                "elementwise_curvature": o.elementwise_curvature, "step_normalization": self.step_normalization}
-
-    def solve(self, space: PerturbationSpace, objective: Objective, generator: torch.Generator,
-              on_step: Callable[[int, float], None]) -> SolveResult:
-        """One batch: the average case, AS23's solver, or the clean Auto-PGD."""
-        auto = self.steps == "auto"
-        first, budget = (min(AUTO_BLOCK, self.max_steps), self.max_steps) if auto else (self.steps, None)
-        if self.mode == "average":
-            return average_case(space, objective, rho=self.rho, n_samples=self.n_samples, generator=generator,
-                                on_step=on_step)
-        if self.variant == "as23":
-            return apgd_as23(space.elementwise.scale, objective, rho=self.rho, steps=first, on_step=on_step,
-                             max_steps=budget, tol=self.tol)
-        return apgd(space, objective, rho=self.rho, steps=first, step_normalization=self.step_normalization,
-                    on_step=on_step, max_steps=budget, tol=self.tol, generator=generator)
-
-    @property
-    def starts(self) -> int:
-        """How many starts must agree for a worst case to count as converged: two under ``steps="auto"`` with the
-        clean solver (it restarts), one otherwise."""
-        return 2 if self.steps == "auto" and self.variant != "as23" else 1
+def solve(settings: RunSettings, space: PerturbationSpace, objective: Objective, generator: torch.Generator,
+          on_step: Callable[[int, float], None]) -> SolveResult:
+    """One batch: the average case, AS23's solver, or the clean Auto-PGD."""
+    auto = settings.steps == "auto"
+    first, budget = (min(AUTO_BLOCK, settings.max_steps), settings.max_steps) if auto else (settings.steps, None)
+    if settings.mode == "average":
+        return average_case(space, objective, rho=settings.rho, n_samples=settings.n_samples, generator=generator,
+                            on_step=on_step)
+    if settings.variant == "as23":
+        return apgd_as23(space.elementwise.scale, objective, rho=settings.rho, steps=first, on_step=on_step,
+                         max_steps=budget, tol=settings.tol)
+    return apgd(space, objective, rho=settings.rho, steps=first, step_normalization=settings.step_normalization,
+                on_step=on_step, max_steps=budget, tol=settings.tol, generator=generator)
 
 
 def batch_seed(seed: int, index: int) -> int:
@@ -317,7 +261,7 @@ def _solve_batches(space: PerturbationSpace, objective: Objective, settings: Run
             bar.refresh()
 
         with _measuring(settings.measure, index, batches[index]):
-            out = settings.solve(space, objective, generator, on_step)
+            out = solve(settings, space, objective, generator, on_step)
         samples = [loss - out.clean_loss for loss in out.losses[1:]] if settings.mode == "average" else None
         note = out.certificate(settings.tol, settings.starts) if settings.mode == "worst" else None
         results[index] = (out.sharpness, out.clean_loss, samples, out.gap, out.steps_used, note)

@@ -9,7 +9,7 @@ Two formats, both written with huggingface_hub's own classes (never hand-written
   configuration matches an existing entry replaces it, so rerunning a measurement updates the card.
 * ``.eval_results/<benchmark>.yaml`` (the Hub's current format; :class:`huggingface_hub.EvalResultEntry`). Each entry
   points at a benchmark dataset on the Hub that carries an ``eval.yaml`` (template:
-  ``hf_geosharp/templates/eval.yaml``); the task id is the measure key, the settings and stderr go into ``notes``.
+  ``hf_geosharp/hub/templates/eval.yaml``); the task id is the measure key, the settings and stderr go into ``notes``.
 
 Honesty rules: the dataset is a Hub id (with config, split and revision) only when it came from the Hub; local data is
 written as ``type: local:<name>``, which is not a Hub id (the format requires a ``type``). ``source`` is written only
