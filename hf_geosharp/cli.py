@@ -56,6 +56,7 @@ def _add_verbosity(parser: argparse.ArgumentParser, default: object) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``geosharp`` parser with one sub-command per module of :mod:`hf_geosharp.commands`."""
     parser = argparse.ArgumentParser(
         prog="geosharp",
         description="Geodesic sharpness: symmetry-invariant sharpness for Hugging Face models.",
@@ -71,12 +72,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def level_of(args: argparse.Namespace) -> int:
+    """The logging level the verbosity flags ask for (``--verbosity`` wins over ``-v`` counts)."""
     if args.verbosity:
         return getattr(logging, args.verbosity.upper())
     return {0: logging.WARNING, 1: logging.INFO}.get(args.verbose or 0, logging.DEBUG)
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run ``geosharp`` with ``argv`` (default: the command line) and return its exit code."""
     return invoke(_main, argv)  # Ctrl-C, also while the libraries import: exit 130, one line, no traceback
 
 

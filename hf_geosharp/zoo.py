@@ -275,10 +275,12 @@ class Zoo:
 
     @property
     def model_dirs(self) -> list[Path]:
+        """Each member's model folder."""
         return [self.root / m.name for m in self.members]
 
     @property
     def data_dir(self) -> Path:
+        """The bundled digits dataset the members were trained on."""
         return self.root / DIGITS_DIR
 
     def metrics(self) -> dict[str, dict]:

@@ -142,6 +142,7 @@ def load_model(model_id: str, *, trust_remote_code: bool = False) -> torch.nn.Mo
 
 
 def is_vision(model: torch.nn.Module) -> bool:
+    """Whether the model takes images (``pixel_values``) rather than token ids."""
     return getattr(model, "main_input_name", "input_ids") == "pixel_values"
 
 

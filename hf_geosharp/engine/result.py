@@ -49,6 +49,7 @@ class SharpnessResult:
     steps_used: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
+        """The result as plain data (JSON-ready apart from NaN)."""
         return asdict(self)
 
     def __str__(self) -> str:

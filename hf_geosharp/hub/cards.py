@@ -97,6 +97,7 @@ class DatasetInfo:
         return f"local:{self.name}" if self.local else self.name
 
     def describe(self) -> str:
+        """Where the numbers were measured, in one line (dataset, config, split, examples)."""
         where = f"{self.name} (local)" if self.local else self.name + (f"/{self.config}" if self.config else "")
         return f"{where}, split {self.split}" + (f", {self.args['n_examples']} examples" if self.args and
                                                   self.args.get("n_examples") else "")
@@ -240,6 +241,7 @@ def parse_card(text: str, where: str) -> ModelCard:
 
 
 def new_card(name: str) -> ModelCard:
+    """An empty card for a model that has none, tagged ``hf_geosharp``."""
     return ModelCard(f"---\ntags:\n- hf_geosharp\n---\n\n# {name}\n\nSharpness measured with hf_geosharp.\n")
 
 
@@ -323,6 +325,7 @@ def merge_entries(old: list[EvalResultEntry], new: list[EvalResultEntry]) -> lis
 
 
 def entries_yaml(entries: list[EvalResultEntry]) -> str:
+    """The ``.eval_results`` YAML of ``entries``, as huggingface_hub writes it."""
     return yaml.safe_dump(eval_results_api("eval_result_entries_to_yaml")(entries), sort_keys=False, allow_unicode=True)
 
 

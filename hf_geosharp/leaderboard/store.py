@@ -90,6 +90,7 @@ class ResultStore:
                            "results will be recomputed", self.path, len(self.damaged), lines, self.damaged[0].reason)
 
     def get(self, key: str) -> dict[str, Any] | None:
+        """The stored record of ``key`` (the fingerprint of a model and its settings), or None."""
         return self.records.get(key)
 
     def put(self, record: dict[str, Any]) -> None:

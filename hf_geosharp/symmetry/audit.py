@@ -49,9 +49,11 @@ class AuditResult:
     gap: int
 
     def to_dict(self) -> dict[str, Any]:
+        """The audit as plain data (for JSON)."""
         return asdict(self)
 
     def format(self) -> str:
+        """The audit as the lines ``geosharp symmetry --audit`` prints."""
         lines = [
             f"Dimension audit: Jacobian rank {self.rank} (draws: {self.ranks}) of {self.n_outputs} outputs x "
             f"{self.n_params} parameters",

@@ -63,10 +63,12 @@ class PairBlock:
 
     @property
     def n_pairs(self) -> int:
+        """The number of stacked head pairs ``k``."""
         return self.G_index.shape[0]
 
     @property
     def head_dim(self) -> int:
+        """The head size ``h`` (the ``h`` of GL(h))."""
         return self.G_index.shape[2]
 
     @property
@@ -108,6 +110,7 @@ class SymmetryMap:
 
     @property
     def offsets(self) -> list[int]:
+        """Each parameter's start in the flat concatenation of all parameters, in map order."""
         out, total = [], 0
         for shape in self.param_shapes:
             out.append(total)
@@ -116,6 +119,7 @@ class SymmetryMap:
 
     @property
     def n_params(self) -> int:
+        """The length of the flat concatenation of all parameters."""
         return sum(int(torch.Size(s).numel()) for s in self.param_shapes)
 
     @classmethod

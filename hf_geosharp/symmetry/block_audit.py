@@ -67,9 +67,11 @@ class BlockAuditResult:
         self.verdict = "PASS" if self.rank == self.predicted_rank else "FAIL"
 
     def to_dict(self) -> dict[str, Any]:
+        """The audit as plain data (for JSON)."""
         return asdict(self)
 
     def format(self) -> str:
+        """The audit as the lines ``geosharp symmetry --audit --layers`` prints."""
         lines = [f"Block audit: {self.module} ({self.scope})",
                  f"  Jacobian: {self.n_outputs:,} outputs ({self.n_tokens} tokens) x {self.n_params:,} audited "
                  f"coordinates, sketched with {self.sketch_rows:,} random vector-Jacobian products",

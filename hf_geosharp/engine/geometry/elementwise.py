@@ -145,6 +145,7 @@ class ElementwiseGeometry:
         return total
 
     def norm(self, xi: Tensor) -> Tensor:
+        """The Riemannian norm ``||xi||_g`` (float64 scalar)."""
         return self.inner_product(xi, xi).clamp_min(0).sqrt()
 
     def euclidean_to_riemannian_gradient(self, egrad: Tensor, out: Tensor | None = None) -> Tensor:

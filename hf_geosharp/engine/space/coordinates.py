@@ -115,6 +115,7 @@ class SharedRows:
         out.copy_(self.reduce(rows))
 
     def write(self, out: Tensor, value: Tensor, heads: slice, add: bool) -> None:
+        """Write (or, with ``add``, add) the entries of ``heads`` from ``value`` into the flat vector ``out``."""
         where = self.positions[heads]
         mine = where >= 0
         if add:
@@ -146,6 +147,7 @@ class Factor:
 
     @property
     def n_own(self) -> int:
+        """The rows this rank stores itself (all of them outside FSDP; shared rows are assembled, not owned)."""
         return self.shape[1] - (0 if self.shared is None else self.shared.positions.shape[1])
 
     def rows(self, heads: slice = ALL_HEADS) -> torch.Size:

@@ -72,6 +72,7 @@ class PairGroup:
         return g.gather(x, ws.take(g.rows(heads)), heads), h.gather(x, ws.take(h.rows(heads)), heads)
 
     def write(self, out: Tensor, pair: Pair, heads: slice, add: bool = False) -> None:
+        """Write (or add) both factors of ``pair`` for ``heads`` into the flat vector ``out``."""
         self.g.write(out, pair[0], heads, add)
         self.h.write(out, pair[1], heads, add)
 

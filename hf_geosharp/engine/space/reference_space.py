@@ -135,9 +135,11 @@ class ReferenceSpace:
 
     # ------------------------------------------------------------------ helpers
     def zero(self) -> Tensor:
+        """The zero tangent vector (float64)."""
         return torch.zeros(self.numel, dtype=_F64)
 
     def empty(self) -> Tensor:
+        """An uninitialised tangent vector (float64)."""
         return torch.empty(self.numel, dtype=_F64)
 
     @staticmethod
@@ -157,6 +159,7 @@ class ReferenceSpace:
         return total
 
     def norm(self, xi: Tensor) -> Tensor:
+        """The Riemannian norm ``||xi||_g`` (float64 scalar)."""
         return self.inner_product(xi, xi).clamp_min(0).sqrt()
 
     # ------------------------------------------------------------------ horizontal space

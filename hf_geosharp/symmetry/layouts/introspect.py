@@ -66,6 +66,7 @@ def _config_of(holders: list[nn.Module], ctx: LayoutContext) -> object:
 
 
 def source(obj: object) -> str:
+    """The source of ``obj``, or an empty string where it has none (built-ins, dynamic classes)."""
     try:
         return inspect.getsource(obj)
     except (OSError, TypeError):

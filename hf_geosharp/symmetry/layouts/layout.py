@@ -30,6 +30,7 @@ class Proj:
 
     @property
     def out_features(self) -> int:
+        """Rows of the projection (``nn.Linear`` orientation)."""
         return self.weight.shape[0]
 
     def select(self, rows: torch.Tensor | slice) -> Proj:
@@ -88,9 +89,11 @@ class AttentionLayout:
 
     @property
     def vo_head_dim(self) -> int:
+        """The value/output head size (the query/key head size unless the layout says otherwise)."""
         return self.head_dim if self.v_head_dim is None else self.v_head_dim
 
     def validate(self) -> None:
+        """Raise :class:`Unmappable` for head counts and sizes no attention can have."""
         h, kv, d, dv = self.n_heads, self.n_kv, self.head_dim, self.vo_head_dim
         if d <= 0 or dv <= 0 or h <= 0 or kv <= 0 or h % kv:
             raise Unmappable(f"inconsistent head counts: {h} query heads, {kv} KV heads, head_dim {d}")
@@ -118,6 +121,7 @@ class LayoutContext:
             self._names.setdefault(id(p), name)
 
     def index(self, param: nn.Parameter) -> torch.Tensor:
+        """The flat indices of ``param``'s entries in the model's parameter vector."""
         return self._index_of(self._names[id(param)])
 
     def proj(self, module: nn.Module) -> Proj:
