@@ -6,8 +6,6 @@ Importing the package writes nothing and starts nothing: the evaluate module is 
 
 __version__ = "0.4.1"
 
-import os as _os  # noqa: E402
-
 from .api import NotConvergedWarning, SharpnessResult, adaptive_sharpness, geodesic_sharpness  # noqa: E402
 from .engine.relative_flatness import relative_flatness  # noqa: E402
 from .hide import HideResult, hide  # noqa: E402
@@ -15,14 +13,16 @@ from .symmetry import SymmetryMap, map_symmetries, reparametrize  # noqa: E402
 
 __all__ = ["HideResult", "NotConvergedWarning", "SharpnessResult", "SymmetryMap", "adaptive_sharpness",
            "geodesic_sharpness", "hide", "map_symmetries", "relative_flatness", "reparametrize",
-           "EVALUATE_MODULE_DIR", "__version__"]
+           "EVALUATE_MODULE_DIR", "EVALUATE_MODULE_SCRIPT", "__version__"]
 
-EVALUATE_MODULE_DIR = _os.path.join(_os.path.dirname(__file__), "geodesic_sharpness")
-"""The evaluate module's one folder (loading script and measurement card): ``evaluate.load(EVALUATE_MODULE_DIR)``."""
+from .evaluate_module import register as _register  # noqa: E402
 
-from .register import quiet_cache_notice as _quiet_cache_notice  # noqa: E402
+EVALUATE_MODULE_DIR = str(_register.MODULE_DIR)
+"""The evaluate module's one folder as published (loading script and measurement card): ``metric_card/``."""
+EVALUATE_MODULE_SCRIPT = str(_register.SCRIPT)
+"""Its loading script, for a load by path from any directory: ``evaluate.load(EVALUATE_MODULE_SCRIPT)``."""
 
-_quiet_cache_notice()  # evaluate's "using the latest cached version" notice, for this module only (writes nothing)
+_register.quiet_cache_notice()  # evaluate's "using the latest cached version" notice, for this module only
 
 
 def __getattr__(name: str) -> object:

@@ -16,4 +16,4 @@ def measurement():
 
     import hf_geosharp as gs
 
-    return evaluate.load(gs.EVALUATE_MODULE_DIR, keep_in_memory=True)
+    return evaluate.load(gs.EVALUATE_MODULE_SCRIPT, keep_in_memory=True)

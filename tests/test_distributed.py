@@ -63,7 +63,7 @@ def _launch_two_ranks(data_path: str, out_dir: str) -> None:
     """Run in a fresh interpreter: ``debug_launcher`` forks, and forking a process whose OpenMP pool is already
     running (as it is after earlier tests) can deadlock the children."""
     data = json.loads(open(data_path).read())
-    module = evaluate.load(gs.EVALUATE_MODULE_DIR, keep_in_memory=True)
+    module = evaluate.load(gs.EVALUATE_MODULE_SCRIPT, keep_in_memory=True)
     debug_launcher(lambda: _compute_on_my_shard(module, data, out_dir), num_processes=2)
 
 
@@ -71,7 +71,7 @@ def test_evaluate_compute_on_shards_matches_one_process(tmp_path):
     texts, labels = sentences(11, seed=2)
     enc = tiny_tokenizer(tmp_path / "tok")(texts, truncation=True)
     data = {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"], "labels": labels}
-    module = evaluate.load(gs.EVALUATE_MODULE_DIR, keep_in_memory=True)
+    module = evaluate.load(gs.EVALUATE_MODULE_SCRIPT, keep_in_memory=True)
     one = module.compute(model=tiny_bert(), **data, batch_size=3, metric="inv,mix", **SETTINGS)
 
     (tmp_path / "data.json").write_text(json.dumps(data))

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import hf_geosharp as gs
-from hf_geosharp import register
+from hf_geosharp.evaluate_module import register
+from hf_geosharp.evaluate_module.measurement import GeodesicSharpness
 
 from .fixtures.hf_models import one_thread, sentences, tiny_bert, tiny_tokenizer, tiny_vit  # noqa: F401
 
@@ -126,26 +127,39 @@ def test_bare_name_loads_in_a_fresh_process_from_any_directory(tmp_path):
 
 @pytest.fixture(scope="module")
 def module_from_checkout_root():
-    """The literal bare name from the repository root resolves to the checkout's ``geodesic_sharpness/`` folder."""
+    """The literal bare name from the repository root, after ``geosharp register``, resolves to this checkout's code
+    (the root holds no folder of that name: the module's one folder is ``metric_card/``)."""
+    register.register_evaluate_module()
     old = os.getcwd()
     os.chdir(REPO)
     try:
-        return evaluate.load("geodesic_sharpness", keep_in_memory=True)
+        module = evaluate.load("geodesic_sharpness", keep_in_memory=True)
     finally:
         os.chdir(old)
+    assert type(module) is GeodesicSharpness  # the class this process imports from the checkout, not another copy
+    return module
 
 
 def test_module_dir_constant_loads_and_is_the_one_module_folder():
-    module = evaluate.load(gs.EVALUATE_MODULE_DIR)
+    module = evaluate.load(gs.EVALUATE_MODULE_SCRIPT)
     assert type(module).__name__ == "GeodesicSharpness"
-    # one folder: the checkout's bare-name folder is a link to the package's, not a copy or a folder of links
-    assert (REPO / "geodesic_sharpness").resolve() == Path(gs.EVALUATE_MODULE_DIR).resolve()
+    # one folder: the checkout's top-level metric_card/, with no bare-name copy or link beside it
+    assert Path(gs.EVALUATE_MODULE_DIR).resolve() == REPO / "metric_card"
+    assert not (REPO / "geodesic_sharpness").exists()
     assert register.SCRIPT.parent == Path(gs.EVALUATE_MODULE_DIR)
+    assert Path(gs.EVALUATE_MODULE_SCRIPT) == register.SCRIPT and register.SCRIPT.is_file()
     card = (Path(gs.EVALUATE_MODULE_DIR) / "README.md").read_text()
     assert card.startswith("---\n")
     for section in ("## Measurement Description", "## How to Use", "### Inputs", "### Output Values",
                     "## Limitations and Bias", "## Citation"):  # fmt: skip
         assert section in card
+
+
+def test_the_script_path_from_the_checkout_root_loads(monkeypatch):
+    """``evaluate.load("metric_card/geodesic_sharpness.py")``: the published folder's script, by relative path."""
+    monkeypatch.chdir(REPO)
+    module = evaluate.load("metric_card/geodesic_sharpness.py", keep_in_memory=True)
+    assert type(module) is GeodesicSharpness and module.module_type == "measurement"
 
 
 def test_text_compute_equals_the_python_api(tmp_path, module_from_checkout_root):

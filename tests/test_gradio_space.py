@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import math
 import os
 import socket
@@ -145,6 +146,22 @@ def test_venv_imports_the_package_from_the_space_wheel(venv):
     proc = subprocess.run([str(venv / "bin" / "python"), "-c", "import hf_geosharp; print(hf_geosharp.__file__)"],
                           cwd="/", env=_clean_env(), capture_output=True, text=True, check=True)
     assert Path(proc.stdout.strip()).is_relative_to(venv)
+
+
+def test_the_wheel_ships_the_evaluate_module_and_registers_it(venv, tmp_path):
+    """The wheel holds the published folder (``metric_card/`` in the source) as ``hf_geosharp/metric_card/``; its
+    ``geosharp register`` makes the bare name load, in another directory, the measurement installed from the wheel."""
+    env = _clean_env(HF_HOME=str(tmp_path / "hf"), HF_EVALUATE_OFFLINE="1")
+    subprocess.run([str(venv / "bin" / "geosharp"), "register", "--quiet"], cwd=tmp_path, env=env, check=True)
+    script = ("import inspect, json, evaluate, hf_geosharp as gs; module = evaluate.load('geodesic_sharpness'); "
+              "print(json.dumps([gs.EVALUATE_MODULE_DIR, gs.EVALUATE_MODULE_SCRIPT, inspect.getfile(type(module))]))")
+    proc = subprocess.run([str(venv / "bin" / "python"), "-c", script], cwd=tmp_path, env=env, capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    folder, loading_script, measurement = map(Path, json.loads(proc.stdout.strip().splitlines()[-1]))
+    assert folder.is_relative_to(venv) and folder.name == "metric_card" and measurement.is_relative_to(venv)
+    assert sorted(p.name for p in folder.iterdir() if p.is_file()) == ["README.md", "geodesic_sharpness.py"]
+    assert loading_script.read_text() == (ROOT / "metric_card" / "geodesic_sharpness.py").read_text()
 
 
 def test_loading_script_loads_and_refuses_another_version(space, monkeypatch):

@@ -86,7 +86,7 @@ def test_evaluate_fsdp_misuse_says_what_to_do(tmp_path, monkeypatch):
         monkeypatch.delenv(name, raising=False)
     texts, labels = sentences(4)
     enc = tiny_tokenizer(tmp_path / "tok")(texts)
-    module = evaluate.load(gs.EVALUATE_MODULE_DIR, keep_in_memory=True)
+    module = evaluate.load(gs.EVALUATE_MODULE_SCRIPT, keep_in_memory=True)
     inputs = dict(input_ids=enc["input_ids"], labels=labels, steps=1)
     with pytest.raises(ValueError, match="never modifies a model it is given"):
         module.compute(model=tiny_bert(), fsdp=True, **inputs)
@@ -100,7 +100,7 @@ def test_evaluate_fsdp_on_shards_matches_one_process(tmp_path):
     tiny_bert().double().save_pretrained(model)
     tiny_tokenizer(model).save_pretrained(model)
     data = {"predictions": texts, "labels": labels}
-    module = evaluate.load(gs.EVALUATE_MODULE_DIR, keep_in_memory=True)
+    module = evaluate.load(gs.EVALUATE_MODULE_SCRIPT, keep_in_memory=True)
     one = module.compute(model_id=str(model), **data, batch_size=3, **SETTINGS)
     own = module.compute(model_id=str(model), **data, batch_size=3, loss_fn=model_loss, **SETTINGS)
     (tmp_path / "data.json").write_text(json.dumps(data))
@@ -141,7 +141,7 @@ def _evaluate_rank(data_path: str, model: str, out_dir: str) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     rows = np.array_split(np.arange(len(data["labels"])), world)[rank].tolist()
     share = {k: [v[i] for i in rows] for k, v in data.items()}
-    module = evaluate.load(gs.EVALUATE_MODULE_DIR, keep_in_memory=True)
+    module = evaluate.load(gs.EVALUATE_MODULE_SCRIPT, keep_in_memory=True)
     out = module.compute(model_id=model, **share, batch_size=3, fsdp=True, **SETTINGS)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps({**out, "engine_log": seen}))
     from transformers import AutoTokenizer

@@ -1,7 +1,7 @@
 """``geosharp export-space DIR``: write a self-contained Hugging Face Space (Gradio app + evaluate module) folder.
 
-The repository keeps one folder for the evaluate module (``hf_geosharp/geodesic_sharpness/``: loading script and
-measurement card) and the app (``spaces_demo/app.py``); the Space is generated from them, never symlinked:
+The repository keeps one folder for the evaluate module (``metric_card/``: loading script and measurement card) and
+the app (``spaces_demo/app.py``); the Space is generated from them, never symlinked:
 
 * ``README.md``: the measurement card with the Space's front matter (``sdk: gradio``, ``sdk_version`` = the installed
   gradio, ``app_file``, ``python_version``, ``preload_from_hub`` for the MiniLM weights);
@@ -31,12 +31,13 @@ from .. import __version__
 from ..durable import staged_dir, write_bytes, write_text
 from .common import EXIT_BAD_INPUT, EXIT_OK, error, keep_on_interrupt
 
-MODULE_DIR = Path("hf_geosharp", "geodesic_sharpness")  # the evaluate module's one folder, in the source
+MODULE_DIR = Path("metric_card")  # the evaluate module's one folder, in the source
 MINILM_REPO = "sentence-transformers/all-MiniLM-L6-v2"
 MINILM_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "vocab.txt",
                 "special_tokens_map.json")  # what BertForSequenceClassification and its tokenizer read, no more
 PINNED = ("evaluate", "transformers", "pandas")  # what the app imports beside torch; gradio comes from sdk_version
-_SOURCE_FILES = ("pyproject.toml", "README.md", "LICENSE")
+_SOURCE_FILES = ("pyproject.toml", "setup.py", "README.md", "LICENSE")
+_SOURCE_DIRS = ("hf_geosharp", str(MODULE_DIR))  # the package and the evaluate module the wheel ships inside it
 
 
 class ExportError(ValueError):
@@ -60,9 +61,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def source_root(explicit: Path | None = None) -> Path:
-    """The checkout to build from: it must hold ``pyproject.toml``, the package and ``spaces_demo/app.py``."""
+    """The checkout to build from: it must hold the build files, the package, the evaluate module and the app."""
     root = Path(explicit) if explicit else Path(__file__).resolve().parents[2]
-    needed = ("pyproject.toml", "hf_geosharp/__init__.py", "spaces_demo/app.py")
+    needed = ("pyproject.toml", "setup.py", "hf_geosharp/__init__.py", str(MODULE_DIR / "README.md"),
+              "spaces_demo/app.py")
     missing = [p for p in needed if not (root / p).is_file()]
     if missing:
         raise ExportError(f"{str(root)!r} is not an hf_geosharp source checkout (missing {', '.join(missing)}); the "
@@ -76,8 +78,8 @@ def build_wheel(root: Path, out_dir: Path) -> Path:
         for name in _SOURCE_FILES:
             if (root / name).exists():
                 shutil.copy2(root / name, Path(tmp) / name)
-        shutil.copytree(root / "hf_geosharp", Path(tmp) / "hf_geosharp",
-                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        for name in _SOURCE_DIRS:
+            shutil.copytree(root / name, Path(tmp) / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
         staging = Path(tmp) / "dist"
         proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
                                "--no-index", "-w", str(staging), tmp], capture_output=True, text=True)
@@ -108,7 +110,7 @@ def loading_script() -> str:
     """The evaluate loading script, pinned: it refuses to run against another hf_geosharp version."""
     return f'''"""evaluate loading script for ``geodesic_sharpness``, generated for hf_geosharp {__version__}.
 
-The measurement lives in the hf_geosharp package (``hf_geosharp.measurement.GeodesicSharpness``); this script only
+The measurement lives in the hf_geosharp package (``hf_geosharp.evaluate_module.measurement``); this script only
 checks that the installed package is the version it was generated for (the wheel in this Space's ``wheels/``).
 """
 
@@ -118,7 +120,7 @@ if _installed != "{__version__}":
     raise ImportError(f"this geodesic_sharpness module needs hf_geosharp=={__version__}, not {{_installed}}: install "
                       "the wheel from this Space's wheels/ folder.")
 
-from hf_geosharp.measurement import GeodesicSharpness  # noqa: E402
+from hf_geosharp.evaluate_module.measurement import GeodesicSharpness  # noqa: E402
 
 __all__ = ["GeodesicSharpness"]
 '''

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..register import NAME, register_evaluate_module
+from ..evaluate_module.register import NAME, register_evaluate_module
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -28,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
     except OSError as err:
         print(
             f"error: could not write to evaluate's module cache: {err}. Set HF_HOME or HF_MODULES_CACHE to a "
-            "writable folder, or load the module by path: evaluate.load(hf_geosharp.EVALUATE_MODULE_DIR).",
+            "writable folder, or load the module by path: evaluate.load(hf_geosharp.EVALUATE_MODULE_SCRIPT).",
             file=sys.stderr,
         )
         return 1

@@ -1,11 +1,17 @@
-"""Make the bare name ``evaluate.load("geodesic_sharpness")`` resolve from any working directory.
+"""Where the published evaluate module lies, and making the bare name ``evaluate.load("geodesic_sharpness")`` resolve
+from any working directory.
+
+The module (loading script and measurement card) is one folder, :data:`MODULE_DIR`: the repository's top-level
+``metric_card/``, which a wheel installs inside the package as ``hf_geosharp/metric_card/``. evaluate loads a folder
+only when it is named after its script, so a path load names the script itself: ``evaluate.load(str(SCRIPT))``.
 
 evaluate has no plugin or entry-point hook. For a bare name it tries the cwd, then the Hub's ``evaluate-*`` orgs (which
 belong to Hugging Face), and then falls back to its module cache, taking any 64-character sub-folder of
 ``$HF_MODULES_CACHE/evaluate_modules/metrics/evaluate-measurement--geodesic_sharpness/`` (the newest ``.py`` wins).
 Registering therefore means writing our loading script there, which is what a Hub download would have left behind.
-The script is a one-line shim that imports :class:`hf_geosharp.measurement.GeodesicSharpness`, so upgrading the
-package upgrades the module without re-registering.
+The script is a one-line shim that imports
+:class:`hf_geosharp.evaluate_module.measurement.GeodesicSharpness`, so upgrading the package upgrades the module
+without re-registering.
 
 Registration happens only on request (``geosharp register``, run by ``scripts/install.sh``): importing the package
 writes nothing.
@@ -18,13 +24,23 @@ import logging
 import os
 from pathlib import Path
 
-from .durable import write_bytes, write_text
+from ..durable import write_bytes, write_text
 
 logger = logging.getLogger(__name__)
 
 NAME = "geodesic_sharpness"
-SCRIPT = Path(__file__).with_name(NAME) / f"{NAME}.py"
 CACHE_FOLDER = f"evaluate-measurement--{NAME}"
+
+
+def _metric_card_folder() -> Path:
+    """``metric_card/`` inside the installed package (a wheel puts it there), else beside the package (a checkout)."""
+    package = Path(__file__).parents[1]
+    installed = package / "metric_card"
+    return installed if installed.is_dir() else package.parent / "metric_card"
+
+
+MODULE_DIR = _metric_card_folder()
+SCRIPT = MODULE_DIR / f"{NAME}.py"
 
 
 def modules_cache() -> Path:

@@ -37,7 +37,7 @@ import evaluate
 import numpy as np
 import torch
 
-from .data import (
+from ..data import (
     DataError,
     DataSpec,
     launch_accelerator,
@@ -47,9 +47,9 @@ from .data import (
     require_task,
     task_of,
 )
-from .engine.placement.sharding import attention_placement, init_distributed, is_sharded, shard_model
-from .measures import DEFAULT_MEASURES, MEASURES, Settings, parse_measures, result_fields, run_measures, spec
-from .symmetry import map_symmetries
+from ..engine.placement.sharding import attention_placement, init_distributed, is_sharded, shard_model
+from ..measures import DEFAULT_MEASURES, MEASURES, Settings, parse_measures, result_fields, run_measures, spec
+from ..symmetry import map_symmetries
 
 INPUTS = ("predictions", "input_ids", "attention_mask", "token_type_ids", "pixel_values", "labels")
 
