@@ -399,7 +399,7 @@ def relative_deviation(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -
 def _wrong_action(model: torch.nn.Module, smap: Any, seed: int) -> None:
     """The negative control: ``G <- G A^{-1}`` with ``H`` left alone, which no symmetry allows."""
     from hf_geosharp.engine.geometry.lie import random_group_element
-    from hf_geosharp.symmetry._flat import flat_vector, parameters_in_order
+    from hf_geosharp.symmetry.flat import flat_vector, parameters_in_order
 
     params = parameters_in_order(model, smap)
     gen = torch.Generator().manual_seed(seed)

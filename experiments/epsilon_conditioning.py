@@ -25,7 +25,7 @@ import torch
 
 import hf_geosharp as gs
 from hf_geosharp.durable import write_json
-from hf_geosharp.symmetry._flat import flat_vector, parameters_in_order
+from hf_geosharp.symmetry.flat import flat_vector, parameters_in_order
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "results" / "epsilon_conditioning.json"
 CONDITIONS = (1e1, 1e2, 1e3, 1e4, 1e6)

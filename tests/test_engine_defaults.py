@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import hf_geosharp as gs
-from hf_geosharp.symmetry._flat import flat_vector, parameters_in_order
+from hf_geosharp.symmetry.flat import flat_vector, parameters_in_order
 
 from .fixtures.hf_models import tiny_bert
 

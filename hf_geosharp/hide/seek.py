@@ -21,7 +21,7 @@ from torch import nn
 from ..durable import atomic_path
 from ..measures import Settings, run_measure
 from ..symmetry import map_symmetries
-from .transform import hide, reparametrize_checked
+from .transform import DEFAULT_CONDITION, hide, reparametrize_checked
 
 #: ``cache(name, key, compute) -> record``: see :func:`hide_and_seek`.
 Cache = Callable[[str, str, Callable[[], dict[str, Any]]], dict[str, Any]]
@@ -58,9 +58,8 @@ class SeekReport:
     max_output_deviation: float
 
     def to_dict(self) -> dict[str, Any]:
+        """Every field, for JSON."""
         return dict(self.__dict__)
-
-
 
 
 def hide_and_seek(
@@ -70,7 +69,7 @@ def hide_and_seek(
     *,
     settings: Settings | None = None,
     measures: tuple[str, ...] = ("geodesic_sharpness_inv", "geodesic_sharpness_mix", "adaptive_sharpness"),
-    condition: float = 100.0,
+    condition: float = DEFAULT_CONDITION,
     seed: int = 0,
     cache: Cache | None = None,
     on_model: Callable[[str], None] | None = None,

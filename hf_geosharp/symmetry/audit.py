@@ -22,8 +22,8 @@ import torch
 from torch import nn
 from torch.func import functional_call, vjp, vmap
 
-from ._flat import flat_vector, parameters_in_order
 from .base import SymmetryMap
+from .flat import flat_vector, parameters_in_order
 from .mapping import map_symmetries
 
 logger = logging.getLogger(__name__)

@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from ..engine.geometry.lie import random_group_element
-from ._flat import flat_vector, parameters_in_order
 from .base import SymmetryMap
+from .flat import flat_vector, pair_mask, parameters_in_order
 from .mapping import map_symmetries
 
 logger = logging.getLogger(__name__)
@@ -85,10 +85,7 @@ def transformed_parameters(
             g_index, h_index = block.G_index.to(flat.device), block.H_index.to(flat.device)
             flat[g_index] = torch.linalg.solve(a_dev, flat[g_index], left=False)  # G A^{-1}
             flat[h_index] = flat[h_index] @ a_dev.mT  # H A^T
-        moved = torch.zeros(len(flat), dtype=torch.bool, device=flat.device)
-        for block in smap.blocks:
-            moved[block.G_index.reshape(-1).to(flat.device)] = True
-            moved[block.H_index.reshape(-1).to(flat.device)] = True
+        moved = pair_mask(smap, len(flat), flat.device)
         positions, values = [], []
         for i, (p, offset) in enumerate(zip(params, smap.offsets)):
             if bool(moved[offset:offset + p.numel()].any()):
@@ -111,6 +108,19 @@ def apply_group_elements(
         swap_parameters(moved, previous)
 
     return undo
+
+
+def random_group_elements(
+    smap: SymmetryMap, *, seed: int, condition: float, scale: float = 1.0
+) -> list[torch.Tensor]:
+    """One seeded random element per pair of every block (float64 ``[k, h, h]``, in ``smap.blocks`` order), in the
+    block's subgroup when it has a ``lie_basis``; see :func:`~hf_geosharp.engine.geometry.lie.random_group_element`."""
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        random_group_element(block.n_pairs, block.head_dim, lie_basis=block.lie_basis, scale=scale,
+                             condition=condition, generator=generator)
+        for block in smap.blocks
+    ]
 
 
 def reparametrize(
@@ -137,12 +147,7 @@ def reparametrize(
     moved parameters are kept once more while they are swapped in (to restore them on an exception or Ctrl-C).
     """
     smap = map_symmetries(model) if smap is None else smap
-    generator = torch.Generator().manual_seed(seed)
-    applied = [
-        random_group_element(block.n_pairs, block.head_dim, lie_basis=block.lie_basis, scale=scale,
-                             condition=condition, generator=generator)
-        for block in smap.blocks
-    ]
+    applied = random_group_elements(smap, seed=seed, condition=condition, scale=scale)
     apply_group_elements(model, smap, applied)
     logger.debug("reparametrized %d blocks (seed %d, condition %g)", len(applied), seed, condition)
     return applied

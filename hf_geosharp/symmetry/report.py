@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ._flat import flat_vector, parameters_in_order
+from .flat import flat_vector, parameters_in_order
 
 if TYPE_CHECKING:  # SymmetryMap.summary() calls into this module: no runtime import back into base
     from .base import SymmetryMap

@@ -2,7 +2,9 @@
 
 Pure torch. A subgroup of GL(h) is described by a Frobenius-orthonormal basis ``[b, h, h]`` of its Lie algebra
 (``PairBlock.lie_basis``); ``None`` means the full group GL(h). The geometry engine projects onto the vertical space
-spanned by that basis, and :func:`random_group_element` draws elements of the group for the reparametrisation probe.
+spanned by that basis, :func:`random_group_element` draws elements of the group for the reparametrisation probe, and
+the group search (:mod:`hf_geosharp.engine.symmetry_search`) moves along the algebra in the coordinates of
+:func:`algebra_basis`.
 """
 
 from __future__ import annotations
@@ -54,6 +56,19 @@ def rope_commutant_basis(
     return torch.stack(mats)
 
 
+def algebra_basis(head_dim: int, lie_basis: torch.Tensor | None = None) -> torch.Tensor:
+    """The float64 basis ``[b, h, h]`` of the Lie algebra that acts on a pair: ``lie_basis`` (a subgroup's), or the
+    unit matrices ``E_ij`` of gl(h) when it is ``None``."""
+    if lie_basis is None:
+        return torch.eye(head_dim * head_dim, dtype=torch.float64).view(head_dim * head_dim, head_dim, head_dim)
+    return lie_basis.to(torch.float64)
+
+
+def algebra_elements(coeffs: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
+    """``[k, h, h]``: the algebra elements with coordinates ``coeffs [k, b]`` in ``basis [b, h, h]``."""
+    return torch.einsum("kb,bij->kij", coeffs, basis)
+
+
 def _project(x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
     """Frobenius-orthogonal projection of ``x [..., h, h]`` onto the span of an orthonormal ``basis [b, h, h]``."""
     coeffs = torch.einsum("...ij,bij->...b", x, basis)
@@ -88,7 +103,7 @@ def random_group_element(
     else:
         basis = lie_basis.to(torch.float64)
         coeffs = torch.randn(k, basis.shape[0], generator=generator, dtype=torch.float64)
-        x = torch.einsum("kb,bij->kij", coeffs, basis)
+        x = algebra_elements(coeffs, basis)
     sym, skew = (x + x.mT) / 2, (x - x.mT) / 2
     eye = torch.eye(h, dtype=torch.float64)
     if lie_basis is not None:

@@ -33,6 +33,7 @@ from torch import Tensor
 
 from ...symmetry.base import PairBlock
 from ..geometry.gl_quotient import GLQuotient
+from ..geometry.lie import algebra_basis
 from .perturbation_space import Pullback, SpaceOptions
 
 #: Weights smaller than this in magnitude are frozen (``ElementwiseGeometry``'s default).
@@ -85,11 +86,6 @@ def _build_head(theta: Tensor, G_index: Tensor, H_index: Tensor, basis: Tensor, 
                  vertical)
 
 
-def _gl_basis(h: int) -> Tensor:
-    """The unit matrices ``E_ij``: a basis of the Lie algebra of GL(h)."""
-    return torch.eye(h * h, dtype=_F64).reshape(h * h, h, h)
-
-
 class ReferenceSpace:
     """Norms, gradients, projections and geodesic points of the perturbation space, computed densely.
 
@@ -120,7 +116,7 @@ class ReferenceSpace:
                 if bool(movable[b.G_index].all() and movable[b.H_index].all())]
         self.heads = [
             _build_head(self.base, b.G_index[k], b.H_index[k],
-                        _gl_basis(b.head_dim) if b.lie_basis is None else _f64(b.lie_basis), options)
+                        _f64(algebra_basis(b.head_dim, b.lie_basis)), options)
             for b in kept for k in range(b.n_pairs)
         ]
         in_pair = torch.zeros(self.numel, dtype=torch.bool)

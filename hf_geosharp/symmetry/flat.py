@@ -1,4 +1,5 @@
-"""The model's flat parameter vector, as the :class:`SymmetryMap` indexes it."""
+"""The model's flat parameter vector, as the :class:`SymmetryMap` indexes it (shared by the symmetry tools, ``hide``
+and the engine's group search)."""
 
 from __future__ import annotations
 
@@ -27,3 +28,13 @@ def flat_vector(params: list[nn.Parameter], dtype: torch.dtype = torch.float64) 
     """A detached copy of the flat parameter vector (on the first parameter's device)."""
     device = params[0].device if params else torch.device("cpu")
     return torch.cat([p.detach().reshape(-1).to(device=device, dtype=dtype) for p in params])
+
+
+def pair_mask(smap: SymmetryMap, numel: int, device: torch.device) -> torch.Tensor:
+    """``[numel]`` bool: the coordinates of the flat vector that some GL(h) pair of ``smap`` holds (the ones the group
+    moves; every other coordinate keeps its value under the action)."""
+    mask = torch.zeros(numel, dtype=torch.bool, device=device)
+    for block in smap.blocks:
+        mask[block.G_index.reshape(-1).to(device)] = True
+        mask[block.H_index.reshape(-1).to(device)] = True
+    return mask
