@@ -100,6 +100,8 @@ def measured_parameters(model: nn.Module) -> tuple[list[str], list[Tensor]]:
 
 
 def default_loss(model: nn.Module, batch: Any) -> Tensor:
+    """The loss a transformers model returns for ``model(**batch)`` (the batch holds the labels), with an error that
+    says what to do when there is none."""
     if not isinstance(batch, Mapping):
         raise TypeError(
             "A batch must be a dict of model inputs (labels included) when no loss_fn is given; "
@@ -126,6 +128,7 @@ def default_loss(model: nn.Module, batch: Any) -> Tensor:
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
+    """``batch`` with its tensors (also inside a dict) moved to ``device``."""
     if isinstance(batch, Tensor):
         return batch.to(device)
     if isinstance(batch, Mapping):

@@ -50,7 +50,6 @@ class SingleProcess:
 
     def __init__(self, model: nn.Module, accelerator: Any = None) -> None:
         self.model = model
-        self.accelerator = accelerator
         self.rank, self.world = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
         self.holding: Holding | None = None
         self._shapes: list[torch.Size] = []
@@ -138,8 +137,7 @@ class SingleProcess:
         with reparametrized(self.model, tensors), lookups:
             yield functools.partial(self.stream_backward, leaves, out.split(self._numels))
 
-    @staticmethod
-    def stream_backward(leaves: list[Tensor], segments: Sequence[Tensor], loss: Tensor) -> None:
+    def stream_backward(self, leaves: list[Tensor], segments: Sequence[Tensor], loss: Tensor) -> None:
         """``dloss/dtheta`` into ``segments``, each gradient copied over its weights as soon as backward has it and
         dropped (a plain backward keeps them all alive in ``.grad``); zero where no gradient arrives. Each view's
         version counter is bumped after the write, so that a model that read a weight again after its gradient was
