@@ -10,7 +10,8 @@ the space, the Gram factors) drops out. The stages, each timed exclusive of the 
 - ``pair geometry``: per head chunk, the base point's factors, the Riemannian gradient, the horizontal projection,
   the Exp2 correction and its pullback;
 - ``direction``: the elementwise pass of the ascent direction with its inner products;
-- ``substitution``: the swap of the perturbed weights into the model and the buffers around a call;
+- ``substitution``: the swap of the perturbed weights into the model (the placement) and the buffers around a
+  call;
 - ``vectors``: the solver's combinations of its buffer rows;
 - ``solver``: everything else of a step (bookkeeping, Python).
 
@@ -32,6 +33,7 @@ import torch
 import hf_geosharp as gs
 from hf_geosharp.engine.geometry import elementwise, gl_quotient
 from hf_geosharp.engine.model_function import objective as objective_module
+from hf_geosharp.engine.placement import single
 from hf_geosharp.engine.solvers import apgd as solver
 from hf_geosharp.engine.space import pair_group
 from hf_geosharp.engine.space import perturbation_space as space
@@ -83,7 +85,7 @@ class StageClock:
 # profiled solve only; exp_point returns the pullback of the curvature terms
 PATCHES = [
     (objective_module.Objective, "__call__", "substitution", None),
-    (objective_module.Objective, "_backward", "backward", None),
+    (single.SingleProcess, "stream_backward", "backward", None),
     (space.PerturbationSpace, "exp_point", "weights", "pair geometry"),
     (space.PerturbationSpace, "ascent_direction", "direction", None),
     (pair_group.PairGroup, "part", "pair geometry", None),

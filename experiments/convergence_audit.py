@@ -23,8 +23,9 @@ import torch
 
 import hf_geosharp as gs
 from hf_geosharp.durable import write_json
-from hf_geosharp.engine import runner
+from hf_geosharp.engine.builder import build
 from hf_geosharp.engine.model_function.objective import default_loss, preserved_model_state
+from hf_geosharp.engine.placement.single import SingleProcess
 from hf_geosharp.engine.settings import RunSettings
 from hf_geosharp.engine.space.perturbation_space import SpaceOptions
 
@@ -59,7 +60,7 @@ def independent_maximum(model: torch.nn.Module, batch: dict, name: str, rho: flo
     options = SpaceOptions(name) if name in ("inv", "mix") else None
     settings = RunSettings(rho, options=options, variant=None if options else "clean")
     with preserved_model_state(model):
-        space, objective = runner._build(model, settings, None, default_loss, {0: batch})
+        space, objective = build(model, settings, SingleProcess(model), default_loss, {0: batch})
         objective.batch = batch
         clean, _ = objective(space.zero(), False)
         generator = torch.Generator().manual_seed(0)

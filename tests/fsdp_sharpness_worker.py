@@ -56,15 +56,15 @@ def measure_trainable(model: torch.nn.Module, batches: list[dict]) -> dict[str, 
 
 
 def count_held_embeddings(counts: dict[str, int]) -> None:
-    """Record, per measure and ``params``, how many embeddings the sharded builder holds by their used rows only."""
-    build = runner.build_sharded
+    """Record, per measure and ``params``, how many embeddings the builder holds by their used rows only."""
+    build = runner.build
 
-    def recording(model, layout, settings, *args):
-        space, objective = build(model, layout, settings, *args)
-        counts[f"{settings.measure} {settings.params}"] = len(objective.held)
+    def recording(model, settings, placement, *args):
+        space, objective = build(model, settings, placement, *args)
+        counts[f"{settings.measure} {settings.params}"] = len(objective.placement.holding.rows)
         return space, objective
 
-    runner.build_sharded = recording
+    runner.build = recording
 
 
 def main() -> None:

@@ -236,6 +236,8 @@ def test_objective_gradient_matches_finite_differences_through_exp2(metric):
     of the loss along a random direction, at a perturbed point: the slow, obvious reference of the fast path.
     The LayerNorm bias starts at zero, so it is frozen and the direction leaves it alone."""
     from hf_geosharp.engine.model_function.objective import Objective, default_loss, measured_parameters
+    from hf_geosharp.engine.placement.base import Holding
+    from hf_geosharp.engine.placement.single import SingleProcess
     from hf_geosharp.engine.space.perturbation_space import PerturbationSpace, SpaceOptions
 
     model = ToyAttention().eval()
@@ -243,7 +245,9 @@ def test_objective_gradient_matches_finite_differences_through_exp2(metric):
     theta0 = torch.cat([p.detach().reshape(-1) for p in params])
     options = SpaceOptions(metric, 1e-6, elementwise_curvature="second_order")
     space = PerturbationSpace(params, toy_symmetry_map(model).blocks, options)
-    objective = Objective(model, names, params, space, default_loss, rho=RHO)
+    placement = SingleProcess(model)
+    placement.hold(Holding.whole(names, params), [])
+    objective = Objective(model, space, placement, default_loss, rho=RHO)
     objective.batch = toy_batches()[0]
     g = torch.Generator().manual_seed(0)
     xi = space.project(space.random_tangent_vector(g), RHO)

@@ -17,9 +17,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import hf_geosharp as gs
-from hf_geosharp.engine import runner
+from hf_geosharp.engine import builder
 from hf_geosharp.engine.model_function.embedding_rows import RowLookup, UsedRows, scan_used_rows
 from hf_geosharp.engine.model_function.objective import default_loss
+from hf_geosharp.engine.placement.single import SingleProcess
 from hf_geosharp.engine.settings import RunSettings
 
 from .fixtures import architectures
@@ -31,13 +32,14 @@ SOLVE = dict(rho=0.05, steps=8, progress=False)
 
 def _whole(monkeypatch: pytest.MonkeyPatch) -> None:
     """Measure with whole embedding weights: the reference."""
-    monkeypatch.setattr(runner, "scan_used_rows", lambda *args, **kwargs: {})
+    monkeypatch.setattr(builder, "scan_used_rows", lambda *args, **kwargs: {})
 
 
 def _used(model: nn.Module, batches: list, loss_fn=default_loss) -> dict[str, int]:
     """``{parameter name: rows held}`` of the default worst-case build."""
-    _, objective = runner._build(model, RunSettings(0.05), None, loss_fn, dict(enumerate(batches)))
-    return {objective.names[i]: u.rows.numel() for i, u in objective.used_rows.items()}
+    _, objective = builder.build(model, RunSettings(0.05), SingleProcess(model), loss_fn, dict(enumerate(batches)))
+    holding = objective.placement.holding
+    return {holding.names[i]: u.rows.numel() for i, u in holding.rows.items()}
 
 
 class TiedLM(nn.Module):
@@ -138,12 +140,14 @@ def test_padding_checkpointing_and_tied_weights(monkeypatch):
 
 def test_space_holds_only_the_used_rows():
     model, batches = tiny_bert(), tiny_batches(2, rows=3, length=6)
-    space, objective = runner._build(model, RunSettings(0.05), None, default_loss, dict(enumerate(batches)))
-    left_out = sum((p.shape[0] - objective.used_rows[i].rows.numel()) * p.shape[1]
-                   for i, p in enumerate(objective.params) if i in objective.used_rows)
+    space, objective = builder.build(model, RunSettings(0.05), SingleProcess(model), default_loss,
+                                     dict(enumerate(batches)))
+    holding = objective.placement.holding
+    left_out = sum((p.shape[0] - holding.rows[i].rows.numel()) * p.shape[1]
+                   for i, p in enumerate(holding.params) if i in holding.rows)
     assert left_out > 0
     assert space.numel == sum(p.numel() for p in model.parameters()) - left_out
-    whole, _ = runner._build(model, RunSettings(0.05, mode="average"), None, default_loss,
+    whole, _ = builder.build(model, RunSettings(0.05, mode="average"), SingleProcess(model), default_loss,
                              dict(enumerate(batches)))
     assert whole.numel == sum(p.numel() for p in model.parameters())  # the average case draws every coordinate
 

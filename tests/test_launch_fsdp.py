@@ -131,12 +131,13 @@ def _evaluate_rank(data_path: str, model: str, out_dir: str) -> None:
 
     import torch.distributed as dist
 
-    engine = logging.getLogger("hf_geosharp.engine.placement.fsdp")
     seen: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: seen.append(record.getMessage())
-    engine.addHandler(handler)
-    engine.setLevel(logging.INFO)
+    for name in ("hf_geosharp.engine.placement.fsdp", "hf_geosharp.engine.builder"):  # the shares, the rows held
+        engine = logging.getLogger(name)
+        engine.addHandler(handler)
+        engine.setLevel(logging.INFO)
     data = json.loads(Path(data_path).read_text())
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     rows = np.array_split(np.arange(len(data["labels"])), world)[rank].tolist()

@@ -1,6 +1,7 @@
-"""The model-as-function layer (``hf_geosharp.engine.model_function.objective``): the one wrapper around PyTorch's
-private ``_reparametrize_module``, pinned here, and the objective's gradient written over its own perturbed weights,
-against a slow, obvious reference (``torch.func.functional_call`` and ``torch.autograd.grad``)."""
+"""The model-as-function layer (``hf_geosharp.engine.model_function.objective``) and the single-process placement: the
+one wrapper around PyTorch's private ``_reparametrize_module``, pinned here, and the objective's gradient written over
+its own perturbed weights, against a slow, obvious reference (``torch.func.functional_call`` and
+``torch.autograd.grad``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from hf_geosharp.engine.model_function.objective import Objective, default_loss, measured_parameters, reparametrized
+from hf_geosharp.engine.model_function.objective import Objective, default_loss, measured_parameters
+from hf_geosharp.engine.placement.base import Holding
+from hf_geosharp.engine.placement.single import SingleProcess, reparametrized
 from hf_geosharp.engine.space.perturbation_space import PerturbationSpace, SpaceOptions
 from hf_geosharp.symmetry import map_symmetries
 
@@ -53,7 +56,9 @@ def test_gradient_over_the_weights_equals_plain_autograd(metric):
     names, params = measured_parameters(model)
     blocks = map_symmetries(model).blocks if metric else []
     space = PerturbationSpace(params, blocks, SpaceOptions(metric=metric, second_order=False))
-    objective = Objective(model, names, params, space, default_loss, rho=0.1)
+    placement = SingleProcess(model)
+    placement.hold(Holding.whole(names, params), [])
+    objective = Objective(model, space, placement, default_loss, rho=0.1)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(1, 50, (3, 6), generator=g)
     objective.batch = dict(input_ids=ids, labels=torch.tensor([0, 1, 2]))

@@ -1,4 +1,4 @@
-"""The FSDP2 layout (``hf_geosharp.engine.placement.sharding``): each check runs ``tests/fsdp_worker.py`` under
+"""The FSDP2 layout (``hf_geosharp.engine.placement.fsdp_layout``): each check runs ``tests/fsdp_worker.py`` under
 ``torchrun`` on CPU with gloo, on a tiny float64 BERT (3 labels, so the head is sharded unevenly, with empty shards over
 4 ranks) and a tiny Llama with GQA and RoPE, against an unsharded copy of the same model. The worker checks, on every
 rank: the shards placed by ``localize`` rebuild every parameter exactly; the loss under ``serving`` equals the unsharded
@@ -9,6 +9,7 @@ afterwards, also after an exception or a KeyboardInterrupt inside ``serving``; u
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -48,17 +49,52 @@ def test_a_model_without_fsdp_has_no_layout():
     assert fsdp_state(torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.ReLU())) is None
 
 
-@pytest.mark.parametrize("module, package_imports", [("shard_layout", {"coordinates"}), ("sharding", {"shard_layout"})])
+PLACEMENT = ROOT / "hf_geosharp" / "engine" / "placement"
+
+
+@pytest.mark.parametrize("module, package_imports", [("fsdp_layout", {"space.coordinates", "fsdp_internals"}),
+                                                     ("fsdp_internals", set()), ("sharding", {"fsdp_layout"})])
 def test_the_layer_imports_only_torch(module, package_imports):
     """The layer sits under the engine: no transformers or accelerate, and of the package only the pure-torch
-    coordinates module (where pair factors live in a flat vector), and the layout for the sharding helpers."""
-    tree = ast.parse((ROOT / "hf_geosharp" / f"{module}.py").read_text())
+    coordinates module (where pair factors live in a flat vector) and the adapter of FSDP's internals for the layout,
+    and the layout for the sharding helpers."""
+    tree = ast.parse((PLACEMENT / f"{module}.py").read_text())
     imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     relative = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level}
     imported |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and not n.level}
     third_party = {m.split(".")[0] for m in imported} - set(sys.stdlib_module_names) - {"__future__"}
     assert third_party == {"torch"}, imported
     assert relative == package_imports, relative
+
+
+#: FSDP2 internals (attributes of its modules, states, parameter groups, parameters and DTensors) the engine may use
+#: in ``fsdp_internals.py`` only.
+PRIVATE = re.compile(r"\._(get_fsdp_state|lazy_init|is_root|fsdp_param_groups?|sharded_param_data|unsharded_param|"
+                     r"local_tensor|param_fqn|orig_size|sharded_local_tensor|reset_sharded_param)\b|"
+                     r"\b(offload_to_cpu|post_forward_mesh_info|padded_sharded_param_size|fsdp_placement|fsdp_params)\b"
+                     r"|_fully_shard\b")
+
+
+def test_fsdp_internals_are_used_in_one_adapter_only():
+    """Every use of a private FSDP2 name is in ``fsdp_internals.py`` (at most 150 lines, which says why each has no
+    public route); the rest of the package reaches FSDP2 through its public API."""
+    adapter = PLACEMENT / "fsdp_internals.py"
+    users = {str(path.relative_to(ROOT)) for path in (ROOT / "hf_geosharp").rglob("*.py")
+             if path != adapter and PRIVATE.search(path.read_text())}
+    assert users == set()
+    assert PRIVATE.search(adapter.read_text()) and len(adapter.read_text().splitlines()) <= 150
+
+
+def test_a_torch_without_the_fsdp_internals_is_refused_with_the_supported_range(monkeypatch):
+    from hf_geosharp.engine.placement import fsdp_internals
+
+    fsdp_internals.check_torch.cache_clear()
+    monkeypatch.setattr(torch, "__version__", "2.5.1")
+    try:
+        with pytest.raises(RuntimeError, match=r"torch >= 2\.13"):
+            fsdp_internals.check_torch()
+    finally:
+        fsdp_internals.check_torch.cache_clear()
 
 
 def test_the_accelerate_fsdp2_config_parses_into_an_fsdp2_plugin(monkeypatch):

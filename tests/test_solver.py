@@ -47,13 +47,17 @@ def test_blocked_ellipsoid_projection_matches_the_reference_formula(monkeypatch)
 def test_solver_bookkeeping_keeps_iterates_in_the_ball():
     """Iterates never leave the ball, and the best iterate's norm from the Gram bookkeeping is its real norm."""
     from hf_geosharp.engine.model_function import objective as objective_module
+    from hf_geosharp.engine.placement.base import Holding
+    from hf_geosharp.engine.placement.single import SingleProcess
     from hf_geosharp.engine.solvers.apgd import apgd
 
     model = tiny_bert()
     names, params = objective_module.measured_parameters(model)
     theta0 = torch.cat([p.detach().reshape(-1) for p in params])
     space = PerturbationSpace(theta0, map_symmetries(model).blocks, SpaceOptions("inv", epsilon=0.0))
-    objective = objective_module.Objective(model, names, params, space, objective_module.default_loss, 0.5)
+    placement = SingleProcess(model)
+    placement.hold(Holding.whole(names, params), [])
+    objective = objective_module.Objective(model, space, placement, objective_module.default_loss, 0.5)
     objective.batch = tiny_batches(1)[0]
     seen: list[tuple[float, float]] = []
 

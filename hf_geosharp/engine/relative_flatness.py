@@ -26,7 +26,8 @@ from torch import Tensor, nn
 
 from .. import __version__
 from .checks import check_batch, check_model
-from .model_function.objective import LossFn, default_loss, preserved_model_state, reparametrized, to_device
+from .model_function.objective import LossFn, default_loss, preserved_model_state, to_device
+from .placement.single import reparametrized
 from .result import SharpnessResult, average_stderr, batch_stderr
 from .runner import batch_seed
 

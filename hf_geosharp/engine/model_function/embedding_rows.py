@@ -45,6 +45,7 @@ class UsedRows:
 
     @classmethod
     def of(cls, rows: Tensor, num_rows: int) -> UsedRows:
+        """The sorted ``rows`` of a weight with ``num_rows`` rows, and their places."""
         place = torch.full((num_rows,), -1, dtype=torch.long, device=rows.device)
         place[rows] = torch.arange(rows.numel(), device=rows.device)
         return cls(rows, place)

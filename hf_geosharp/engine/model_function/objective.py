@@ -1,10 +1,10 @@
 """The model as a function of the perturbation, and the guarantee that the user's model is left as it was.
 
-The loss at perturbed weights is evaluated through stateless reparametrisation (:func:`reparametrized`: the
-model's parameters are swapped for other tensors for the duration of one call, tied weights included), gradients
-are taken with respect to those tensors only, and :func:`preserved_model_state` restores modes, ``requires_grad``,
-``.grad``, buffers, config attributes and the RNG in a ``finally`` block, so the guarantee also holds on exceptions
-and ``KeyboardInterrupt``.
+:class:`Objective` evaluates the loss at perturbed weights and its gradient with respect to the perturbation; how the
+model is made to compute with the perturbed weights, and how their gradients come back, is its placement's
+(:mod:`hf_geosharp.engine.placement`). :func:`preserved_model_state` restores modes, ``requires_grad``, ``.grad``,
+buffers, config attributes and the RNG in a ``finally`` block, so the guarantee also holds on exceptions and
+``KeyboardInterrupt``.
 """
 
 from __future__ import annotations
@@ -12,28 +12,18 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
-from torch.nn.utils import stateless
 
 from ..space.perturbation_space import PerturbationSpace
-from .embedding_rows import RowLookup, UsedRows
 
+if TYPE_CHECKING:
+    from ..placement.base import Placement
+
+#: ``loss_fn(model, batch) -> scalar tensor``: how a batch's loss is computed (default: :func:`default_loss`).
 LossFn = Callable[[nn.Module, Any], Tensor]
-
-
-@contextlib.contextmanager
-def reparametrized(model: nn.Module, tensors: Mapping[str, Tensor], tie_weights: bool = True) -> Iterator[None]:
-    """``model`` computes with ``tensors`` (by parameter name) in place of its parameters inside the block (with
-    ``tie_weights``, also in place of the parameters tied to them).
-
-    The one use of PyTorch's private ``_reparametrize_module`` (the engine of ``torch.func.functional_call``, which
-    cannot keep the swap open across a separate backward pass, as activation checkpointing needs); its behaviour
-    is pinned by a test, so a change in PyTorch shows up there first."""
-    with stateless._reparametrize_module(model, tensors, tie_weights=tie_weights):
-        yield
 
 
 @contextlib.contextmanager
@@ -110,6 +100,8 @@ def measured_parameters(model: nn.Module) -> tuple[list[str], list[Tensor]]:
 
 
 def default_loss(model: nn.Module, batch: Any) -> Tensor:
+    """The loss a transformers model returns for ``model(**batch)`` (the batch holds the labels), with an error that
+    says what to do when there is none."""
     if not isinstance(batch, Mapping):
         raise TypeError(
             "A batch must be a dict of model inputs (labels included) when no loss_fn is given; "
@@ -136,6 +128,7 @@ def default_loss(model: nn.Module, batch: Any) -> Tensor:
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
+    """``batch`` with its tensors (also inside a dict) moved to ``device``."""
     if isinstance(batch, Tensor):
         return batch.to(device)
     if isinstance(batch, Mapping):
@@ -147,59 +140,41 @@ class Objective:
     """``(xi, need_grad, out=None) -> (loss, dloss/dxi)`` at weights ``Exp(w; xi)`` on the current ``batch``.
 
     ``out`` is one flat buffer that serves the whole evaluation: the perturbed weights are written into it
-    (``space.exp_point``) and its per-parameter views are swapped into the model for one call (the user's parameters
-    are never touched); during the backward pass each parameter's gradient is copied over that parameter's weights as
-    soon as it is ready (nothing reads them again), so weights and gradient share one buffer; the derivative of the
-    geodesic's curvature terms is then applied in place by the space's pullback. The swapped-in views are separate
-    tensor objects, each with its own version counter, so writing one parameter's gradient does not invalidate the
-    others; after the write the view's counter is bumped, so that a model that did read a weight again after its
-    gradient was final would fail loudly instead of computing with the gradient.
+    (``space.exp_point``), the placement has the model compute with them (the user's parameters are never
+    touched), and during the backward pass it writes each parameter's gradient over that parameter's weights as soon
+    as it is ready (nothing reads them again), so weights and gradient share one buffer; the derivative of the
+    geodesic's curvature terms is then applied in place by the space's pullback.
 
     Args:
-        names, params: the parameters the space covers (its base segments, in order); the others stay the model's.
-        used_rows: ``{position in params: rows}`` for embedding weights of which the space holds only the rows the
-            batches look up (:mod:`hf_geosharp.engine.model_function.embedding_rows`); their lookups read the perturbed
-            rows, and the model keeps its own weight.
+        model: the model ``loss_fn`` is called with.
+        space: the perturbation space (its vectors are laid out as ``placement`` holds the parameters).
+        placement: where the vectors live and how the perturbed weights reach the model
+            (:class:`~hf_geosharp.engine.placement.base.Placement`, after its ``hold``).
+        loss_fn: ``loss_fn(model, batch) -> scalar tensor``.
+        rho: the radius, for error messages.
     """
 
-    def __init__(
-        self, model: nn.Module, names: list[str], params: list[Tensor], space: PerturbationSpace, loss_fn: LossFn,
-        rho: float, used_rows: dict[int, UsedRows] | None = None,
-    ) -> None:
-        self.model, self.space, self.loss_fn, self.rho = model, space, loss_fn, rho
+    def __init__(self, model: nn.Module, space: PerturbationSpace, placement: Placement, loss_fn: LossFn,
+                 rho: float) -> None:
+        self.model, self.space, self.placement, self.loss_fn, self.rho = model, space, placement, loss_fn, rho
         self.batch: Any = None
-        self.names, self.params = names, params
-        self.used_rows = used_rows or {}
-        self.shapes = [torch.Size((self.used_rows[i].rows.numel(), *p.shape[1:])) if i in self.used_rows else p.shape
-                       for i, p in enumerate(params)]
-        self.numels = [shape.numel() for shape in self.shapes]
-        self.offsets = [0, *torch.tensor(self.numels).cumsum(0).tolist()][:-1]
         self.graph_checked = False
         self._buffer: Tensor | None = None  # the perturbed weights of gradient-free calls that pass no ``out``
 
     def __call__(self, xi: Tensor, need_grad: bool, out: Tensor | None = None) -> tuple[float, Tensor | None]:
+        """The loss at ``Exp(w; xi)``, and with ``need_grad`` its gradient in ``xi`` (in ``out`` when given)."""
         out = self._buffer_for(out, need_grad)
         pullback = self.space.exp_point(xi, out, need_grad)
-        tensors, leaves, looked_up = {}, [], {}
-        for i, (name, p, offset, shape) in enumerate(zip(self.names, self.params, self.offsets, self.shapes)):
-            t = _aliased(out, offset, shape)
-            if t.dtype != p.dtype:  # a half-precision model computes with its own dtype (a copy)
-                t = t.to(p.dtype)
-            if need_grad:
-                leaves.append(t.requires_grad_(True))
-            if i in self.used_rows:
-                looked_up[id(p)] = (self.used_rows[i], t)
-            else:
-                tensors[name] = t
-        lookups = RowLookup(looked_up) if looked_up else contextlib.nullcontext()
-        # Backward runs inside the reparametrisation too: activation checkpointing recomputes the forward during
-        # backward, and must see the perturbed weights, not the user's.
-        with torch.set_grad_enabled(need_grad), reparametrized(self.model, tensors), lookups:
+        with torch.set_grad_enabled(need_grad), self.placement.substituted(out, need_grad) as backward:
             loss = self.loss_fn(self.model, self.batch)
-            value = self._checked_value(loss, xi)
+            if not isinstance(loss, Tensor) or loss.numel() != 1:
+                raise TypeError("The loss must be a scalar tensor (a mean over the batch).")
+            value, differentiated = self.placement.batch_loss(loss, self.batch)
+            self._check_finite(value, xi)
             if not need_grad:
                 return value, None
-            self._backward(loss, leaves, out)
+            self._check_graph(loss)
+            backward(differentiated)
         if pullback is not None:
             pullback(out)
         return value, out
@@ -214,57 +189,23 @@ class Objective:
             self._buffer = self.space.empty()
         return self._buffer
 
-    def _checked_value(self, loss: Any, xi: Tensor) -> float:
-        if not isinstance(loss, Tensor) or loss.numel() != 1:
-            raise TypeError("The loss must be a scalar tensor (a mean over the batch).")
-        value = float(loss.detach())
+    def _check_finite(self, value: float, xi: Tensor) -> None:
         if not math.isfinite(value):
             where = "the unperturbed weights" if not bool(xi.any()) else f"a perturbed point (rho={self.rho})"
             hint = "check the inputs and labels" if "unperturbed" in where else "lower rho"
             raise FloatingPointError(f"The loss is {value} at {where}; {hint}.")
-        return value
 
-    def _backward(self, loss: Tensor, leaves: list[Tensor], out: Tensor) -> None:
-        """``dloss/dtheta`` into ``out``, streamed parameter by parameter over the weights (zero where no gradient
-        arrives)."""
-        if leaves and not loss.requires_grad:
+    def _check_graph(self, loss: Tensor) -> None:
+        """Refuse a loss without a graph, or (once per run: the graph's structure does not change between steps)
+        with reentrant checkpoints: neither gives the gradient."""
+        if not loss.requires_grad:
             raise TypeError(
                 "The loss does not depend on the model's parameters (it has no autograd graph); a loss_fn must "
                 "compute it from `model(...)` outputs without detaching or using torch.no_grad()."
             )
-        if not self.graph_checked:  # once per run: the graph's structure does not change between steps
+        if not self.graph_checked:
             refuse_reentrant_checkpointing(loss)
             self.graph_checked = True
-        segments, filled = out.split(self.numels), set()
-
-        def stream(position: int) -> Callable[[Tensor], None]:
-            # Copy each gradient into the flat buffer as soon as backward has it, and drop it: the per-parameter
-            # gradients are then never all alive at once (a plain backward keeps them all in .grad).
-            def hook(leaf: Tensor) -> None:
-                segments[position].copy_(leaf.grad.reshape(-1))
-                leaf.grad = None
-                torch.autograd.graph.increment_version(leaf)
-                filled.add(position)
-
-            return hook
-
-        for position, leaf in enumerate(leaves):
-            leaf.register_post_accumulate_grad_hook(stream(position))
-        torch.autograd.backward(loss, inputs=leaves)
-        missing = [segment for i, segment in enumerate(segments) if i not in filled]
-        if missing:
-            torch._foreach_zero_(missing)
-
-
-def _aliased(flat: Tensor, offset: int, shape: torch.Size) -> Tensor:
-    """A contiguous tensor of ``shape`` on ``flat``'s memory at ``offset``, with a version counter of its own (a
-    view would share ``flat``'s, and writing one parameter's gradient would then invalidate every other)."""
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= size
-    storage, start = flat.untyped_storage(), flat.storage_offset() + offset
-    return flat.new_empty(0).set_(storage, start, shape, tuple(reversed(strides)))
 
 
 def refuse_reentrant_checkpointing(loss: Tensor) -> None:

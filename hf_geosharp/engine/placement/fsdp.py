@@ -22,9 +22,10 @@ all-reduce.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,98 +33,170 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ...symmetry.base import SymmetryMap
-from ..model_function.embedding_rows import RowLookup, UsedRows, rows_of_every_rank, scan_used_rows
-from ..model_function.objective import LossFn, Objective, measured_parameters, refuse_reentrant_checkpointing
-from ..space.coordinates import pair_parameters
-from ..space.perturbation_space import PerturbationSpace, SpaceOptions
+from ...symmetry.base import PairBlock
+from ..model_function.embedding_rows import RowLookup, UsedRows, rows_of_every_rank
+from ..settings import RunSettings
 from ..space.workspace import Workspace
-from .fsdp_layout import ShardedLayout
+from .base import Backward, Holding
+from .fsdp_layout import ShardedLayout, fsdp_state
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class HeldRows:
-    """An embedding of which this rank holds only the used rows of its shard (see the module docstring)."""
+class _ShardRows:
+    """An embedding held by its used rows, on this rank: the used rows of its shard."""
 
     used: UsedRows  # the rows any rank's batches look up
-    weight: Tensor  # the unsharded parameter that the model's lookups read
+    weight: Tensor  # the unsharded parameter that the model's lookups receive
     slots: Tensor  # the positions, among ``used.rows``, of the rows in this rank's shard
     local: Tensor  # those rows' indices in this rank's padded shard
     width: int  # entries per row
 
+    @classmethod
+    def of(cls, used: UsedRows, weight: Tensor, layout: ShardedLayout, i: int) -> _ShardRows:
+        n_rows, width = layout.global_shapes[i]
+        chunk = -(-n_rows // layout.world)  # rows per shard, as torch.chunk cuts them
+        first = layout.rank * chunk
+        mine = (used.rows >= first) & (used.rows < first + chunk)
+        return cls(used, weight, mine.nonzero().flatten(), used.rows[mine] - first, width)
 
-class ShardedObjective(Objective):
-    """The objective of :class:`~hf_geosharp.engine.model_function.objective.Objective` on an FSDP2 model: the perturbed
-    local shards are written into the flat buffer ``out``, which FSDP all-gathers from (``layout.serving``); each
-    parameter's local gradient is copied over its perturbed weights after the reduce-scatter
-    (``layout.stream_gradients``). The embeddings in ``held`` (by parameter position) are served from the model's own
-    shards and looked up in their perturbed used rows."""
 
-    def __init__(self, model: nn.Module, layout: ShardedLayout, space: PerturbationSpace, loss_fn: LossFn,
-                 rho: float, shares: bool, held: dict[int, HeldRows]) -> None:
-        super().__init__(model, [], [], space, loss_fn, rho)
-        self.layout, self.shares, self.held = layout, shares, held
-        dtypes = {b.dtype for b in layout.base()}
-        self.served_dtype = dtypes.pop() if len(dtypes) == 1 else space.dtype
+class FsdpPlacement:
+    """An FSDP2-sharded model (see the module docstring): the engine's vector holds this rank's padded shards
+    (:class:`~hf_geosharp.engine.placement.fsdp_layout.ShardedLayout`), FSDP gathers the perturbed ones, and every
+    sum is taken over the ranks."""
+
+    def __init__(self, model: nn.Module, layout: ShardedLayout) -> None:
+        self.model, self.layout = model, layout
+        self.rank, self.world, self.shard = layout.rank, layout.world, layout
+        self.where = f" on this rank of {layout.world}"
+        self.shares = False  # whether each rank was given its share of every batch (see ``prepare``)
+        self.holding: Holding | None = None
+        self._rows: dict[int, _ShardRows] = {}
+        self._served_dtype: torch.dtype | None = None
         self._served: Tensor | None = None  # a copy in the model's dtype, only for half-precision models
 
-    def __call__(self, xi: Tensor, need_grad: bool, out: Tensor | None = None) -> tuple[float, Tensor | None]:
-        out = self._buffer_for(out, need_grad)
-        pullback = self.space.exp_point(xi, out, need_grad)
-        segments = out.split(self.layout.held_sizes)
+    @classmethod
+    def of(cls, model: nn.Module) -> FsdpPlacement | None:
+        """The placement of ``model`` when it has FSDP2 modules (see ``fsdp_state`` for what is refused), else None."""
+        layout = fsdp_state(model)
+        return None if layout is None else cls(model, layout)
+
+    @property
+    def device(self) -> torch.device:
+        """This rank's device on the FSDP mesh."""
+        return self.layout.device
+
+    def batches(self, n_batches: int) -> range:
+        """Every batch: FSDP's forward and backward are collective, so every rank takes part in each."""
+        return range(n_batches)
+
+    def collect(self, results: dict[int, Any]) -> dict[int, Any]:
+        """This rank's results: every rank solved every batch together."""
+        return results
+
+    def prepare(self, settings: RunSettings, params: list[Tensor], batches: list[Any]) -> None:
+        """Refuse the solvers that need global gradient norms, find out whether the ranks hold shares of the
+        batches, and have FSDP reduce every parameter's gradient under ``params="all"`` (FSDP reduces only those that
+        require one; the flags are restored with the model's state)."""
+        if settings.full_gradient:
+            raise ValueError("Under FSDP, adaptive_sharpness(variant='as23') and step_normalization='euclidean' are "
+                             "not supported (they need global gradient norms); use the defaults (variant='clean').")
+        self.shares = batches_are_shares(self.layout, batches)
+        if settings.params == "all":
+            for p in params:
+                p.requires_grad_(True)
+
+    def all_reduce(self, t: Tensor) -> Tensor:
+        """In-place sum over the FSDP group."""
+        return self.layout.all_reduce(t)
+
+    def covered(self, params: list[Tensor], trainable: list[bool], pair_params: set[int]) -> list[int]:
+        """Every parameter's shard, frozen and zero ones as coordinates that never move: each rank lays its vector out
+        from the shapes alone, without a collective over the weights."""
+        return list(range(len(params)))
+
+    @contextlib.contextmanager
+    def looked_up(self, positions: list[int]) -> Iterator[dict[int, Tensor]]:
+        """The unsharded weights of the parameters sharded by rows (FSDP's default ``Shard(0)``); afterwards every
+        gathered copy is dropped (a collective: every rank calls it with the same positions)."""
+        try:
+            yield self.layout.unsharded_weights([i for i in positions if self.layout.shard_dims[i] == 0])
+        finally:
+            self.layout.reshard_all()
+
+    def hold(self, holding: Holding, blocks: list[PairBlock]) -> tuple[list[Tensor], list[PairBlock]]:
+        """This rank's padded shards (of an embedding held by rows, a copy of the used rows of its shard), and the
+        blocks as they are: their global indices are placed by the layout (``ShardedLayout.localize``)."""
+        layout, covered = self.layout, set(holding.covered)
+        with self.looked_up(list(holding.rows)) as weights:
+            self._rows = {i: _ShardRows.of(u, weights[i], layout, i) for i, u in holding.rows.items()}
+        layout.hold([0 if i not in covered else r.local.numel() * r.width if (r := self._rows.get(i)) else n
+                     for i, n in enumerate(layout.local_sizes)])
+        own = layout.base()
+        base = [own[i].view(-1, r.width).index_select(0, r.local).reshape(-1) if (r := self._rows.get(i)) else own[i]
+                for i in holding.covered]
+        dtypes = {b.dtype for b in own}
+        self._served_dtype = dtypes.pop() if len(dtypes) == 1 else None
+        self.holding = holding
+        return base, blocks
+
+    def workspace(self, numel: int, dtype: torch.dtype) -> Workspace:
+        """The default workspace on every rank (not sized by the local shard): all ranks must cut the heads alike."""
+        return Workspace(dtype, self.device)
+
+    @contextlib.contextmanager
+    def substituted(self, out: Tensor, need_grad: bool) -> Iterator[Backward]:
+        """FSDP gathers the perturbed shards from ``out`` (the model's own shards for the parameters not held whole);
+        the lookups of the embeddings held by rows read their perturbed used rows, assembled on every rank."""
+        assert self.holding is not None, "hold() first"
+        layout, whole = self.layout, set(self.holding.covered) - set(self._rows)
+        segments = out.split(layout.held_sizes)
         served = segments
-        if self.served_dtype != out.dtype:
-            self._served = torch.empty_like(out, dtype=self.served_dtype) if self._served is None else self._served
-            served = self._served.copy_(out).split(self.layout.held_sizes)
-        own = self.layout.base()
-        shards = [own[i] if i in self.held else s for i, s in enumerate(served)]
-        leaves = {i: segments[i].view(-1, h.width).clone().requires_grad_(need_grad) for i, h in self.held.items()}
-        with self.layout.serving(shards), torch.set_grad_enabled(need_grad), self._lookups(leaves):
-            loss = self.loss_fn(self.model, self.batch)
-            if not isinstance(loss, Tensor) or loss.numel() != 1:
-                raise TypeError("The loss must be a scalar tensor (a mean over the batch).")
-            value, scale = self._batch_loss(loss)
-            value = self._checked_value(torch.tensor(value, dtype=torch.float64), xi)
-            if not need_grad:
-                return value, None
-            if not self.graph_checked:
-                refuse_reentrant_checkpointing(loss)
-                self.graph_checked = True
-            with self.layout.stream_gradients([None if i in self.held else s for i, s in enumerate(segments)]):
-                (loss * scale).backward()
-        for i, leaf in leaves.items():  # the held rows' gradient, after the backward's all-reduce
+        if self._served_dtype not in (None, out.dtype):
+            self._served = torch.empty_like(out, dtype=self._served_dtype) if self._served is None else self._served
+            served = self._served.copy_(out).split(layout.held_sizes)
+        own = layout.base()
+        shards = [s if i in whole else own[i] for i, s in enumerate(served)]
+        leaves = {i: segments[i].view(-1, r.width).clone().requires_grad_(need_grad) for i, r in self._rows.items()}
+        gradients = [s if i in whole else None for i, s in enumerate(segments)]
+        with layout.serving(shards), self._lookups(leaves):
+            yield functools.partial(self.stream_backward, gradients, segments, leaves)
+
+    def stream_backward(self, gradients: list[Tensor | None], segments: Sequence[Tensor], leaves: dict[int, Tensor],
+                        loss: Tensor) -> None:
+        """``dloss/dtheta`` into the segments: the shards' gradients streamed after FSDP's reduce-scatter, the held
+        rows' gradients after the backward's all-reduce (zeros where none arrives)."""
+        with self.layout.stream_gradients(gradients):
+            loss.backward()
+        for i, leaf in leaves.items():
             if leaf.grad is None:
                 segments[i].zero_()
             else:
                 segments[i].copy_(leaf.grad.reshape(-1))
-        if pullback is not None:
-            pullback(out)
-        return value, out
 
     def _lookups(self, leaves: dict[int, Tensor]) -> contextlib.AbstractContextManager:
-        """Lookups of the held embeddings read their perturbed used rows, gathered from every rank."""
+        """Lookups of the embeddings held by rows read their perturbed used rows, gathered from every rank."""
         if not leaves:
             return contextlib.nullcontext()
         restricted = {}
         for i, leaf in leaves.items():
-            held = self.held[i]
+            held = self._rows[i]
             rows = rows_of_every_rank(leaf.to(held.weight.dtype), held.slots, held.used.rows.numel(),
                                       self.layout.all_reduce, self.layout.world)
             restricted[id(held.weight)] = (held.used, rows)
         return RowLookup(restricted)
 
-    def _batch_loss(self, loss: Tensor) -> tuple[float, float]:
-        """The batch's loss (over all shares) and the factor on this rank's loss that makes FSDP's average over the
-        ranks the batch's gradient."""
+    def batch_loss(self, loss: Tensor, batch: Any) -> tuple[float, Tensor]:
+        """The batch's loss over all shares, and this rank's loss scaled so that FSDP's average over the ranks is the
+        batch's gradient."""
         if not self.shares:
-            return float(loss.detach()), 1.0
-        rows = float(_rows(self.batch))
-        total = self.layout.all_reduce(torch.tensor([float(loss.detach()) * rows, rows], dtype=torch.float64,
-                                                    device=self.layout.device))
-        value, n = float(total[0] / total[1]), float(total[1])
-        return value, rows * self.layout.world / n
+            return float(loss.detach()), loss
+        rows = float(_rows(batch))
+        total = self.all_reduce(torch.tensor([float(loss.detach()) * rows, rows], dtype=torch.float64,
+                                             device=self.device))
+        return float(total[0] / total[1]), loss * (rows * self.world / float(total[1]))
 
 
 def _rows(batch: Any) -> int:
@@ -136,6 +209,7 @@ def _rows(batch: Any) -> int:
 
 
 def _fingerprint(batches: list[Any]) -> str:
+    """A digest of the batches' keys, dtypes, shapes and values: equal on ranks given the same batches."""
     digest = hashlib.sha256()
     for batch in batches:
         items = sorted(batch.items()) if isinstance(batch, Mapping) else [("", batch)]
@@ -160,68 +234,3 @@ def batches_are_shares(layout: ShardedLayout, batches: list[Any]) -> bool:
     logger.info("FSDP over %d ranks: %s", layout.world, "each rank has its share of every batch" if shares
                 else "every rank has the same batches")
     return shares
-
-
-def build_sharded(model: nn.Module, layout: ShardedLayout, settings: Any, blocks: list, loss_fn: LossFn,
-                  batches: list[Any], scan_forward: Callable[[], None]) -> tuple[PerturbationSpace, ShardedObjective]:
-    """The sharded space (this rank's shards as base point) and its objective (see the module docstring);
-    ``scan_forward`` runs the model on every batch of this rank, for the scan of embedding rows."""
-    if settings.full_gradient:
-        raise ValueError("Under FSDP, adaptive_sharpness(variant='as23') and step_normalization='euclidean' are not "
-                         "supported (they need global gradient norms); use the defaults (variant='clean').")
-    names, params = measured_parameters(model)
-    if names != layout.names:
-        raise ValueError("The FSDP layout and the model's parameters disagree; shard every parameter with FSDP2.")
-    shares = batches_are_shares(layout, batches)
-    sizes = [shape.numel() for shape in layout.global_shapes]
-    if settings.params == "trainable":  # pairs on frozen weights stay still: they are measured elementwise (as 0)
-        frozen = {i for i, p in enumerate(params) if not p.requires_grad}
-        blocks = [b for b in blocks if not pair_parameters([b], sizes) & frozen]
-    else:
-        for p in params:  # FSDP reduces gradients only for parameters that require them (restored afterwards)
-            p.requires_grad_(True)
-    held = _held_rows(layout, settings, pair_parameters(blocks, sizes), scan_forward)
-    layout.hold([h.local.numel() * h.width if (h := held.get(i)) else n for i, n in enumerate(layout.local_sizes)])
-    movable = None
-    if settings.params == "trainable":
-        movable = torch.cat([torch.full((n,), p.requires_grad, dtype=torch.bool, device=layout.device)
-                             for p, n in zip(params, layout.held_sizes)])
-        if not bool(layout.all_reduce(movable.any().double().reshape(1))):
-            raise ValueError("params='trainable' but no parameter has requires_grad=True; use params='all'.")
-    base = [shard.view(-1, h.width).index_select(0, h.local).reshape(-1) if (h := held.get(i)) else shard
-            for i, shard in enumerate(layout.base())]
-    dtype = torch.promote_types(torch.float32, base[0].dtype)
-    # the default workspace on every rank (not sized by the local shard): all ranks must cut the heads alike
-    space = PerturbationSpace(base, blocks, settings.options or SpaceOptions(metric=None), movable, settings.seed,
-                              workspace=Workspace(dtype, layout.device), shard=layout)
-    return space, ShardedObjective(model, layout, space, loss_fn, settings.rho, shares, held)
-
-
-def _held_rows(layout: ShardedLayout, settings: Any, pair_params: set[int],
-               scan_forward: Callable[[], None]) -> dict[int, HeldRows]:
-    """The embeddings sharded by rows (FSDP's default ``Shard(0)``) whose unused rows the worst case leaves out:
-    the rows every rank's batches look up, and this rank's part of them."""
-    if settings.mode != "worst":
-        return {}
-    candidates = [i for i, shape in enumerate(layout.global_shapes)
-                  if len(shape) == 2 and i not in pair_params and layout.shard_dims[i] == 0]
-    weights = layout.unsharded_weights(candidates)
-    used = scan_used_rows(weights, scan_forward, reduce=layout.all_reduce)
-    layout.reshard_all()
-    held = {}
-    for i, u in used.items():
-        n_rows, width = layout.global_shapes[i]
-        chunk = -(-n_rows // layout.world)  # rows per shard, as torch.chunk cuts them
-        first = layout.rank * chunk
-        mine = (u.rows >= first) & (u.rows < first + chunk)
-        held[i] = HeldRows(u, weights[i], mine.nonzero().flatten(), u.rows[mine] - first, width)
-    if held:
-        logger.info("embedding rows held (the rest are never looked up): %s", ", ".join(
-            f"{layout.names[i]} {h.used.rows.numel():,} of {layout.global_shapes[i][0]:,}" for i, h in held.items()))
-    return held
-
-
-def check_symmetry_map(symmetry_map: SymmetryMap | None, layout: ShardedLayout) -> None:
-    if symmetry_map is not None and symmetry_map.n_params != layout.global_numel:
-        raise ValueError("The symmetry map was built for another model; map the unsharded model (or the sharded "
-                         "one) with gs.map_symmetries(model).")

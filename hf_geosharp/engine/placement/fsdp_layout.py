@@ -1,16 +1,20 @@
 """The engine's view of an FSDP2-sharded model: each rank's padded local shards as one flat vector.
 
-Under ``torch.distributed.fsdp.fully_shard`` every rank holds, per parameter, one padded shard
-(``FSDPParam._sharded_param_data``: 1-D, the ``torch.chunk`` piece of the shard dimension with zeros after it), and
-FSDP all-gathers from exactly that tensor before a forward. The engine keeps its perturbed weights in one flat buffer
-laid out like the concatenation of these shards (``named_parameters`` order; of an embedding whose unused rows it
-leaves out, the used rows of this shard only: :meth:`ShardedLayout.hold`), and ``serving(shards)`` points the
-attribute at one tensor per parameter for the duration of a measurement: the forward and backward see the perturbed
-weights while the model's own shards, the base point, are never written to, and restoring the attribute restores
-the model bit for bit. Gradients arrive per parameter after FSDP's reduce-scatter (which averages over the ranks)
-and ``stream_gradients`` copies each into its segment of the flat buffer, so sharded gradients are never all alive
-at once. ``ShardedLayout.localize`` maps the symmetry map's global flat indices (into the unsharded
-``named_parameters`` concatenation) to ``(owner rank, position in the owner's local vector)``.
+Under ``torch.distributed.fsdp.fully_shard`` every rank holds, per parameter, one padded shard (1-D, the
+``torch.chunk`` piece of the shard dimension with zeros after it), and FSDP all-gathers from exactly that tensor
+before a forward. The engine keeps its perturbed weights in one flat buffer laid out like the concatenation of these
+shards (``named_parameters`` order; of an embedding whose unused rows it leaves out, the used rows of this shard
+only: :meth:`ShardedLayout.hold`), and ``serving(shards)`` has FSDP gather from one tensor per parameter for the
+duration of a measurement: the forward and backward see the perturbed weights while the model's own shards, the base
+point, are never written to, and ending the measurement restores the model bit for bit. Gradients arrive per
+parameter after FSDP's reduce-scatter (which averages over the ranks) and ``stream_gradients`` copies each into its
+segment of the flat buffer, so sharded gradients are never all alive at once. ``ShardedLayout.localize`` maps the
+symmetry map's global flat indices (into the unsharded ``named_parameters`` concatenation) to ``(owner rank,
+position in the owner's local vector)``.
+
+FSDP2 is reached through its public API (mesh and shard dimension from the DTensor parameters,
+``FSDPModule.unshard()/reshard()``, ``DTensor.to_local()``), except the padded shards themselves:
+:mod:`hf_geosharp.engine.placement.fsdp_internals` holds every use of FSDP's internals, and says why.
 """
 
 from __future__ import annotations
@@ -25,8 +29,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..space.coordinates import Factor, SharedRows
+from .fsdp_internals import PaddedShards
 
-__all__ = ["ShardedLayout", "fsdp_state"]
+__all__ = ["ShardedLayout", "fsdp_modules", "fsdp_state"]
 
 
 def fsdp_modules(model: nn.Module) -> list[nn.Module]:
@@ -40,72 +45,46 @@ def fsdp_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, fsdp.FSDPModule)]
 
 
-def _lazy_init(modules: list[nn.Module]) -> list[Any]:
-    """Run FSDP's lazy initialisation (what the first forward would do) and return every FSDP param group.
-
-    Lazy init re-pads the local shards once (``reset_sharded_param``); it must have run before ``serving`` swaps
-    ``_sharded_param_data``, or the first forward would undo the swap. ``modules`` is in pre-order, so the first
-    uninitialised state met is a root and initialises everything below it."""
-    groups: list[Any] = []
-    for module in modules:
-        state = module._get_fsdp_state()
-        if state._is_root is None:
-            state._lazy_init()
-        groups.extend(g for g in state._fsdp_param_groups if g not in groups)
-    return groups
-
-
-def _refuse_unsupported(groups: list[Any]) -> Any:
-    """The one 1-D mesh every group shares, or a ValueError for a setup whose shards this layer cannot serve."""
-    meshes: list[Any] = []
-    for mesh in (fp.mesh_info.mesh for g in groups for fp in g.fsdp_params):
-        if mesh not in meshes:  # equal meshes (same devices and names) built separately count once
-            meshes.append(mesh)
-    if len(meshes) != 1:
-        raise ValueError(f"the model's parameters are sharded over {len(meshes)} FSDP meshes; one mesh is supported")
-    mesh = meshes[0]
-    if mesh.ndim != 1:
-        raise ValueError(
-            f"FSDP over a {mesh.ndim}-D mesh (HSDP or FSDP combined with another parallelism) is not supported yet; "
-            "shard over a 1-D mesh"
-        )
-    for group in groups:
-        if group.post_forward_mesh_info is not None and group.post_forward_mesh_info != group.mesh_info:
-            raise ValueError("reshard_after_forward given as an int is not supported; pass True or False")
-        for fp in group.fsdp_params:
-            name = fp._param_fqn
-            if fp.offload_to_cpu:
-                raise ValueError(f"{name}: FSDP CPU offload is not supported (the shards must live on the mesh)")
-            if hasattr(fp._sharded_local_tensor, "fsdp_pre_all_gather"):
-                raise ValueError(f"{name}: tensor-subclass all-gather extensions (fsdp_pre_all_gather) are not "
-                                 "supported")  # fmt: skip
-            if fp.is_dtensor:
-                raise ValueError(f"{name}: the parameter was a DTensor before FSDP (tensor parallelism); only "
-                                 "FSDP's own sharding is supported")  # fmt: skip
-    return mesh
-
-
 def fsdp_state(model: nn.Module) -> ShardedLayout | None:
     """The sharded layout of ``model``, or ``None`` when no module of it is an FSDP2 module.
 
     Runs FSDP's lazy initialisation, and raises ``ValueError`` for what cannot be served: a parameter FSDP does not
     manage next to sharded ones, tensor-subclass extensions, CPU offload, an int ``reshard_after_forward``, several
     meshes or a 2-D (HSDP) mesh."""
-    modules = fsdp_modules(model)
-    if not modules:
-        return None
-    groups = _lazy_init(modules)
-    mesh = _refuse_unsupported(groups)
-    owner = {id(fp.sharded_param): fp for g in groups for fp in g.fsdp_params}
-    params = list(model.named_parameters())
-    unmanaged = [name for name, p in params if id(p) not in owner]
-    if unmanaged:
+    return ShardedLayout(model) if fsdp_modules(model) else None
+
+
+def _one_mesh(named: list[tuple[str, Any]]) -> Any:
+    """The one 1-D mesh every sharded parameter shares, or a ValueError for a setup this layer cannot serve."""
+    from torch.distributed.tensor import DTensor
+
+    meshes: list[Any] = []
+    for mesh in (p.device_mesh for _, p in named if isinstance(p, DTensor)):
+        if mesh not in meshes:  # equal meshes (same devices and names) built separately count once
+            meshes.append(mesh)
+    if len(meshes) != 1:
+        raise ValueError(f"the model's parameters are sharded over {len(meshes)} FSDP meshes; one mesh is supported")
+    if meshes[0].ndim != 1:
         raise ValueError(
-            f"{len(unmanaged)} parameter(s) are not managed by FSDP while others are sharded (first: "
-            f"{unmanaged[0]}); call fully_shard on a module that contains them (for example the root)"
+            f"FSDP over a {meshes[0].ndim}-D mesh (HSDP or FSDP combined with another parallelism) is not supported "
+            "yet; shard over a 1-D mesh"
         )
-    roots = [m for m in modules if m._get_fsdp_state()._is_root]
-    return ShardedLayout(mesh, [(name, owner[id(p)]) for name, p in params], groups, roots)
+    return meshes[0]
+
+
+def _under(name: str, prefix: str) -> bool:
+    """Whether the module or parameter ``name`` lies under the module named ``prefix`` (the root is ``""``)."""
+    return prefix == "" or name.startswith(prefix + ".")
+
+
+def _managing(model: nn.Module, modules: list[nn.Module], names: list[str]) -> tuple[list[nn.Module], list[nn.Module]]:
+    """The roots among the FSDP ``modules`` (under no other), and per parameter name the FSDP module that manages it
+    (the innermost one it lies under)."""
+    named = [(name, m) for name, m in model.named_modules() if any(m is f for f in modules)]
+    roots = [m for name, m in named if not any(other != name and _under(name, other) for other, _ in named)]
+    owners = [max(((prefix, m) for prefix, m in named if _under(name, prefix)), key=lambda e: len(e[0]))[1]
+              for name in names]
+    return roots, owners
 
 
 class ShardedLayout:
@@ -116,22 +95,44 @@ class ShardedLayout:
     parameters; ``numel`` is the local vector's length and ``global_numel`` the unsharded one's. ``held_sizes`` is
     what the engine's vector holds of each parameter (see :meth:`hold`)."""
 
-    def __init__(self, mesh: Any, params: list[tuple[str, Any]], groups: list[Any], roots: list[nn.Module]) -> None:
-        self._fsdp = [fp for _, fp in params]
-        self._groups = groups
-        self._roots = roots
+    def __init__(self, model: nn.Module) -> None:
+        from torch.distributed.tensor import DTensor
+
+        self._model = model
+        self._modules = fsdp_modules(model)
+        self._shards = PaddedShards(self._modules)
+        named = list(model.named_parameters())
+        mesh = _one_mesh(named)
+        self._shards.refuse_unsupported(named)
+        with torch.no_grad():  # the local tensor itself, not an autograd view of it
+            extended = [n for n, p in named if isinstance(p, DTensor) and hasattr(p.to_local(), "fsdp_pre_all_gather")]
+        if extended:
+            raise ValueError(f"{extended[0]}: tensor-subclass all-gather extensions (fsdp_pre_all_gather) are not "
+                             "supported")  # fmt: skip
+        unmanaged = [name for name, p in named if not self._shards.manages(p)]
+        if unmanaged:
+            raise ValueError(
+                f"{len(unmanaged)} parameter(s) are not managed by FSDP while others are sharded (first: "
+                f"{unmanaged[0]}); call fully_shard on a module that contains them (for example the root)"
+            )
+        self._params: list[Any] = [p for _, p in named]
+        self._shards.select(self._params)
+        self._roots, self._owners = _managing(model, self._modules, [name for name, _ in named])
         self.rank: int = mesh.get_local_rank()
         self.world: int = mesh.size()
         self.group: dist.ProcessGroup = mesh.get_group()
-        self.device: torch.device = self._fsdp[0].device if self._fsdp else torch.device(mesh.device_type)
-        self.names: list[str] = [name for name, _ in params]
-        self.global_shapes: list[torch.Size] = [fp._orig_size for fp in self._fsdp]
-        self.shard_dims: list[int] = [fp.fsdp_placement.dim for fp in self._fsdp]
-        self.local_sizes: list[int] = [fp.padded_sharded_param_size.numel() for fp in self._fsdp]
+        self.device: torch.device = self._params[0].to_local().device if self._params else torch.device(
+            mesh.device_type)
+        self.names: list[str] = [name for name, _ in named]
+        self.global_shapes: list[torch.Size] = [p.shape for p in self._params]
+        self.shard_dims: list[int] = [p.placements[0].dim for p in self._params]
+        self.padded_shapes: list[torch.Size] = [
+            torch.Size(s[:d] + (-(-s[d] // self.world),) + s[d + 1 :]) if len(s) else s
+            for s, d in zip(self.global_shapes, self.shard_dims)]
+        self.local_sizes: list[int] = [s.numel() for s in self.padded_shapes]
         self.held_sizes: list[int] = list(self.local_sizes)
         self.numel: int = sum(self.local_sizes)
         self.global_numel: int = sum(s.numel() for s in self.global_shapes)
-        self._serving: list[Tensor] | None = None
         self._index = self._index_tables()
 
     def _index_tables(self) -> dict[str, Tensor]:
@@ -139,26 +140,23 @@ class ShardedLayout:
         dimension, the chunk length on it, as int64 tensors that ``localize`` indexes by parameter."""
         rows: list[list[int]] = []
         g_off = l_off = 0
-        for fp, shape, size in zip(self._fsdp, self.global_shapes, self.local_sizes):
-            d = fp.fsdp_placement.dim
+        for name, shape, d, own in zip(self.names, self.global_shapes, self.shard_dims, self._shards.own()):
             outer = int(torch.Size(shape[:d]).numel())
             length = shape[d] if len(shape) else 1
             inner = int(torch.Size(shape[d + 1 :]).numel())
             chunk = -(-length // self.world)
-            if outer * chunk * inner != size:
-                raise ValueError(f"{fp._param_fqn}: unexpected FSDP padding ({size} local entries for {tuple(shape)} "
+            if outer * chunk * inner != own.numel():
+                raise ValueError(f"{name}: unexpected FSDP padding ({own.numel()} local entries for {tuple(shape)} "
                                  f"over {self.world} ranks on dim {d})")  # fmt: skip
             rows.append([g_off, l_off, outer, length, inner, chunk])
-            g_off, l_off = g_off + shape.numel(), l_off + size
+            g_off, l_off = g_off + shape.numel(), l_off + own.numel()
         table = torch.tensor(rows, dtype=torch.int64).reshape(-1, 6)
         keys = ("g_off", "l_off", "outer", "length", "inner", "chunk")
         return {k: table[:, i].contiguous() for i, k in enumerate(keys)}
 
     def base(self) -> list[Tensor]:
         """Per parameter the 1-D padded local shard as FSDP stores it (the base point; read it, never write it)."""
-        if self._serving is not None:
-            return list(self._serving)
-        return [fp._sharded_param_data for fp in self._fsdp]
+        return self._shards.own()
 
     def hold(self, sizes: list[int]) -> None:
         """Lay the engine's vector out with ``sizes[i]`` entries of parameter ``i``: its padded shard, or fewer for
@@ -168,16 +166,20 @@ class ShardedLayout:
         self._index["l_off"] = torch.tensor([0, *sizes[:-1]], dtype=torch.int64).cumsum(0)
 
     def unsharded_weights(self, positions: list[int]) -> dict[int, Tensor]:
-        """``{position: the unsharded parameter the modules compute with during a forward}``. FSDP makes it at a
-        group's first all-gather; groups that have not gathered yet are gathered once here and resharded (a
-        collective: every rank calls it with the same positions)."""
-        wanted = [self._fsdp[i] for i in positions]
-        for group in self._groups:
-            if any(fp in wanted and not hasattr(fp, "_unsharded_param") for fp in group.fsdp_params):
-                group.unshard()
-                group.wait_for_unshard()
-                group.reshard()
-        return {i: fp._unsharded_param for i, fp in zip(positions, wanted)}
+        """``{position: the unsharded parameter the modules compute with during a forward}``: the managing modules
+        are unsharded, read and resharded (a collective: every rank calls it with the same positions). FSDP keeps
+        that parameter object from one forward to the next."""
+        owners: list[nn.Module] = []
+        for i in positions:
+            if not any(self._owners[i] is m for m in owners):
+                owners.append(self._owners[i])
+        for module in owners:
+            module.unshard()
+        try:
+            return {i: self._model.get_parameter(self.names[i]) for i in positions}
+        finally:
+            for module in owners:
+                module.reshard()
 
     def localize(self, global_index: Tensor) -> tuple[Tensor, Tensor]:
         """``(owner_rank, local_position)`` for global flat indices of any shape (int64, same shape back).
@@ -224,10 +226,9 @@ class ShardedLayout:
 
     def local_part(self, i: int, full: Tensor) -> Tensor:
         """Parameter ``i``'s local padded shard of ``full`` (the whole parameter, any layout-independent values)."""
-        fp, shape = self._fsdp[i], self.global_shapes[i]
-        d = fp.fsdp_placement.dim
+        shape, d = self.global_shapes[i], self.shard_dims[i]
         pieces = full.reshape(shape).chunk(self.world, dim=d) if len(shape) else (full,)
-        out = full.new_zeros(fp.padded_sharded_param_size)
+        out = full.new_zeros(self.padded_shapes[i])
         if self.rank < len(pieces):
             out.narrow(d, 0, pieces[self.rank].shape[d]).copy_(pieces[self.rank])
         return out.reshape(-1)
@@ -243,39 +244,30 @@ class ShardedLayout:
     def reshard_all(self) -> None:
         """Drop every all-gathered copy, so the next forward gathers from whatever the shards point at now (the root
         keeps its parameters unsharded after a forward that had no backward)."""
-        for group in self._groups:
-            if not group.is_sharded:
-                group.reshard()
+        for module in self._modules:
+            module.reshard()
 
     @contextmanager
     def serving(self, shards: Sequence[Tensor]) -> Iterator[None]:
         """While inside, FSDP all-gathers parameter ``i`` from ``shards[i]`` (1-D, its padded local size, its dtype)
         instead of the model's shard; the model's shards are never written to (one of them may be passed itself),
-        and the attribute is restored on any exit.
+        and the model gathers from its own shards again on any exit.
 
         The shards' values may change between forwards: every forward of the root re-gathers. One forward per
         backward."""
         self._check_shards(shards, "shards")
-        wrong = [fp._param_fqn for fp, t in zip(self._fsdp, shards) if t.dtype != fp._sharded_param_data.dtype]
+        wrong = [name for name, own, t in zip(self.names, self.base(), shards) if t.dtype != own.dtype]
         if wrong:
             raise ValueError(f"the shards served for {wrong} do not have their parameters' dtypes")
-        if self._serving is not None:
-            raise RuntimeError("serving() is already active on this model")
-        own = [fp._sharded_param_data for fp in self._fsdp]
-        hooks = [r.register_forward_pre_hook(lambda *_: self.reshard_all(), prepend=True) for r in self._roots]
-        self.reshard_all()
-        self._serving = own
-        try:
-            for fp, view in zip(self._fsdp, shards):
-                fp._sharded_param_data = view
-            yield
-        finally:
-            for fp, saved in zip(self._fsdp, own):
-                fp._sharded_param_data = saved
-            self._serving = None
-            for hook in hooks:
-                hook.remove()
-            self.reshard_all()
+        with self._shards.replaced(shards):
+            hooks = [r.register_forward_pre_hook(lambda *_: self.reshard_all(), prepend=True) for r in self._roots]
+            try:
+                self.reshard_all()
+                yield
+            finally:
+                for hook in hooks:
+                    hook.remove()
+                self.reshard_all()
 
     @contextmanager
     def stream_gradients(self, segments: Sequence[Tensor | None]) -> Iterator[list[bool]]:
@@ -285,16 +277,15 @@ class ShardedLayout:
         unused) are zeroed and the ``.grad`` each parameter had before is put back. Meant for one backward per
         context."""
         self._check_shards(segments, "segments")
-        filled = [False] * len(self._fsdp)
-        params = [fp.sharded_param for fp in self._fsdp]
-        saved = [p.grad for p in params]
+        filled = [False] * len(self._params)
+        saved = [p.grad for p in self._params]
         handles = []
         try:
-            for p in params:
+            for p in self._params:
                 p.grad = None
-            for i, (fp, p) in enumerate(zip(self._fsdp, params)):
-                if p.requires_grad and segments[i] is not None:  # FSDP reduces no gradient for a frozen parameter
-                    handles.append(p.register_post_accumulate_grad_hook(self._grad_hook(i, fp, segments[i], filled)))
+            for i, (p, segment) in enumerate(zip(self._params, segments)):
+                if p.requires_grad and segment is not None:  # FSDP reduces no gradient for a frozen parameter
+                    handles.append(p.register_post_accumulate_grad_hook(self._grad_hook(i, segment, filled)))
             yield filled
         finally:
             for h in handles:
@@ -302,20 +293,19 @@ class ShardedLayout:
             for seg, done in zip(segments, filled):
                 if seg is not None and not done:
                     seg.zero_()
-            for p, g in zip(params, saved):
+            for p, g in zip(self._params, saved):
                 p.grad = g
 
-    @staticmethod
-    def _grad_hook(i: int, fp: Any, segment: Tensor, filled: list[bool]) -> Callable[[Tensor], None]:
-        padded = segment.view(fp.padded_sharded_param_size)
+    def _grad_hook(self, i: int, segment: Tensor, filled: list[bool]) -> Callable[[Tensor], None]:
+        padded, d = segment.view(self.padded_shapes[i]), self.shard_dims[i]
 
         def hook(param: Tensor) -> None:
-            local = param.grad._local_tensor
             with torch.no_grad():
+                local = param.grad.to_local()
                 if local.shape != padded.shape:
                     padded.zero_()
                 if local.numel():
-                    padded.narrow(fp.fsdp_placement.dim, 0, local.shape[fp.fsdp_placement.dim]).copy_(local)
+                    padded.narrow(d, 0, local.shape[d]).copy_(local)
             filled[i] = True
             param.grad = None
 

@@ -23,7 +23,9 @@ from typing import Literal, Protocol
 import torch
 from torch import Tensor
 
-Objective = Callable[..., tuple[float, "Tensor | None"]]
+#: What the solvers call: ``objective(xi, need_grad, out=None) -> (loss, gradient or None)`` (the engine's is
+#: :class:`hf_geosharp.engine.model_function.objective.Objective`).
+ObjectiveFn = Callable[..., tuple[float, "Tensor | None"]]
 StepNormalization = Literal["riemannian", "euclidean", "none"]
 
 
@@ -194,7 +196,7 @@ class StepSchedule:
 
 def apgd(
     space: Space,
-    objective: Objective,
+    objective: ObjectiveFn,
     *,
     rho: float,
     steps: int = 20,
@@ -273,7 +275,7 @@ class _Best:
 class _Climb:
     """Auto-PGD from one start at a time over a shared :class:`Pool` (see :func:`apgd`)."""
 
-    def __init__(self, space: Space, objective: Objective, pool: Pool, work: Tensor, *, rho: float, momentum: float,
+    def __init__(self, space: Space, objective: ObjectiveFn, pool: Pool, work: Tensor, *, rho: float, momentum: float,
                  step_normalization: StepNormalization, min_update_ratio: float,
                  on_step: Callable[[int, float], None] | None, tol: float, clean_loss: float) -> None:
         self.space, self.objective, self.pool, self.work = space, objective, pool, work
@@ -397,7 +399,7 @@ def _momentum_step(
 
 def average_case(
     space: Space,
-    objective: Objective,
+    objective: ObjectiveFn,
     *,
     rho: float,
     n_samples: int = 20,

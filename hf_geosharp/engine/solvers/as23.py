@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from .apgd import CONVERGENCE_TOL, Objective, Pool, SolveResult, StepSchedule, relative_gap
+from .apgd import CONVERGENCE_TOL, ObjectiveFn, Pool, SolveResult, StepSchedule, relative_gap
 
 _BLOCK = 1 << 20  # coordinates per block of the bisection's sums: a few MiB, so a block stays in cache
 
@@ -65,7 +65,7 @@ def _ellipsoid_projection(delta: Tensor, inv_scale: Tensor, rho: float) -> Tenso
 
 def apgd_as23(
     scale: Tensor,
-    objective: Objective,
+    objective: ObjectiveFn,
     *,
     rho: float,
     steps: int = 20,

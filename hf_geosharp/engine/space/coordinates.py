@@ -9,7 +9,7 @@ geometry can work on a few heads at a time with small scratch buffers.
 Under FSDP a factor may also have *shared rows*: rows whose ``h`` entries live on several ranks (a head cut by a
 shard boundary, or a bias row). Those rows are assembled on every rank by one sum over the ranks (each rank adds
 its own entries to zeros) and written back only where this rank owns the entries (see
-:mod:`hf_geosharp.engine.placement.sharding`).
+:meth:`hf_geosharp.engine.placement.fsdp_layout.ShardedLayout.pair_factors`).
 """
 
 from __future__ import annotations

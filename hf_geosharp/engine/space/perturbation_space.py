@@ -23,9 +23,9 @@ vector is large (1e8 entries), so
   ``<grad f, x>_g = <df, x>`` for horizontal ``x``, so the solver's norms cost one matrix-vector product per step,
   and it may write the direction over the gradient it comes from.
 
-Sharded runs (:mod:`hf_geosharp.engine.placement.sharding`) pass a ``shard``: every vector is then this rank's part, the
-pair factors hold this rank's rows (see :class:`~hf_geosharp.engine.space.coordinates.SharedRows`), and every sum goes
-through ``shard.all_reduce``.
+Sharded runs (:mod:`hf_geosharp.engine.placement.fsdp_layout`) pass a ``shard``: every vector is then this rank's
+part, the pair factors hold this rank's rows (see :class:`~hf_geosharp.engine.space.coordinates.SharedRows`), and
+every sum goes through ``shard.all_reduce``.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ class SpaceOptions:
 
 class Shard(Protocol):
     """What a sharded run tells the space (implemented by
-    :class:`hf_geosharp.engine.placement.sharding.ShardedLayout`)."""
+    :class:`hf_geosharp.engine.placement.fsdp_layout.ShardedLayout`)."""
 
     rank: int
     global_shapes: list[torch.Size]
