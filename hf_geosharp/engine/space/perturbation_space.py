@@ -214,6 +214,25 @@ class PerturbationSpace:
     def n_pairs(self) -> int:
         return sum(group.g.shape[0] for group in self.pairs)
 
+    @property
+    def held_bytes(self) -> int:
+        """What the space holds besides the solver's vectors: the pairs' ``h x h`` caches, index maps and copies of
+        the base point, and the workspace they use (an input of the solver's memory rule,
+        :func:`hf_geosharp.engine.solvers.apgd.keeps_best_gradient`)."""
+        tensors = []
+        for group in self.pairs:
+            tensors += [*vars(group.geometry).values(), *group.shared_base]
+            for factor in (group.g, group.h):
+                tensors += [factor.index, None if factor.shared is None else factor.shared.positions]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for t in tensors if isinstance(t, Tensor)}
+        workspace = self.workspace.entries * self.workspace.dtype.itemsize if self.pairs else 0
+        return sum(storages.values()) + workspace
+
+    def total(self, values: Tensor) -> Tensor:
+        """``values`` summed over the ranks of a sharded run (``values`` itself in one process)."""
+        return self._reduce(values)
+
     def _chunks(self) -> Iterator[tuple[PairGroup, slice, GLQuotient]]:
         """Every (group, heads, geometry of those heads), with a fresh workspace for each."""
         for group in self.pairs:
