@@ -36,13 +36,14 @@ StepNormalization = Literal["riemannian", "euclidean", "none"]
 
 class Space(Protocol):
     """What the solvers ask of a perturbation space (``held_bytes`` and ``total`` only for the memory rule, when the
-    objective names a model)."""
+    objective names a model; ``ascent_direction``'s ``save`` only when the best point's gradient is kept)."""
 
     held_bytes: int
 
     def zero(self) -> Tensor: ...
     def empty(self) -> Tensor: ...
-    def ascent_direction(self, egrad: Tensor, vectors: Tensor, out: Tensor) -> tuple[Tensor, float, list[float]]: ...
+    def ascent_direction(self, egrad: Tensor, vectors: Tensor, out: Tensor,
+                         save: Tensor | None = None) -> tuple[Tensor, float, list[float]]: ...
     def random_tangent_vector(self, generator: torch.Generator) -> Tensor: ...
     def norm(self, xi: Tensor) -> Tensor: ...
     def total(self, values: Tensor) -> Tensor: ...
@@ -343,7 +344,7 @@ def apgd(
     Memory: four parameter-sized buffers: the iterates ``xi`` and ``xi_prev``, the best point, and one working
     buffer, which the objective fills with the perturbed weights and then with the gradient, in which the direction
     ``d`` is computed over that gradient, and from which the new iterate is combined; a fifth, outside the pool,
-    when the best point's gradient is kept (a copy taken when a point becomes the best, copied back at a restart
+    when the best point's gradient is kept (copied by the direction pass that consumes it, copied back at a restart
     from it). Nothing parameter-sized is allocated per step (a random start draws one vector). ``best_norm`` comes
     from the same bookkeeping. The horizontal projection is exactly g-orthogonal (also with ``epsilon > 0``), so
     these identities hold exactly.
@@ -419,12 +420,13 @@ class _Climb:
     def gap(self, best: _Best, sq_d: float, d_best: float) -> float:
         return relative_gap(self.rho, sq_d, d_best, best.loss - self.clean_loss)
 
-    def keep(self, best: _Best, egrad: Tensor | None) -> None:
-        """Copy ``egrad``, the gradient at ``best`` (None: not computed), before a step consumes it, if gradients
-        are kept."""
-        if self.keep_best_gradient and egrad is not None:
-            copy = self.kept[1] if self.kept is not None else torch.empty_like(egrad)
-            self.kept = (best, copy.copy_(egrad))
+    def saving(self, best: _Best) -> Tensor | None:
+        """Where the step that consumes the gradient at ``best`` copies it, if gradients are kept and this one is
+        not yet (None otherwise)."""
+        if not self.keep_best_gradient or (self.kept is not None and self.kept[0] is best):
+            return None
+        self.kept = (best, self.kept[1] if self.kept is not None else self.space.empty())
+        return self.kept[1]
 
     def gradient_at_best(self, best: _Best) -> Tensor:
         """The gradient at ``best`` in the working row: the kept copy, or one more forward and backward."""
@@ -441,7 +443,6 @@ class _Climb:
         xi_prev = xi
         sq_prev = cross = sq_xi  # ||xi_prev||^2, <xi, xi_prev> (metric g)
         best = _Best(xi, loss, sq_xi)
-        self.keep(best, egrad)
         schedule = StepSchedule(2.0 * rho, steps, self.min_update_ratio, loss)
         total, k = steps, -1
         while k + 1 < total:
@@ -451,7 +452,11 @@ class _Climb:
             if self.step_normalization == "euclidean":  # read before ascent_direction consumes the gradient
                 c = schedule.eta / (math.sqrt(max(float(torch.dot(egrad, egrad)), 0.0)) + 1e-12)
             known = [row for row, sq in ((xi, sq_xi), (xi_prev, sq_prev)) if sq > 0]  # zero rows have zero products
-            d, sq_d, products = space.ascent_direction(egrad, pool.stacked(known), out=work)
+            save = self.saving(best) if xi is best.row else None
+            if save is None:
+                d, sq_d, products = space.ascent_direction(egrad, pool.stacked(known), out=work)
+            else:  # the gradient at the best point, copied in the same pass (a space that keeps gradients can)
+                d, sq_d, products = space.ascent_direction(egrad, pool.stacked(known), out=work, save=save)
             egrad = None
             product = dict(zip(sorted({pool.position(row) for row in known}), products))  # stacked() order
             d_xi = product.get(pool.position(xi), 0.0) if sq_xi > 0 else 0.0
@@ -479,7 +484,6 @@ class _Climb:
             self.record(loss)
             if loss > best.loss:
                 best = _Best(xi, loss, sq_xi)
-                self.keep(best, egrad)
                 schedule.n_updates += 1
             if schedule.halve(k, best.loss):
                 if xi is not best.row:

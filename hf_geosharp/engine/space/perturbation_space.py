@@ -279,9 +279,11 @@ class PerturbationSpace:
         rp = geometry.euclidean_to_riemannian_gradient(egrad)
         return geometry.projection(rp) if self.options.horizontal_projection else rp
 
-    def ascent_direction(self, egrad: Tensor, vectors: Tensor, out: Tensor) -> tuple[Tensor, float, list[float]]:
+    def ascent_direction(self, egrad: Tensor, vectors: Tensor, out: Tensor,
+                         save: Tensor | None = None) -> tuple[Tensor, float, list[float]]:
         """The solver's step direction ``d = riemannian_gradient(egrad)``, written into ``out``, with ``<d, d>_g``
-        and ``<d, v>_g`` for every horizontal row ``v`` of ``vectors`` (``[r, N]``, ``r`` may be 0).
+        and ``<d, v>_g`` for every horizontal row ``v`` of ``vectors`` (``[r, N]``, ``r`` may be 0); with ``save``,
+        a copy of ``egrad`` is written there too (in the same pass: the solver keeps its best point's gradient so).
 
         ``out`` may be ``egrad`` itself: the gradient is then consumed, which spares the solver a parameter-sized
         buffer. One pass over the data computes the elementwise part of ``d``, its share of ``<d, d>_g = <e, d>``
@@ -290,11 +292,13 @@ class PerturbationSpace:
         coordinates alone, so the pair directions are then made from the gradient still there, a few heads at a
         time."""
         if self.pair_elementwise is not None:  # ablation: the projection is not orthogonal in the measuring metric
+            if save is not None:
+                save.copy_(egrad)
             d = self.riemannian_gradient(egrad)
             products = [float(self.inner_product(d, v)) for v in vectors]
             square = float(self.inner_product(d, d))
             return out.copy_(d), max(square, 0.0), products
-        square, products = self.elementwise.riemannian_gradient_pass(egrad, out, vectors)
+        square, products = self.elementwise.riemannian_gradient_pass(egrad, out, vectors, save)
         sums = torch.cat([square.reshape(1), products])
         for group, heads, geometry in self._chunks():
             e = group.gather(egrad, self.workspace, heads)
