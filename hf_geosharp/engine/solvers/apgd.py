@@ -23,7 +23,7 @@ import logging
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Literal, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -40,13 +40,25 @@ class Space(Protocol):
 
     held_bytes: int
 
-    def zero(self) -> Tensor: ...
-    def empty(self) -> Tensor: ...
+    def zero(self) -> Tensor:
+        """A zero tangent vector (the clean point)."""
+
+    def empty(self) -> Tensor:
+        """An uninitialised vector of the space's length and dtype (a solver buffer)."""
+
     def ascent_direction(self, egrad: Tensor, vectors: Tensor, out: Tensor,
-                         save: Tensor | None = None) -> tuple[Tensor, float, list[float]]: ...
-    def random_tangent_vector(self, generator: torch.Generator) -> Tensor: ...
-    def norm(self, xi: Tensor) -> Tensor: ...
-    def total(self, values: Tensor) -> Tensor: ...
+                         save: Tensor | None = None) -> tuple[Tensor, float, list[float]]:
+        """The step direction from a Euclidean gradient, into ``out``, with its squared norm and its products with
+        ``vectors``' rows (and a copy of ``egrad`` in ``save``)."""
+
+    def random_tangent_vector(self, generator: torch.Generator) -> Tensor:
+        """A random feasible direction (further starts of ``steps="auto"``)."""
+
+    def norm(self, xi: Tensor) -> Tensor:
+        """The metric norm of a tangent vector."""
+
+    def total(self, values: Tensor) -> Tensor:
+        """``values`` summed over the ranks of a sharded run."""
 
 
 @dataclass
@@ -70,6 +82,7 @@ class SolveResult:
 
     @property
     def sharpness(self) -> float:
+        """The largest loss found minus the clean loss."""
         return self.max_loss - self.clean_loss
 
     @property
@@ -180,20 +193,16 @@ def saved_activation_bytes() -> Iterator[list[int]]:
         return t
 
     counted = [0]
-    with torch.autograd.graph.saved_tensors_hooks(pack, _unpacked):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         yield counted
     counted[0] = sum(storages.values())
-
-
-def _unpacked(t: Tensor) -> Tensor:
-    return t
 
 
 def measured_footprint(space: Space, objective: Objective, vector: Tensor, activations: int) -> Footprint | None:
     """The :class:`Footprint` of a solve whose vectors are like ``vector``, with ``activations`` from
     :func:`saved_activation_bytes`; None when the objective names no ``model`` (nothing to weigh the vectors
     against). Every rank of a sharded run gets the same sums, so all take the same decision."""
-    model: Any = getattr(objective, "model", None)
+    model = getattr(objective, "model", None)
     if not isinstance(model, nn.Module):
         return None
     local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
@@ -228,12 +237,14 @@ class Pool:
         self.rows = list(self.matrix.unbind(0))
 
     def free(self, *live: Tensor | None) -> Tensor:
+        """The first row that is none of ``live`` (a row in use must be named, or it may be handed out)."""
         for row in self.rows:
             if all(row is not x for x in live):
                 return row
         raise RuntimeError(f"all {len(self.rows)} solver buffers are live; this is a bug in the solver")
 
     def position(self, row: Tensor) -> int:
+        """Where ``row`` sits in the pool's matrix (combinations and stacked views run in this order)."""
         return next(i for i, r in enumerate(self.rows) if r is row)
 
     def stacked(self, rows: list[Tensor]) -> Tensor:
@@ -327,13 +338,13 @@ def apgd(
     needs its gradient), and, unless the best point's gradient is kept, one for each halving that restarts from a
     best point other than the current iterate. ``keep_best_gradient`` says whether it is (None: as
     :func:`keeps_best_gradient` decides from the :class:`Footprint` measured at the clean point); the number is the
-    same bits either way. With ``max_steps`` (``steps="auto"``) a start
-    stops as soon as its best point is stationary within ``tol`` (the gap is free at every step: it comes from the
-    step's own direction), continuing in blocks of doubling length (each with AS23's checkpoints) while it is not;
-    then further starts (the antipode of the best point, then random points of the sphere, up to ``max_starts``)
-    run the same way until two stationary starts agree on the best value within ``tol``, all within ``max_steps``
-    steps. With ``step_normalization="riemannian"`` every quantity is g-invariant, so the iterates are equivariant
-    under the model's symmetries.
+    same bits either way. With ``max_steps`` (``steps="auto"``) a start stops as soon as its best point is
+    stationary within ``tol`` (the gap is free at every step: it comes from the step's own direction), continuing in
+    blocks of doubling length (each with AS23's checkpoints) while it is not; then further starts (the antipode of
+    the best point, then random points of the sphere, up to ``max_starts``) run the same way until two stationary
+    starts agree on the best value within ``tol``, all within ``max_steps`` steps. With
+    ``step_normalization="riemannian"`` every quantity is g-invariant, so the iterates are equivariant under the
+    model's symmetries.
 
     How a step stays cheap: the direction ``d`` (the projected Riemannian gradient) and the iterates ``xi``,
     ``xi_prev`` are horizontal, so ``z = P_S(xi + c d)`` and the momentum point ``P_S(a xi + b d + c xi_prev)`` are

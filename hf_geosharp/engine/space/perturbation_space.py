@@ -184,6 +184,7 @@ class PerturbationSpace:
 
     # ------------------------------------------------------------------ helpers
     def zero(self) -> Tensor:
+        """A zero tangent vector (the base point itself)."""
         return torch.zeros(self.numel, dtype=self.dtype, device=self.device)
 
     def empty(self) -> Tensor:
@@ -212,6 +213,7 @@ class PerturbationSpace:
 
     @property
     def n_pairs(self) -> int:
+        """How many GL(h) pairs (heads) the space holds."""
         return sum(group.g.shape[0] for group in self.pairs)
 
     @property
