@@ -13,7 +13,11 @@ the space, the Gram factors) drops out. The stages, each timed exclusive of the 
 - ``substitution``: the swap of the perturbed weights into the model (the placement) and the buffers around a
   call;
 - ``vectors``: the solver's combinations of its buffer rows;
-- ``solver``: everything else of a step (bookkeeping, Python).
+- ``solver``: everything else of a step (bookkeeping, Python, the copy of a kept best-point gradient).
+
+Each row also says whether the solver's memory rule kept the best point's gradient
+(:func:`hf_geosharp.engine.solvers.apgd.keeps_best_gradient`): where it does, a restart from an earlier best point
+costs a copy instead of a forward and backward, and the model calls per step approach ``1 + 1 / steps``.
 
 Times are the calling thread's CPU time (``time.thread_time``), which other processes' load barely changes: the
 suite sets one torch thread, so all of torch's work runs on that thread. Wall time is recorded beside it.
@@ -52,6 +56,7 @@ class StageClock:
         self.cpu: dict[str, float] = defaultdict(float)
         self.wall: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
+        self.kept_best_gradient: list[bool] = []  # the memory rule's decision, per solve
         self._stack: list[list[float]] = []  # per open stage: [cpu of its children, wall of its children]
 
     @contextlib.contextmanager
@@ -101,21 +106,27 @@ PATCHES = [
 def profiled(clock: StageClock) -> Iterator[None]:
     """The engine with every stage of :data:`PATCHES` timed, and each objective's loss function timed as forward."""
     originals = [(owner, attr, getattr(owner, attr)) for owner, attr, _, _ in PATCHES]
-    init = objective_module.Objective.__init__
+    init, rule = objective_module.Objective.__init__, solver.keeps_best_gradient
 
     def timed_init(self, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
         self.loss_fn = clock.timed("forward", self.loss_fn)
 
+    def recorded_rule(footprint: solver.Footprint) -> bool:
+        clock.kept_best_gradient.append(rule(footprint))
+        return clock.kept_best_gradient[-1]
+
     try:
         for owner, attr, name, returned in PATCHES:
             setattr(owner, attr, clock.timed(name, getattr(owner, attr), returned))
         objective_module.Objective.__init__ = timed_init
+        solver.keeps_best_gradient = recorded_rule
         yield
     finally:
         for owner, attr, fn in originals:
             setattr(owner, attr, fn)
         objective_module.Objective.__init__ = init
+        solver.keeps_best_gradient = rule
 
 
 def workloads(cfg: RunConfig) -> list[Workload]:
@@ -161,6 +172,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
                     "step_cpu_s": step,
                     "step_over_forward_backward": step / fb_cpu,
                     "model_calls_per_step": calls,
+                    "best_gradient_kept": long.kept_best_gradient,
                     "total_cpu_s": {str(low): sum(short.cpu.values()), str(w.steps): sum(long.cpu.values())},
                     "total_wall_s": {str(low): sum(short.wall.values()), str(w.steps): sum(long.wall.values())},
                 }
@@ -173,6 +185,13 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     return {"suite": "step_profile", "stages": list(STAGES), "rows": rows}
 
 
+def _kept(decisions: list[bool] | None) -> str:
+    """The rule's decisions over a row's solves, in a word (results from before the rule have none)."""
+    if not decisions:
+        return "-"
+    return "yes" if all(decisions) else "no" if not any(decisions) else f"{sum(decisions)} of {len(decisions)}"
+
+
 def _thread_seconds(fn: Callable[[], Any]) -> float:
     start = time.thread_time()
     fn()
@@ -181,15 +200,16 @@ def _thread_seconds(fn: Callable[[], Any]) -> float:
 
 def table(result: dict[str, Any]) -> str:
     lines = ["| model | batch x seq x batches | measure | plain fwd+bwd ms | step ms | step / fwd+bwd | model calls "
-             "per step | " + " | ".join(result["stages"]) + " |",
-             "|---|---|---|---|---|---|---|" + "---|" * len(result["stages"])]
+             "per step | best gradient kept | " + " | ".join(result["stages"]) + " |",
+             "|---|---|---|---|---|---|---|---|" + "---|" * len(result["stages"])]
     for r in result["rows"]:
         w = r["workload"]
         for name, m in r["measures"].items():
             stages = " | ".join(f"{1e3 * m['per_step_cpu_s'][s]:.0f}" for s in result["stages"])
             lines.append(f"| {r['model']} | {w['batch_size']}x{w['seq_len']}x{w['n_batches']} | {name} | "
                          f"{1e3 * r['forward_backward_cpu_s']:.0f} | {1e3 * m['step_cpu_s']:.0f} | "
-                         f"{m['step_over_forward_backward']:.3f} | {m['model_calls_per_step']:.2f} | {stages} |")
+                         f"{m['step_over_forward_backward']:.3f} | {m['model_calls_per_step']:.2f} | "
+                         f"{_kept(m.get('best_gradient_kept'))} | {stages} |")
     lines.append("\nms of the calling thread's CPU per solver step and batch (one torch thread), from the difference "
                  "between two step counts; each stage exclusive of the stages inside it.")
     return "\n".join(lines)

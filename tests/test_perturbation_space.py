@@ -95,3 +95,38 @@ def test_head_chunks_in_a_small_workspace_change_no_bit(metric):
         assert all(torch.equal(a, b) for a, b in zip(results[0][::3], other[::3]))  # direction, point, pullback
         assert other[1] == pytest.approx(results[0][1], rel=1e-14)  # <d, d>_g: summed chunk by chunk
         assert other[2] == results[0][2]
+
+
+def test_held_bytes_counts_the_pair_caches_and_the_workspace():
+    """What the solver's memory rule adds to its vectors: nothing for the elementwise space (its workspace is never
+    used); for pairs, the nine float64 ``h x h`` factors of each head and the workspace, plus index maps or copies of
+    the base point where a layout needs them (at most two entries per pair coordinate)."""
+    model = tiny_bert()
+    params = [p.detach() for p in model.parameters()]
+    assert PerturbationSpace(params, [], SpaceOptions(None)).held_bytes == 0
+    space = PerturbationSpace(params, map_symmetries(model).blocks, SpaceOptions("inv"))
+    h = model.config.hidden_size // model.config.num_attention_heads
+    caches = 9 * 8 * h * h * space.n_pairs
+    workspace = space.workspace.entries * 8  # float64 model
+    pair_coordinates = sum(g.g.shape.numel() + g.h.shape.numel() for g in space.pairs)
+    assert caches + workspace <= space.held_bytes <= caches + workspace + 2 * 8 * pair_coordinates
+
+
+@pytest.mark.parametrize(("metric", "riemannian_norm"), [("inv", True), ("mix", True), ("inv", False), (None, True)])
+def test_ascent_direction_saves_the_gradient_it_consumes_without_changing_a_bit(metric, riemannian_norm):
+    """With ``save``, the direction pass also copies the gradient it overwrites (the solver's kept best-point
+    gradient): the copy is the gradient, bit for bit, and the direction and its products are those of the pass
+    without it."""
+    model = tiny_bert()
+    theta0 = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    options = SpaceOptions(metric, riemannian_norm=riemannian_norm)
+    space = PerturbationSpace(theta0, map_symmetries(model).blocks, options)
+    space.elementwise.CHUNK = 1000  # several blocks even on a tiny model
+    g = torch.Generator().manual_seed(0)
+    egrad = torch.randn(theta0.shape, generator=g, dtype=torch.float64)
+    vectors = torch.stack([space.horizontal(torch.randn(theta0.shape, generator=g, dtype=torch.float64)) for _ in "ab"])
+    plain, saving, saved = egrad.clone(), egrad.clone(), torch.full_like(egrad, float("nan"))
+    d, square, products = space.ascent_direction(plain, vectors, out=plain)
+    d_saving, square_saving, products_saving = space.ascent_direction(saving, vectors, out=saving, save=saved)
+    assert torch.equal(saved, egrad) and torch.equal(d_saving, d)
+    assert (square_saving, products_saving) == (square, products)

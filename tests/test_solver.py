@@ -1,12 +1,13 @@
-"""The solver: AS23's checkpoint schedule, its blocked ellipsoid projection against the whole-vector formula, and
-the Gram-matrix bookkeeping of the iterates against recomputed norms."""
+"""The solver: AS23's checkpoint schedule, its blocked ellipsoid projection against the whole-vector formula, the
+Gram-matrix bookkeeping of the iterates against recomputed norms, and the kept best-point gradient against its
+recomputation (same bits, fewer model calls) with the memory rule that chooses between them."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from hf_geosharp.engine.solvers.apgd import as23_checkpoints
+from hf_geosharp.engine.solvers.apgd import Footprint, as23_checkpoints, keeps_best_gradient
 from hf_geosharp.engine.space.perturbation_space import PerturbationSpace, SpaceOptions
 from hf_geosharp.symmetry import map_symmetries
 
@@ -70,3 +71,98 @@ def test_solver_bookkeeping_keeps_iterates_in_the_ball():
     assert max(norm for _, norm in seen) <= 0.5 * (1 + 1e-9)
     best = next(norm for loss, norm in seen if loss == result.max_loss)
     assert result.best_norm == pytest.approx(best, rel=1e-9, abs=1e-12)
+
+
+def _counted_solve(model, metric, keep, rho, **kw):
+    """A solve of the tiny BERT's first batch with the best point's gradient kept or recomputed; the result and the
+    number of gradients taken."""
+    from hf_geosharp.engine.model_function import objective as objective_module
+    from hf_geosharp.engine.solvers.apgd import apgd
+
+    names, params = objective_module.measured_parameters(model)
+    blocks = map_symmetries(model).blocks if metric is not None else []
+    space = PerturbationSpace(params, blocks, SpaceOptions(metric))
+    objective = objective_module.Objective(model, names, params, space, objective_module.default_loss, rho)
+    objective.batch = tiny_batches(1)[0]
+    gradients = [0]
+
+    def counted(xi, need_grad, out=None):
+        gradients[0] += need_grad
+        return objective(xi, need_grad, out=out)
+
+    return apgd(space, counted, rho=rho, keep_best_gradient=keep, **kw), gradients[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("metric", ["inv", "mix", None])
+def test_kept_best_gradient_gives_the_same_bits_as_its_recomputation(dtype, metric):
+    """Keeping the best point's gradient replaces a forward and backward at the same point on the same batch, which
+    gives the same bits on a CPU: every loss, the value, the best point's norm and its gap are identical, with fewer
+    gradients taken (the solve does restart from earlier best points)."""
+    model = tiny_bert(dtype)
+    for kw in (dict(steps=20), dict(steps=20, max_steps=60, tol=1e-6)):  # fixed steps, and steps="auto"'s starts
+        recomputed, n_recomputed = _counted_solve(model, metric, False, 5.0, **kw)
+        kept, n_kept = _counted_solve(model, metric, True, 5.0, **kw)
+        assert kept.losses == recomputed.losses and len(kept.losses) > 20
+        assert (kept.max_loss, kept.clean_loss, kept.best_norm) == (
+            recomputed.max_loss, recomputed.clean_loss, recomputed.best_norm)
+        assert kept.gap == recomputed.gap or (kept.gap != kept.gap and recomputed.gap != recomputed.gap)
+        assert (kept.start_values, kept.start_gaps) == (recomputed.start_values, recomputed.start_gaps)
+        assert n_kept < n_recomputed
+
+
+def test_default_rule_keeps_the_gradient_where_it_fits_and_recomputes_where_it_does_not(monkeypatch):
+    """With ``keep_best_gradient=None`` the solver measures its footprint at the clean point and follows the rule:
+    a model whose vectors are short next to its parameters (most embedding rows unused) and whose batch has large
+    activations keeps the gradient; the tiny geodesic space, whose workspace alone exceeds the bytes goal,
+    recomputes it. Either way the number is the one of a solve that recomputes."""
+    import hf_geosharp as gs
+    from hf_geosharp.engine.model_function import objective as objective_module
+    from hf_geosharp.engine.solvers import apgd as solver
+
+    wide = tiny_bert(torch.float64)
+    wide.resize_token_embeddings(4000, mean_resizing=False)  # rows no batch looks up: short vectors
+    cases = {"kept": (lambda: gs.adaptive_sharpness(wide, tiny_batches(1, rows=32, length=32), variant="clean",
+                                                    rho=10.0, steps=20, progress=False)),
+             "recomputed": (lambda: gs.geodesic_sharpness(tiny_bert(torch.float64), tiny_batches(1), metric="inv",
+                                                          rho=5.0, steps=20, progress=False))}
+    gradients = [0]
+    call = objective_module.Objective.__call__
+
+    def counted(self, xi, need_grad, out=None):
+        gradients[0] += need_grad
+        return call(self, xi, need_grad, out=out)
+
+    monkeypatch.setattr(objective_module.Objective, "__call__", counted)
+    rule = solver.keeps_best_gradient
+    for expected, measure in cases.items():
+        runs = []
+        for keeps in (rule, lambda footprint: False):
+            monkeypatch.setattr(solver, "keeps_best_gradient", keeps)
+            gradients[0] = 0
+            runs.append((measure().value, gradients[0]))
+        (value, n_rule), (value_recomputed, n_recomputed) = runs
+        assert value == value_recomputed and n_recomputed > 20 + 1  # the solve restarts from earlier best points
+        assert (n_rule < n_recomputed) if expected == "kept" else (n_rule == n_recomputed)
+
+
+MB = 10**6
+MINILM = (22_714_371, 90_857_484)  # parameters, bytes of weights
+BERT_BASE = (109_484_547, 437_938_188)
+
+
+@pytest.mark.parametrize(("model", "vector", "space", "activations", "kept"), [
+    (MINILM, 46.4, 0.0, 154.6, True),  # 1024 tokens a batch: four vectors miss the peak goal anyway, five fit 16 B
+    (MINILM, 46.4, 14.6, 154.6, True),
+    (MINILM, 46.4, 0.0, 309.1, False),  # 16 x 128 tokens: four vectors meet the peak goal, five would not
+    (MINILM, 46.4, 14.6, 309.1, False),
+    (MINILM, 54.4, 14.6, 1236.5, True),  # 64 x 128 tokens: five vectors meet the peak goal
+    (BERT_BASE, 349.1, 0.0, 1222.2, True),  # 16 x 128 tokens, adaptive: five vectors within 16 bytes per parameter
+    (BERT_BASE, 349.1, 101.0, 1222.2, False),  # geodesic: its caches and workspace take them past it
+])
+def test_the_memory_rule(model, vector, space, activations, kept):
+    """The rule on the footprints of the benchmarks' random BERTs (MB; the activations as a plain forward+backward
+    saves them at these batch sizes, the vectors over the coordinates the solver holds)."""
+    parameters, weights = model
+    footprint = Footprint(int(vector * MB), int(space * MB), parameters, weights, int(activations * MB))
+    assert keeps_best_gradient(footprint) is kept

@@ -22,6 +22,7 @@ def _batches(model, n: int = 2, seed: int = 0) -> list[dict[str, torch.Tensor]]:
 @pytest.mark.parametrize("measure", ["adaptive_clean", "geodesic_inv"])
 def test_stages_partition_the_solve_and_the_engine_is_restored(measure):
     model, originals = tiny_bert(), [getattr(owner, attr) for owner, attr, _, _ in step_profile.PATCHES]
+    rule = step_profile.solver.keeps_best_gradient
     batches, smap = _batches(model), gs.map_symmetries(model)
     clock = step_profile.StageClock()
     start = time.perf_counter()
@@ -29,6 +30,7 @@ def test_stages_partition_the_solve_and_the_engine_is_restored(measure):
         value = step_profile._solve(measure, model, batches, smap, steps=3, rho=0.05)
     measured = time.perf_counter() - start
     assert [getattr(owner, attr) for owner, attr, _, _ in step_profile.PATCHES] == originals
+    assert step_profile.solver.keeps_best_gradient is rule and len(clock.kept_best_gradient) == 2  # one per batch
     assert value == step_profile._solve(measure, model, batches, smap, steps=3, rho=0.05)  # timing changes nothing
     assert set(clock.cpu) - {"outer"} <= set(step_profile.STAGES)
     assert clock.calls["substitution"] >= 2 * (3 + 1)  # (steps + 1) model calls per batch at least

@@ -158,9 +158,12 @@ class ElementwiseGeometry:
                 torch.mul(egrad[where], self._scale_sq(w, measure), out=out[where])
         return out
 
-    def riemannian_gradient_pass(self, egrad: Tensor, out: Tensor, vectors: Tensor) -> tuple[Tensor, Tensor]:
+    def riemannian_gradient_pass(self, egrad: Tensor, out: Tensor, vectors: Tensor,
+                                 save: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """``out <- egrad * w^2`` on measured coordinates (``out`` may be ``egrad`` itself), with ``sum egrad^2 w^2``
-        and ``vectors @ egrad`` over all coordinates (``vectors``: ``[r, N]``), in one pass over the data.
+        and ``vectors @ egrad`` over all coordinates (``vectors``: ``[r, N]``), in one pass over the data; with
+        ``save``, a copy of ``egrad`` is written into it on the way (each block while it is in cache, before it is
+        overwritten), which costs a write instead of a separate read and write.
 
         ``keep`` coordinates of ``out`` are left as they are (when ``out`` is ``egrad`` they still hold the gradient,
         for the pair geometry to read); other unmeasured ones are zeroed. Block by block, everything that reads a
@@ -169,6 +172,8 @@ class ElementwiseGeometry:
         sums = torch.zeros(len(vectors) + 1, dtype=torch.float64, device=egrad.device)
         for where, w, measure, keep in self._blocks():
             e = egrad[where]
+            if save is not None:
+                save[where].copy_(e)
             if len(vectors):
                 sums[1:] += torch.mv(vectors[:, where], e)
             if measure is False:

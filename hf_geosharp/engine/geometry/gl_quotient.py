@@ -173,18 +173,22 @@ class GLQuotient:
     # rather than kept, since the float64 ones are kept anyway.
     @property
     def P(self) -> Tensor:
+        """``P_eps`` in the working dtype (``[k, h, h]``)."""
         return self._P64.to(self.dtype)
 
     @property
     def Q(self) -> Tensor:
+        """``Q_eps`` in the working dtype (``[k, h, h]``)."""
         return self._Q64.to(self.dtype)
 
     @property
     def P_inv(self) -> Tensor:
+        """``P_eps^-1`` in the working dtype (``[k, h, h]``)."""
         return self._P_inv64.to(self.dtype)
 
     @property
     def Q_inv(self) -> Tensor:
+        """``Q_eps^-1`` in the working dtype (``[k, h, h]``)."""
         return self._Q_inv64.to(self.dtype)
 
     @staticmethod

@@ -10,18 +10,25 @@ numbers are comparable with the literature. The solvers talk to a space only thr
 
 Parameter-sized vectors (1e8 entries for BERT-base) are the cost that is not forward or backward, so the solvers keep
 them in small fixed pools (:class:`Pool`) and update them in place: a step allocates nothing parameter-sized, which
-on a CPU also spares the page faults of fresh large allocations.
+on a CPU also spares the page faults of fresh large allocations. Whether :func:`apgd` also keeps its best point's
+gradient (a fifth vector, which spares a forward and backward at every restart from that point) is decided by
+:func:`keeps_best_gradient` from the solve's :class:`Footprint`; for that an objective that evaluates a model names it
+in a ``model`` attribute, and the space reports ``held_bytes`` and sums over ranks with ``total``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+
+logger = logging.getLogger(__name__)
 
 #: What the solvers call: ``objective(xi, need_grad, out=None) -> (loss, gradient or None)`` (the engine's is
 #: :class:`hf_geosharp.engine.model_function.objective.Objective`).
@@ -30,11 +37,30 @@ StepNormalization = Literal["riemannian", "euclidean", "none"]
 
 
 class Space(Protocol):
-    def zero(self) -> Tensor: ...
-    def empty(self) -> Tensor: ...
-    def ascent_direction(self, egrad: Tensor, vectors: Tensor, out: Tensor) -> tuple[Tensor, float, list[float]]: ...
-    def random_tangent_vector(self, generator: torch.Generator) -> Tensor: ...
-    def norm(self, xi: Tensor) -> Tensor: ...
+    """What the solvers ask of a perturbation space (``held_bytes`` and ``total`` only for the memory rule, when the
+    objective names a model; ``ascent_direction``'s ``save`` only when the best point's gradient is kept)."""
+
+    held_bytes: int
+
+    def zero(self) -> Tensor:
+        """A zero tangent vector (the clean point)."""
+
+    def empty(self) -> Tensor:
+        """An uninitialised vector of the space's length and dtype (a solver buffer)."""
+
+    def ascent_direction(self, egrad: Tensor, vectors: Tensor, out: Tensor,
+                         save: Tensor | None = None) -> tuple[Tensor, float, list[float]]:
+        """The step direction from a Euclidean gradient, into ``out``, with its squared norm and its products with
+        ``vectors``' rows (and a copy of ``egrad`` in ``save``)."""
+
+    def random_tangent_vector(self, generator: torch.Generator) -> Tensor:
+        """A random feasible direction (further starts of ``steps="auto"``)."""
+
+    def norm(self, xi: Tensor) -> Tensor:
+        """The metric norm of a tangent vector."""
+
+    def total(self, values: Tensor) -> Tensor:
+        """``values`` summed over the ranks of a sharded run."""
 
 
 @dataclass
@@ -58,6 +84,7 @@ class SolveResult:
 
     @property
     def sharpness(self) -> float:
+        """The largest loss found minus the clean loss."""
         return self.max_loss - self.clean_loss
 
     @property
@@ -95,6 +122,100 @@ AUTO_MAX_STARTS = 4
 AUTO_BLOCK = 20
 
 
+#: Memory goal of a solve, everywhere: what it holds beyond a plain forward+backward of the model, in bytes per
+#: parameter of the model.
+BYTES_PER_PARAMETER_GOAL = 16
+#: Memory goal of a solve where the model's activations leave room for it: its peak, relative to a plain
+#: forward+backward's.
+PEAK_RATIO_GOAL = 1.5
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """What a solve holds, in bytes, as known before its first step (summed over the ranks of a sharded run): the
+    inputs of :func:`keeps_best_gradient`.
+
+    Attributes:
+        vector: one solver vector.
+        space: what the space holds besides the vectors (the pairs' ``h x h`` caches, index maps, its workspace).
+        parameters: the model's parameter count.
+        weights: the model's parameters.
+        activations: what the clean point's forward saved for its backward, weights excluded.
+    """
+
+    vector: int
+    space: int
+    parameters: int
+    weights: int
+    activations: int
+
+
+def keeps_best_gradient(footprint: Footprint) -> bool:
+    """Whether :func:`apgd` keeps its best point's gradient (a fifth vector) instead of recomputing it with one more
+    forward and backward at each restart from that point. The stored gradient is the one a recomputation would give,
+    bit for bit, so the choice changes time and memory, never the number.
+
+    The rule: keep it when the solve, with it, stays within the memory goals it meets without it.
+
+    * :data:`BYTES_PER_PARAMETER_GOAL` holds everywhere: the five vectors and the space's own memory must fit in it.
+    * :data:`PEAK_RATIO_GOAL` is met only where the activations are large enough. A plain forward+backward's peak is
+      estimated between ``weights + activations`` (its least) and ``2 weights + activations`` (its most, every
+      gradient written); the fifth vector is kept if the solve's extra memory with it is within the goal's headroom
+      of the least, or if it already exceeds the headroom of the most without it (the goal is then out of reach
+      whatever the solver stores, and the bytes goal bounds the cost). In between it is not kept: near the goal,
+      the estimate cannot tell on which side the solve falls.
+
+    Small batches (a MiniLM at 1024 tokens) keep it, large ones (64 x 128 tokens) too, and a MiniLM at 16 x 128
+    tokens, whose four vectors fit the peak goal and five would not, recomputes."""
+    four = 4 * footprint.vector + footprint.space
+    five = four + footprint.vector
+    if five > BYTES_PER_PARAMETER_GOAL * footprint.parameters:
+        return False
+    headroom = PEAK_RATIO_GOAL - 1.0
+    least = footprint.weights + footprint.activations
+    most = 2 * footprint.weights + footprint.activations
+    return five <= headroom * least or four > headroom * most
+
+
+@contextlib.contextmanager
+def saved_activation_bytes() -> Iterator[list[int]]:
+    """Count the bytes the autograd graphs built inside the block save for backward (a one-element list, filled on
+    exit): every saved storage once, except weights (leaves that require gradients, or parameters, and their
+    views), which a plain forward+backward holds anyway."""
+    storages: dict[int, int] = {}
+
+    def pack(t: Tensor) -> Tensor:
+        root = t if t._base is None else t._base
+        if not (isinstance(root, nn.Parameter) or (root.is_leaf and root.requires_grad)):
+            try:
+                storage = t.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+            except (RuntimeError, NotImplementedError):  # a tensor subclass without a storage of its own
+                storages[id(t)] = t.numel() * t.element_size()
+        return t
+
+    counted = [0]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield counted
+    counted[0] = sum(storages.values())
+
+
+def measured_footprint(space: Space, objective: Objective, vector: Tensor, activations: int) -> Footprint | None:
+    """The :class:`Footprint` of a solve whose vectors are like ``vector``, with ``activations`` from
+    :func:`saved_activation_bytes`; None when the objective names no ``model`` (nothing to weigh the vectors
+    against). Every rank of a sharded run gets the same sums, so all take the same decision."""
+    model = getattr(objective, "model", None)
+    if not isinstance(model, nn.Module):
+        return None
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+    facts = torch.tensor(
+        [vector.numel() * vector.element_size(), space.held_bytes, sum(p.numel() for p in local),
+         sum(p.numel() * p.element_size() for p in local), activations],
+        dtype=torch.float64, device=vector.device,
+    )
+    return Footprint(*(int(v) for v in space.total(facts).tolist()))
+
+
 def relative_gap(rho: float, sq_d: float, d_xi: float, sharpness: float) -> float:
     """``(rho ||d||_g - <d, xi>_g) / sharpness``, the Frank-Wolfe gap of ``max_{||xi||_g <= rho}`` at ``xi`` (``d``
     the projected Riemannian gradient there) relative to the value: ``max_s <d, s - xi>`` over the feasible set.
@@ -118,12 +239,14 @@ class Pool:
         self.rows = list(self.matrix.unbind(0))
 
     def free(self, *live: Tensor | None) -> Tensor:
+        """The first row that is none of ``live`` (a row in use must be named, or it may be handed out)."""
         for row in self.rows:
             if all(row is not x for x in live):
                 return row
         raise RuntimeError(f"all {len(self.rows)} solver buffers are live; this is a bug in the solver")
 
     def position(self, row: Tensor) -> int:
+        """Where ``row`` sits in the pool's matrix (combinations and stacked views run in this order)."""
         return next(i for i, r in enumerate(self.rows) if r is row)
 
     def stacked(self, rows: list[Tensor]) -> Tensor:
@@ -208,19 +331,22 @@ def apgd(
     tol: float = CONVERGENCE_TOL,
     generator: torch.Generator | None = None,
     max_starts: int = AUTO_MAX_STARTS,
+    keep_best_gradient: bool | None = None,
 ) -> SolveResult:
     """Worst case ``max_{xi in S} L(Exp(w0; xi)) - L(w0)`` by Auto-PGD, zero init, ``eta0 = 2 rho``.
 
     With a fixed ``steps`` (``max_steps=None``): one start, ``steps + 1`` forward passes and ``steps`` backward
-    passes, plus one forward and backward for each halving that restarts from a best point other than the current
-    iterate (the best point's gradient is recomputed rather than kept), and one more at the end when the best point
-    is the last iterate (its Frank-Wolfe gap needs its gradient). With ``max_steps`` (``steps="auto"``) a start
-    stops as soon as its best point is stationary within ``tol`` (the gap is free at every step: it comes from the
-    step's own direction), continuing in blocks of doubling length (each with AS23's checkpoints) while it is not;
-    then further starts (the antipode of the best point, then random points of the sphere, up to ``max_starts``)
-    run the same way until two stationary starts agree on the best value within ``tol``, all within ``max_steps``
-    steps. With ``step_normalization="riemannian"`` every quantity is g-invariant, so the iterates are equivariant
-    under the model's symmetries.
+    passes, plus one forward and backward at the end when the best point is the last iterate (its Frank-Wolfe gap
+    needs its gradient), and, unless the best point's gradient is kept, one for each halving that restarts from a
+    best point other than the current iterate. ``keep_best_gradient`` says whether it is (None: as
+    :func:`keeps_best_gradient` decides from the :class:`Footprint` measured at the clean point); the number is the
+    same bits either way. With ``max_steps`` (``steps="auto"``) a start stops as soon as its best point is
+    stationary within ``tol`` (the gap is free at every step: it comes from the step's own direction), continuing in
+    blocks of doubling length (each with AS23's checkpoints) while it is not; then further starts (the antipode of
+    the best point, then random points of the sphere, up to ``max_starts``) run the same way until two stationary
+    starts agree on the best value within ``tol``, all within ``max_steps`` steps. With
+    ``step_normalization="riemannian"`` every quantity is g-invariant, so the iterates are equivariant under the
+    model's symmetries.
 
     How a step stays cheap: the direction ``d`` (the projected Riemannian gradient) and the iterates ``xi``,
     ``xi_prev`` are horizontal, so ``z = P_S(xi + c d)`` and the momentum point ``P_S(a xi + b d + c xi_prev)`` are
@@ -228,21 +354,28 @@ def apgd(
     the row of ``d`` comes with it from ``space.ascent_direction`` (one pass over the gradient) and the rest is carried
     over from the previous step. The new iterate is then written by one ``addmv``.
 
-    Memory: four parameter-sized buffers in all: the iterates ``xi`` and ``xi_prev``, the best point, and one
-    working buffer, which the objective fills with the perturbed weights and then with the gradient, in which the
-    direction ``d`` is computed over that gradient, and from which the new iterate is combined. Nothing
-    parameter-sized is allocated per step (a random start draws one vector). ``best_norm`` comes from the same
-    bookkeeping. The horizontal projection is exactly g-orthogonal (also with ``epsilon > 0``), so these identities
-    hold exactly.
+    Memory: four parameter-sized buffers: the iterates ``xi`` and ``xi_prev``, the best point, and one working
+    buffer, which the objective fills with the perturbed weights and then with the gradient, in which the direction
+    ``d`` is computed over that gradient, and from which the new iterate is combined; a fifth, outside the pool,
+    when the best point's gradient is kept (copied by the direction pass that consumes it, copied back at a restart
+    from it). Nothing parameter-sized is allocated per step (a random start draws one vector). ``best_norm`` comes
+    from the same bookkeeping. The horizontal projection is exactly g-orthogonal (also with ``epsilon > 0``), so
+    these identities hold exactly.
     """
     auto = max_steps is not None
     pool = Pool(space.empty(), 4)
     xi = pool.free()
     work = pool.free(xi)
     xi.zero_()
-    clean_loss, egrad = objective(xi, True, out=work)
+    with saved_activation_bytes() if keep_best_gradient is None else contextlib.nullcontext([0]) as activations:
+        clean_loss, egrad = objective(xi, True, out=work)
+    if keep_best_gradient is None:
+        footprint = measured_footprint(space, objective, work, activations[0])
+        keep_best_gradient = footprint is not None and keeps_best_gradient(footprint)
+        logger.debug("best point's gradient %s (%s)", "kept" if keep_best_gradient else "recomputed", footprint)
     climb = _Climb(space, objective, pool, work, rho=rho, momentum=momentum, step_normalization=step_normalization,
-                   min_update_ratio=min_update_ratio, on_step=on_step, tol=tol, clean_loss=clean_loss)
+                   min_update_ratio=min_update_ratio, on_step=on_step, tol=tol, clean_loss=clean_loss,
+                   keep_best_gradient=keep_best_gradient)
     budget = max_steps if auto else steps
     best = climb.run(xi, 0.0, clean_loss, egrad, steps=min(steps, budget), budget=budget, auto=auto)
     values, gaps, overall = [best.loss - clean_loss], [best.gap], best
@@ -277,12 +410,15 @@ class _Climb:
 
     def __init__(self, space: Space, objective: ObjectiveFn, pool: Pool, work: Tensor, *, rho: float, momentum: float,
                  step_normalization: StepNormalization, min_update_ratio: float,
-                 on_step: Callable[[int, float], None] | None, tol: float, clean_loss: float) -> None:
+                 on_step: Callable[[int, float], None] | None, tol: float, clean_loss: float,
+                 keep_best_gradient: bool) -> None:
         self.space, self.objective, self.pool, self.work = space, objective, pool, work
         self.rho, self.momentum, self.step_normalization = rho, momentum, step_normalization
         self.min_update_ratio, self.on_step, self.tol, self.clean_loss = min_update_ratio, on_step, tol, clean_loss
         self.losses = [clean_loss]
         self.best_loss = clean_loss
+        self.keep_best_gradient = keep_best_gradient
+        self.kept: tuple[_Best, Tensor] | None = None  # a best point and a copy of its gradient
 
     @property
     def steps_used(self) -> int:
@@ -296,6 +432,20 @@ class _Climb:
 
     def gap(self, best: _Best, sq_d: float, d_best: float) -> float:
         return relative_gap(self.rho, sq_d, d_best, best.loss - self.clean_loss)
+
+    def saving(self, best: _Best) -> Tensor | None:
+        """Where the step that consumes the gradient at ``best`` copies it, if gradients are kept and this one is
+        not yet (None otherwise)."""
+        if not self.keep_best_gradient or (self.kept is not None and self.kept[0] is best):
+            return None
+        self.kept = (best, self.kept[1] if self.kept is not None else self.space.empty())
+        return self.kept[1]
+
+    def gradient_at_best(self, best: _Best) -> Tensor:
+        """The gradient at ``best`` in the working row: the kept copy, or one more forward and backward."""
+        if self.kept is not None and self.kept[0] is best:
+            return self.work.copy_(self.kept[1])
+        return self.objective(best.row, True, out=self.work)[1]
 
     def run(self, xi: Tensor, sq_xi: float, loss: float, egrad: Tensor | None, *, steps: int, budget: int,
             auto: bool) -> _Best:
@@ -311,11 +461,15 @@ class _Climb:
         while k + 1 < total:
             k += 1
             if egrad is None:  # after a restart from an earlier best point
-                _, egrad = self.objective(xi, True, out=work)
+                egrad = self.gradient_at_best(best)
             if self.step_normalization == "euclidean":  # read before ascent_direction consumes the gradient
                 c = schedule.eta / (math.sqrt(max(float(torch.dot(egrad, egrad)), 0.0)) + 1e-12)
             known = [row for row, sq in ((xi, sq_xi), (xi_prev, sq_prev)) if sq > 0]  # zero rows have zero products
-            d, sq_d, products = space.ascent_direction(egrad, pool.stacked(known), out=work)
+            save = self.saving(best) if xi is best.row else None
+            if save is None:
+                d, sq_d, products = space.ascent_direction(egrad, pool.stacked(known), out=work)
+            else:  # the gradient at the best point, copied in the same pass (a space that keeps gradients can)
+                d, sq_d, products = space.ascent_direction(egrad, pool.stacked(known), out=work, save=save)
             egrad = None
             product = dict(zip(sorted({pool.position(row) for row in known}), products))  # stacked() order
             d_xi = product.get(pool.position(xi), 0.0) if sq_xi > 0 else 0.0
@@ -346,7 +500,7 @@ class _Climb:
                 schedule.n_updates += 1
             if schedule.halve(k, best.loss):
                 if xi is not best.row:
-                    egrad = None  # recomputed at the best point when the next step needs it
+                    egrad = None  # taken at the best point (kept or recomputed) when the next step needs it
                 xi = xi_prev = best.row
                 sq_xi = sq_prev = cross = best.sq
             if auto and k == total - 1 and total < budget:
@@ -359,7 +513,7 @@ class _Climb:
                 sq_xi = sq_prev = cross = best.sq
         if math.isnan(best.gap):  # the best point is the last iterate: one more gradient, there
             if egrad is None or xi is not best.row:
-                _, egrad = self.objective(best.row, True, out=work)
+                egrad = self.gradient_at_best(best)
             _, sq_d, products = space.ascent_direction(egrad, pool.stacked([best.row] if best.sq > 0 else []),
                                                        out=work)
             best.gap = self.gap(best, sq_d, products[0] if best.sq > 0 else 0.0)

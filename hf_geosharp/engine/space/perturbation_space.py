@@ -184,6 +184,7 @@ class PerturbationSpace:
 
     # ------------------------------------------------------------------ helpers
     def zero(self) -> Tensor:
+        """A zero tangent vector (the base point itself)."""
         return torch.zeros(self.numel, dtype=self.dtype, device=self.device)
 
     def empty(self) -> Tensor:
@@ -212,7 +213,27 @@ class PerturbationSpace:
 
     @property
     def n_pairs(self) -> int:
+        """How many GL(h) pairs (heads) the space holds."""
         return sum(group.g.shape[0] for group in self.pairs)
+
+    @property
+    def held_bytes(self) -> int:
+        """What the space holds besides the solver's vectors: the pairs' ``h x h`` caches, index maps and copies of
+        the base point, and the workspace they use (an input of the solver's memory rule,
+        :func:`hf_geosharp.engine.solvers.apgd.keeps_best_gradient`)."""
+        tensors = []
+        for group in self.pairs:
+            tensors += [*vars(group.geometry).values(), *group.shared_base]
+            for factor in (group.g, group.h):
+                tensors += [factor.index, None if factor.shared is None else factor.shared.positions]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for t in tensors if isinstance(t, Tensor)}
+        workspace = self.workspace.entries * self.workspace.dtype.itemsize if self.pairs else 0
+        return sum(storages.values()) + workspace
+
+    def total(self, values: Tensor) -> Tensor:
+        """``values`` summed over the ranks of a sharded run (``values`` itself in one process)."""
+        return self._reduce(values)
 
     def _chunks(self) -> Iterator[tuple[PairGroup, slice, GLQuotient]]:
         """Every (group, heads, geometry of those heads), with a fresh workspace for each."""
@@ -260,9 +281,11 @@ class PerturbationSpace:
         rp = geometry.euclidean_to_riemannian_gradient(egrad)
         return geometry.projection(rp) if self.options.horizontal_projection else rp
 
-    def ascent_direction(self, egrad: Tensor, vectors: Tensor, out: Tensor) -> tuple[Tensor, float, list[float]]:
+    def ascent_direction(self, egrad: Tensor, vectors: Tensor, out: Tensor,
+                         save: Tensor | None = None) -> tuple[Tensor, float, list[float]]:
         """The solver's step direction ``d = riemannian_gradient(egrad)``, written into ``out``, with ``<d, d>_g``
-        and ``<d, v>_g`` for every horizontal row ``v`` of ``vectors`` (``[r, N]``, ``r`` may be 0).
+        and ``<d, v>_g`` for every horizontal row ``v`` of ``vectors`` (``[r, N]``, ``r`` may be 0); with ``save``,
+        a copy of ``egrad`` is written there too (in the same pass: the solver keeps its best point's gradient so).
 
         ``out`` may be ``egrad`` itself: the gradient is then consumed, which spares the solver a parameter-sized
         buffer. One pass over the data computes the elementwise part of ``d``, its share of ``<d, d>_g = <e, d>``
@@ -271,11 +294,13 @@ class PerturbationSpace:
         coordinates alone, so the pair directions are then made from the gradient still there, a few heads at a
         time."""
         if self.pair_elementwise is not None:  # ablation: the projection is not orthogonal in the measuring metric
+            if save is not None:
+                save.copy_(egrad)
             d = self.riemannian_gradient(egrad)
             products = [float(self.inner_product(d, v)) for v in vectors]
             square = float(self.inner_product(d, d))
             return out.copy_(d), max(square, 0.0), products
-        square, products = self.elementwise.riemannian_gradient_pass(egrad, out, vectors)
+        square, products = self.elementwise.riemannian_gradient_pass(egrad, out, vectors, save)
         sums = torch.cat([square.reshape(1), products])
         for group, heads, geometry in self._chunks():
             e = group.gather(egrad, self.workspace, heads)
