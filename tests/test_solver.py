@@ -77,12 +77,16 @@ def _counted_solve(model, metric, keep, rho, **kw):
     """A solve of the tiny BERT's first batch with the best point's gradient kept or recomputed; the result and the
     number of gradients taken."""
     from hf_geosharp.engine.model_function import objective as objective_module
+    from hf_geosharp.engine.placement.base import Holding
+    from hf_geosharp.engine.placement.single import SingleProcess
     from hf_geosharp.engine.solvers.apgd import apgd
 
     names, params = objective_module.measured_parameters(model)
     blocks = map_symmetries(model).blocks if metric is not None else []
     space = PerturbationSpace(params, blocks, SpaceOptions(metric))
-    objective = objective_module.Objective(model, names, params, space, objective_module.default_loss, rho)
+    placement = SingleProcess(model)
+    placement.hold(Holding.whole(names, params), [])
+    objective = objective_module.Objective(model, space, placement, objective_module.default_loss, rho)
     objective.batch = tiny_batches(1)[0]
     gradients = [0]
 

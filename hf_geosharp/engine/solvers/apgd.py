@@ -200,7 +200,7 @@ def saved_activation_bytes() -> Iterator[list[int]]:
     counted[0] = sum(storages.values())
 
 
-def measured_footprint(space: Space, objective: Objective, vector: Tensor, activations: int) -> Footprint | None:
+def measured_footprint(space: Space, objective: ObjectiveFn, vector: Tensor, activations: int) -> Footprint | None:
     """The :class:`Footprint` of a solve whose vectors are like ``vector``, with ``activations`` from
     :func:`saved_activation_bytes`; None when the objective names no ``model`` (nothing to weigh the vectors
     against). Every rank of a sharded run gets the same sums, so all take the same decision."""
