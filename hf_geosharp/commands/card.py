@@ -45,6 +45,7 @@ FORMATS = ("model-index", "eval-results", "both")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``geosharp card``."""
     p = subparsers.add_parser(
         "card",
         help="publish sharpness results in a model card (model-index) and/or .eval_results, optionally as a Hub PR",
@@ -117,6 +118,7 @@ def _existing_eval_files(folder: Path, entries: list) -> list[Path]:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Write (or print) the model-card entries of a results file; the exit code."""
     try:
         readme_path(args.model)  # a model folder or its README.md; anything else (config.json!) is refused
         index, entries, meta = _prepare(args)

@@ -39,6 +39,7 @@ def _size(text: str) -> str | int:
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``geosharp demo``."""
     p = subparsers.add_parser(
         "demo",
         help="train the embedded zoo of small ViTs on digits and rank them (offline, a few minutes)",
@@ -112,6 +113,7 @@ def _hide_and_seek(args: argparse.Namespace, zoo, data: DataSpec, board) -> None
 
 
 def run(args: argparse.Namespace) -> int:
+    """Train (or reuse) the zoo, rank it, run hide & seek and print the story; the exit code."""
     problem = "--hide-steps must be at least 1" if args.hide_steps < 1 else None
     if not problem and not args.hide_condition >= 1.0:
         problem = "--hide-condition must be >= 1"

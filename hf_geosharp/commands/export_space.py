@@ -45,6 +45,7 @@ class ExportError(ValueError):
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``geosharp export-space``."""
     p = subparsers.add_parser(
         "export-space",
         help="write a self-contained Hugging Face Space folder (Gradio app, evaluate module, wheel, requirements)",
@@ -162,6 +163,7 @@ def export_space(out: Path, *, space_id: str | None = None, source: Path | None 
 
 
 def run(args: argparse.Namespace) -> int:
+    """Build the Space's folder; the exit code."""
     try:
         files = export_space(args.out, space_id=args.space_id, source=args.source)
     except ExportError as err:

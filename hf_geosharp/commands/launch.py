@@ -42,6 +42,7 @@ class Launch:
 
     @property
     def main(self) -> bool:
+        """Whether this is the process that prints and writes (rank 0)."""
         return self.rank == 0
 
     @contextlib.contextmanager

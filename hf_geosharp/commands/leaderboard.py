@@ -32,6 +32,7 @@ def _splits(text: str) -> tuple[str, str]:
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``geosharp leaderboard``."""
     p = subparsers.add_parser(
         "leaderboard",
         help="rank many models by sharpness; Kendall tau of each measure against the generalisation gap",
@@ -62,6 +63,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Rank the models and write the tables and plot; the exit code."""
     if args.gap_splits:
         gap = GapSpec(train_split=args.gap_splits[0], test_split=args.gap_splits[1], metric=args.gap_metric,
                       n_examples=args.gap_n_examples)

@@ -12,6 +12,7 @@ from ..evaluate_module.register import NAME, register_evaluate_module
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``geosharp register``."""
     parser = subparsers.add_parser(
         "register",
         help=f"register the {NAME!r} evaluate module in evaluate's module cache",
@@ -23,6 +24,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Register the evaluate module in evaluate's module cache; the exit code."""
     try:
         target = register_evaluate_module()
     except OSError as err:

@@ -19,6 +19,7 @@ logger = logging.getLogger(__name__)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``geosharp symmetry``."""
     p = subparsers.add_parser(
         "symmetry",
         help="show the attention symmetries of a model (GL(h) pairs, orbit and quotient dimensions, conditioning)",
@@ -54,6 +55,7 @@ def _layers(text: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Print (or write) the symmetry report of a model, with the audits asked for; the exit code."""
     if args.layers and not args.audit:
         print("geosharp symmetry: --layers selects the blocks of --audit; add --audit", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -78,9 +78,18 @@ class Shard(Protocol):
     rank: int
     global_shapes: list[torch.Size]
 
-    def all_reduce(self, t: Tensor) -> Tensor: ...
-    def pair_factors(self, index: Tensor, device: torch.device) -> tuple[Factor, int, Tensor, int]: ...
-    def local_part(self, i: int, full: Tensor) -> Tensor: ...
+    def all_reduce(self, t: Tensor) -> Tensor:
+        """In-place sum of ``t`` over the ranks; returns ``t``."""
+        ...
+
+    def pair_factors(self, index: Tensor, device: torch.device) -> tuple[Factor, int, Tensor, int]:
+        """This rank's part of a pair factor given by global indices ``[k, n, h]``: ``(factor, rows it counts in
+        sums, the global row of each local row, n)``."""
+        ...
+
+    def local_part(self, i: int, full: Tensor) -> Tensor:
+        """Parameter ``i``'s local part of ``full``, the whole parameter, laid out as this rank's vector holds it."""
+        ...
 
 
 def _identity(t: Tensor) -> Tensor:
