@@ -1,24 +1,37 @@
 """Public entry points: :func:`geodesic_sharpness` and :func:`adaptive_sharpness`.
 
-Each checks its settings, freezes them into a :class:`~hf_geosharp.engine.runner.RunSettings` and hands the model to the
-runner (:mod:`hf_geosharp.engine.runner`); the model is used as a function of the perturbation and restored exactly
-afterwards (:mod:`hf_geosharp.engine.model_function.objective`). Results are
-:class:`~hf_geosharp.engine.result.SharpnessResult`.
+Each freezes its settings into a :class:`~hf_geosharp.engine.settings.RunSettings` (which checks them) and hands the
+model to the runner (:mod:`hf_geosharp.engine.runner`); the model is used as a function of the perturbation and
+restored exactly afterwards (:mod:`hf_geosharp.engine.model_function.objective`). Results are
+:class:`~hf_geosharp.engine.result.SharpnessResult`. The defaults are :mod:`hf_geosharp.engine.defaults`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Literal
+from typing import Any
 
 from torch import nn
 
-from .engine.checks import Steps, check_common, check_convergence_args, check_epsilon
+from .engine.defaults import (
+    ADAPTIVE_VARIANT,
+    ELEMENTWISE_CURVATURE,
+    EPSILON,
+    METRIC,
+    MODE,
+    N_SAMPLES,
+    PARAMS,
+    RHO,
+    SEED,
+    STEP_NORMALIZATION,
+    STEPS,
+)
 from .engine.geometry.elementwise import Curvature
+from .engine.geometry.gl_quotient import Metric
 from .engine.model_function.objective import LossFn
 from .engine.result import NotConvergedWarning, SharpnessResult, collected_convergence_notes
 from .engine.runner import run
-from .engine.settings import Mode, RunSettings
+from .engine.settings import Mode, Params, RunSettings, Steps, Variant
 from .engine.solvers.apgd import AUTO_MAX_STEPS, CONVERGENCE_TOL, StepNormalization
 from .engine.space.perturbation_space import SpaceOptions
 from .symmetry.base import SymmetryMap
@@ -31,23 +44,23 @@ def geodesic_sharpness(
     model: nn.Module,
     batches: Iterable[Any],
     *,
-    rho: float = 0.1,
-    metric: Literal["inv", "mix"] = "inv",
-    mode: Mode = "worst",
-    steps: Steps = 20,
-    seed: int = 0,
-    epsilon: float = 1e-6,
+    rho: float = RHO,
+    metric: Metric = METRIC,
+    mode: Mode = MODE,
+    steps: Steps = STEPS,
+    seed: int = SEED,
+    epsilon: float = EPSILON,
     loss_fn: LossFn | None = None,
     accelerator: Any = None,
     progress: bool = True,
     symmetry_map: SymmetryMap | None = None,
-    params: Literal["all", "trainable"] = "all",
-    n_samples: int = 20,
+    params: Params = PARAMS,
+    n_samples: int = N_SAMPLES,
     second_order: bool = True,
     riemannian_norm: bool = True,
     horizontal_projection: bool = True,
-    elementwise_curvature: Curvature = "none",
-    step_normalization: StepNormalization = "riemannian",
+    elementwise_curvature: Curvature = ELEMENTWISE_CURVATURE,
+    step_normalization: StepNormalization = STEP_NORMALIZATION,
     tol: float = CONVERGENCE_TOL,
     max_steps: int = AUTO_MAX_STEPS,
 ) -> SharpnessResult:
@@ -89,13 +102,6 @@ def geodesic_sharpness(
             (``res.converged``, ``res.stationarity_gap``, ``res.convergence_note``).
         max_steps: step budget of ``steps="auto"``.
     """
-    rho, steps, n_samples, seed = check_common(rho, mode, steps, n_samples, seed)
-    check_convergence_args(tol, max_steps)
-    if metric not in ("inv", "mix"):
-        raise ValueError(f"metric must be 'inv' or 'mix', got {metric!r}.")
-    epsilon = check_epsilon(epsilon)
-    if step_normalization not in ("riemannian", "euclidean", "none"):
-        raise ValueError(f"step_normalization must be 'riemannian', 'euclidean' or 'none', got {step_normalization!r}.")
     options = SpaceOptions(metric, epsilon, second_order, riemannian_norm, horizontal_projection, elementwise_curvature)
     settings = RunSettings(rho, mode, steps, seed, params, n_samples, tol, max_steps, options, step_normalization)
     return run(model, batches, settings, loss_fn=loss_fn, accelerator=accelerator, progress=progress,
@@ -106,16 +112,16 @@ def adaptive_sharpness(
     model: nn.Module,
     batches: Iterable[Any],
     *,
-    rho: float = 0.1,
-    mode: Mode = "worst",
-    steps: Steps = 20,
-    seed: int = 0,
-    variant: Literal["clean", "as23"] = "clean",
+    rho: float = RHO,
+    mode: Mode = MODE,
+    steps: Steps = STEPS,
+    seed: int = SEED,
+    variant: Variant = ADAPTIVE_VARIANT,
     loss_fn: LossFn | None = None,
     accelerator: Any = None,
     progress: bool = True,
-    params: Literal["all", "trainable"] = "all",
-    n_samples: int = 20,
+    params: Params = PARAMS,
+    n_samples: int = N_SAMPLES,
     tol: float = CONVERGENCE_TOL,
     max_steps: int = AUTO_MAX_STEPS,
 ) -> SharpnessResult:
@@ -128,9 +134,5 @@ def adaptive_sharpness(
     maximiser's, so it can stall several percent below the maximum (docs/method.md). Arguments as in
     :func:`geodesic_sharpness`.
     """
-    rho, steps, n_samples, seed = check_common(rho, mode, steps, n_samples, seed)
-    check_convergence_args(tol, max_steps)
-    if variant not in ("as23", "clean"):
-        raise ValueError(f"variant must be 'clean' or 'as23', got {variant!r}.")
     settings = RunSettings(rho, mode, steps, seed, params, n_samples, tol, max_steps, variant=variant)
     return run(model, batches, settings, loss_fn=loss_fn, accelerator=accelerator, progress=progress)

@@ -1,12 +1,14 @@
-"""The measurement bundle: which measures exist, their public names, their defaults, and how to run them.
+"""The registry of measures: which measures exist, their public names, their shared settings, and how to run them.
 
-Every face (``geosharp run``, the evaluate module, the leaderboard, model cards, the Space, the Trainer callback)
-asks this module what "geodesic sharpness plus its baselines" means, so that the names, the defaults and the order
-of the measures are written once.
+Every face (``geosharp run``, ``geosharp leaderboard`` and ``geosharp demo``, the evaluate module, model cards, hide &
+seek, the Space, the Trainer callback) asks this module what "geodesic sharpness plus its baselines" means, so that
+the names, the defaults and the order of the measures are written once. Adding a measure is one :class:`MeasureSpec`
+in :data:`MEASURES` (and, for a new family, its branch in :func:`run_measure`); every face picks it up.
 
-Names: each measure has a public ``key`` (the evaluate output key, the model-card metric type, the leaderboard and
-results-JSON column; ``<key>_stderr`` is its error bar) and the engine's ``SharpnessResult.measure`` string, which
-also says the mode and the variant (e.g. ``geodesic_inv_worst``).
+Names: each measure has a public ``key`` (the evaluate output key, the model-card metric type, the results-JSON
+column; ``<key>_stderr`` is its error bar), an optional ``short`` form for command lines, and the engine's
+``SharpnessResult.measure`` string, which also says the mode and the variant (e.g. ``geodesic_inv_worst``; the
+leaderboard's columns, :meth:`MeasureSpec.result_name`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from .api import SharpnessResult, adaptive_sharpness, geodesic_sharpness
+from .engine.defaults import ADAPTIVE_VARIANT, EPSILON, MODE, N_SAMPLES, RHO, SEED, STEPS
 from .engine.relative_flatness import relative_flatness
+from .engine.settings import MODES, VARIANTS, Mode, Steps, Variant, measure_name
 
 logger = logging.getLogger(__name__)
 
@@ -34,26 +38,33 @@ class MeasureSpec:
         family: ``"geodesic"`` (invariant under the attention symmetries) or a baseline's family (``"adaptive"``,
             ``"relative_flatness"``).
         metric: the geodesic metric (``"inv"``/``"mix"``), else ``None``.
+        short: the short form command lines and ``parse_measures`` accept (``"inv"``), else ``None``.
     """
 
     key: str
     title: str
     family: str
     metric: str | None = None
+    short: str | None = None
 
     @property
     def invariant(self) -> bool:
         """Whether the number is invariant under the model's symmetry group (the point of geodesic sharpness)."""
         return self.family == "geodesic"
 
+    def result_name(self, settings: Settings) -> str:
+        """The engine's name of this measure run with ``settings`` (``SharpnessResult.measure``): it says the mode
+        and the solver, so a leaderboard column and its stored results are named by it."""
+        return measure_name(self.family, settings.mode, metric=self.metric, variant=settings.adaptive_variant)
+
 
 MEASURES: dict[str, MeasureSpec] = {
     spec.key: spec
     for spec in (
-        MeasureSpec("geodesic_sharpness_inv", "Geodesic sharpness (inv)", "geodesic", "inv"),
-        MeasureSpec("geodesic_sharpness_mix", "Geodesic sharpness (mix)", "geodesic", "mix"),
-        MeasureSpec("adaptive_sharpness", "Adaptive sharpness", "adaptive"),
-        MeasureSpec("relative_flatness", "Relative flatness (Petzka et al.)", "relative_flatness"),
+        MeasureSpec("geodesic_sharpness_inv", "Geodesic sharpness (inv)", "geodesic", "inv", short="inv"),
+        MeasureSpec("geodesic_sharpness_mix", "Geodesic sharpness (mix)", "geodesic", "mix", short="mix"),
+        MeasureSpec("adaptive_sharpness", "Adaptive sharpness", "adaptive", short="adaptive"),
+        MeasureSpec("relative_flatness", "Relative flatness (Petzka et al.)", "relative_flatness", short="relative"),
     )
 }
 #: What a face computes when the user names no measure: both geodesic metrics and the adaptive baseline.
@@ -62,7 +73,9 @@ DEFAULT_MEASURES: tuple[str, ...] = ("geodesic_sharpness_inv", "geodesic_sharpne
 
 @dataclass(frozen=True)
 class Settings:
-    """The settings every measure of one run shares; the defaults of every face.
+    """The settings every measure of one run shares; the defaults of every face (from
+    :mod:`hf_geosharp.engine.defaults`). The engine checks them when a measure runs
+    (:class:`~hf_geosharp.engine.settings.RunSettings`).
 
     Attributes:
         rho: radius of the perturbation ball.
@@ -70,20 +83,21 @@ class Settings:
         steps: solver iterations per batch (worst case), or ``"auto"`` (continue until certified, docs/method.md).
         n_samples: random directions per batch (average case).
         seed: seeds every random draw (per batch, independent of the process that solves it).
-        epsilon: relaxation of the geodesic metric's Gram matrices (``None``: the engine's default).
-        adaptive_variant: the adaptive baseline's solver (``None``: the engine's default, ``"clean"``; ``"as23"``
-            reproduces the reference code, which stalls below the maximum).
+        epsilon: relaxation of the geodesic metric's Gram matrices.
+        adaptive_variant: the adaptive baseline's solver (``"clean"``; ``"as23"`` reproduces the reference code,
+            which stalls below the maximum).
     """
 
-    rho: float = 0.1
-    mode: str = "worst"
-    steps: Any = 20
-    n_samples: int = 20
-    seed: int = 0
-    epsilon: float | None = None
-    adaptive_variant: str | None = None
+    rho: float = RHO
+    mode: Mode = MODE
+    steps: Steps = STEPS
+    n_samples: int = N_SAMPLES
+    seed: int = SEED
+    epsilon: float = EPSILON
+    adaptive_variant: Variant = ADAPTIVE_VARIANT
 
     def as_dict(self) -> dict[str, Any]:
+        """The settings as a plain dict (results files, cache keys)."""
         return dataclasses.asdict(self)
 
 
@@ -95,13 +109,21 @@ def spec(key: str) -> MeasureSpec:
         raise ValueError(f"unknown measure {key!r}; use one of {', '.join(MEASURES)}.") from None
 
 
+def key_of(name: str) -> str | None:
+    """The registry key of the engine's name of a result (``SharpnessResult.measure``, e.g. ``geodesic_inv_average``
+    -> ``geodesic_sharpness_inv``), or ``None`` for a name no measure of the registry gives."""
+    every = [Settings(mode=mode, adaptive_variant=variant) for mode in MODES for variant in VARIANTS]
+    return next((key for key, measure in MEASURES.items() for settings in every
+                 if measure.result_name(settings) == name), None)
+
+
 def parse_measures(text: str | Iterable[str] | None) -> list[str]:
-    """Measure keys from a comma-separated string or a list; short forms ``inv``, ``mix``, ``adaptive`` accepted."""
+    """Measure keys from a comma-separated string or a list; the short forms (``inv``, ``mix``, ``adaptive``,
+    ``relative``) accepted."""
     if text is None:
         return list(DEFAULT_MEASURES)
     items = [t.strip() for t in (text.split(",") if isinstance(text, str) else text) if t and t.strip()]
-    short = {"inv": "geodesic_sharpness_inv", "mix": "geodesic_sharpness_mix", "adaptive": "adaptive_sharpness",
-             "relative": "relative_flatness"}
+    short = {s.short: s.key for s in MEASURES.values() if s.short}
     keys = [short.get(i, i) for i in items]
     for key in keys:
         spec(key)
@@ -121,6 +143,7 @@ def no_symmetry_note(symmetry_map: Any, what: str = "the model") -> str | None:
 
 
 def _engine_kwargs(settings: Settings) -> dict[str, Any]:
+    """The settings every sharpness function of the engine takes."""
     return dict(rho=settings.rho, mode=settings.mode, steps=settings.steps, n_samples=settings.n_samples,
                 seed=settings.seed)
 
@@ -138,13 +161,10 @@ def run_measure(
         kept = {k: options[k] for k in ("loss_fn",) if k in options}
         return relative_flatness(model, batches, **kept)  # the exact trace
     if measure.family == "geodesic":
-        if settings.epsilon is not None:
-            kwargs["epsilon"] = settings.epsilon
-        return geodesic_sharpness(model, batches, metric=measure.metric, **kwargs, **options)
+        return geodesic_sharpness(model, batches, metric=measure.metric, epsilon=settings.epsilon, **kwargs,
+                                  **options)
     options.pop("symmetry_map", None)
-    if settings.adaptive_variant is not None:
-        kwargs["variant"] = settings.adaptive_variant
-    return adaptive_sharpness(model, batches, **kwargs, **options)
+    return adaptive_sharpness(model, batches, variant=settings.adaptive_variant, **kwargs, **options)
 
 
 def run_measures(

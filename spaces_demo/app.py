@@ -42,15 +42,14 @@ from hf_geosharp.data import (
 )
 from hf_geosharp.hub.cards import card_yaml, dataset_info, eval_result, task_type
 from hf_geosharp.leaderboard import (
+    Column,
     GapSpec,
-    Measure,
     ModelRef,
     ranked,
     run_leaderboard,
     taus_markdown,
     write_outputs,
 )
-from hf_geosharp.leaderboard import Settings as BoardSettings
 from hf_geosharp.leaderboard.store import STORE_FILE, ResultStore, StoreLockedError, output_lock
 from hf_geosharp.measures import DEFAULT_MEASURES, MEASURES, Settings, no_symmetry_note, run_measures
 from hf_geosharp.symmetry import map_symmetries
@@ -237,8 +236,7 @@ class Space:
         """The leaderboard on the whole zoo: ranked table, taus, scatter plot (cached between visits)."""
         steps = int(steps)  # at most LIMITS["zoo_steps"] (its slider): the leaderboard runs every zoo model
         _check_rho(rho)
-        measures = [Measure(MEASURES[k].metric or MEASURES[k].family) for k in DEFAULT_MEASURES
-                    if MEASURES[k].family in ("geodesic", "adaptive")]  # what the leaderboard can rank
+        columns = [Column(key) for key in DEFAULT_MEASURES]
         with torch_threads(1):
             progress(0.0, desc="training the zoo (first use only)")
             zoo = build_zoo(self.zoo_size, self.cache_dir, progress=True)
@@ -248,8 +246,8 @@ class Space:
                 with output_lock(out):  # two visitors ranking at once would compute twice and interleave the store
                     board = run_leaderboard(
                         models, DataSpec(dataset=str(zoo.data_dir), split="train", n_examples=128, batch_size=64),
-                        measures, ResultStore(out / STORE_FILE),
-                        settings=BoardSettings(rho=float(rho), steps=steps), gap=GapSpec(), progress=True,
+                        columns, ResultStore(out / STORE_FILE),
+                        settings=Settings(rho=float(rho), steps=steps), gap=GapSpec(), progress=True,
                     )
                     paths = write_outputs(board, out)
             except StoreLockedError:
@@ -409,7 +407,7 @@ def _measure_tab(space: Space) -> None:
         split_in = gr.Textbox(value="train", label="split")
     with gr.Row():
         n_in = gr.Slider(8, LIMITS["max_examples"], value=128, step=8, label="examples")
-        rho_in = gr.Number(value=0.1, label=f"rho (0 < rho <= {LIMITS['max_rho']:g})")
+        rho_in = gr.Number(value=Settings.rho, label=f"rho (0 < rho <= {LIMITS['max_rho']:g})")
         measures_in = gr.CheckboxGroup([(s.title, k) for k, s in MEASURES.items()], value=DEFAULT_CHOICE,
                                        label="measures")
         steps_in = gr.Slider(1, LIMITS["max_steps"], value=10, step=1, label="solver steps")
@@ -431,7 +429,7 @@ def _zoo_tab(space: Space) -> None:
     gr.Markdown(f"Ranks the {len(space.zoo_names)} zoo models and correlates each measure (and the parameter norm "
                 "and clean training loss) with their generalisation gap (test minus train error).")
     with gr.Row():
-        zoo_rho = gr.Number(value=0.1, label=f"rho (0 < rho <= {LIMITS['max_rho']:g})")
+        zoo_rho = gr.Number(value=Settings.rho, label=f"rho (0 < rho <= {LIMITS['max_rho']:g})")
         zoo_steps = gr.Slider(1, LIMITS["zoo_steps"], value=5, step=1, label="solver steps")
     rank = gr.Button("Rank the zoo", elem_id="rank-btn")
     board_out = gr.Dataframe(label="leaderboard (4 significant digits)", elem_id="board-table")

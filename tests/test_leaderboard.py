@@ -24,11 +24,10 @@ from hf_geosharp.data import DataError, DataSpec, load_batches, load_model, load
 from hf_geosharp.leaderboard import (
     MIN_MODELS_FOR_CI,
     TRIVIAL,
+    Column,
     GapSpec,
     Leaderboard,
-    Measure,
     ModelRef,
-    Settings,
     kendall_taus,
     ranked,
     read_gap_file,
@@ -37,6 +36,7 @@ from hf_geosharp.leaderboard import (
     write_outputs,
 )
 from hf_geosharp.leaderboard.store import STORE_FILE, ResultStore
+from hf_geosharp.measures import Settings
 from hf_geosharp.zoo import (
     METRICS_FILE,
     SPLIT_FILE,
@@ -267,7 +267,7 @@ def test_gap_from_a_file_and_adaptive_only(zoo, tmp_path):
 
     data = DataSpec(dataset=str(zoo.data_dir), split="train", n_examples=32, batch_size=32)
     store = ResultStore(tmp_path / STORE_FILE)
-    board = run_leaderboard(models, data, [Measure("adaptive")], store, settings=Settings(steps=1),
+    board = run_leaderboard(models, data, [Column("adaptive")], store, settings=Settings(steps=1),
                             gap=GapSpec(file=gap_file), progress=False)
     assert [r["gap"] for r in board.rows] == [0.0, 0.1, 0.2, 0.3]
     assert board.measures == ["adaptive_clean_worst"] and set(board.taus) == {"adaptive_clean_worst", *TRIVIAL}
@@ -279,13 +279,13 @@ def test_gap_from_a_file_and_adaptive_only(zoo, tmp_path):
     shutil.copytree(weights.parent, copy)
     os.utime(copy / "model.safetensors", ns=(0, weights.stat().st_mtime_ns + 1))  # "retrained" in place
     models[2] = ModelRef("mini-02", str(copy))
-    run_leaderboard(models, data, [Measure("adaptive")], store, settings=Settings(steps=1),
+    run_leaderboard(models, data, [Column("adaptive")], store, settings=Settings(steps=1),
                     gap=GapSpec(file=gap_file), progress=False)
     assert (tmp_path / STORE_FILE).read_text().count("\n") == lines + 2  # only that model's two results anew
 
     gap_file.write_text("model,gap\nmini-00,0.1\n")
     with pytest.raises(DataError, match="no row for model 'mini-01'"):
-        run_leaderboard(models, data, [Measure("adaptive")], store, settings=Settings(steps=1),
+        run_leaderboard(models, data, [Column("adaptive")], store, settings=Settings(steps=1),
                         gap=GapSpec(file=gap_file), progress=False)
 
 

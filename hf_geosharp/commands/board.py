@@ -9,18 +9,18 @@ from pathlib import Path
 
 from ..data import DataError, DataSpec
 from ..durable import OutputPathError, check_writable
+from ..engine.settings import MODES
 from ..leaderboard import (
-    KINDS,
+    Column,
     GapSpec,
     Leaderboard,
-    Measure,
-    Settings,
     markdown,
     resolve_models,
     run_leaderboard,
     write_outputs,
 )
 from ..leaderboard.store import STORE_FILE, ResultStore, StoreLockedError, output_lock
+from ..measures import MEASURES, Settings
 from .common import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,
@@ -28,6 +28,7 @@ from .common import (
     comma_list,
     error,
     keep_on_interrupt,
+    measure_keys,
     non_negative,
     positive,
     quiet_libraries,
@@ -37,6 +38,8 @@ from .common import (
 
 logger = logging.getLogger(__name__)
 
+DEFAULTS = Settings()
+
 
 def add_data_arguments(p: argparse.ArgumentParser, n_examples: int, batch_size: int) -> None:
     """Data and measure options of both commands (``geosharp demo`` fills the dataset in itself)."""
@@ -44,24 +47,31 @@ def add_data_arguments(p: argparse.ArgumentParser, n_examples: int, batch_size: 
                    help=f"examples to measure on (default: {n_examples})")
     p.add_argument("--batch-size", type=positive(int), default=batch_size,
                    help=f"examples per batch (default: {batch_size})")
-    p.add_argument("--measures", type=comma_list(KINDS), default=list(KINDS),
-                   help="inv, mix, adaptive, relative_flatness (default: all)")
-    p.add_argument("--mode", type=comma_list(("worst", "average")), default=["worst"], help="worst and/or average")
-    p.add_argument("--rho", type=positive(float), default=0.1, help="perturbation radius (default: 0.1)")
-    p.add_argument("--steps", type=steps_arg, default=20,
-                   help="solver steps per batch (worst case), or auto: until certified (default: 20)")
-    p.add_argument("--n-samples", type=positive(int), default=20, help="random directions per batch, average case")
-    p.add_argument("--epsilon", type=non_negative(float), default=1e-6, help="regulariser of the geodesic metric")
-    p.add_argument("--seed", type=seed, default=0, help="seed of the example shuffle, solver and bootstrap")
+    shorts = ", ".join(m.short or m.key for m in MEASURES.values())
+    p.add_argument("--measures", type=measure_keys, default=list(MEASURES),
+                   help=f"measure keys or short forms ({shorts}), comma-separated (default: all)")
+    p.add_argument("--mode", type=comma_list(MODES), default=[DEFAULTS.mode],
+                   help=f"{' and/or '.join(MODES)} (default: {DEFAULTS.mode})")
+    p.add_argument("--rho", type=positive(float), default=DEFAULTS.rho,
+                   help="perturbation radius (default: %(default)s)")
+    p.add_argument("--steps", type=steps_arg, default=DEFAULTS.steps,
+                   help="solver steps per batch (worst case), or auto: until certified (default: %(default)s)")
+    p.add_argument("--n-samples", type=positive(int), default=DEFAULTS.n_samples,
+                   help="random directions per batch, average case (default: %(default)s)")
+    p.add_argument("--epsilon", type=non_negative(float), default=DEFAULTS.epsilon,
+                   help="regulariser of the geodesic metric (default: %(default)s)")
+    p.add_argument("--seed", type=seed, default=DEFAULTS.seed,
+                   help="seed of the example shuffle, solver and bootstrap (default: %(default)s)")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no table")
 
 
-def measures_of(args: argparse.Namespace) -> list[Measure]:
-    measures = [Measure(kind, mode) for mode in args.mode for kind in args.measures]
-    return list({m.name: m for m in measures}.values())  # relative flatness has no mode: once
+def columns_of(args: argparse.Namespace) -> list[Column]:
+    """The leaderboard's columns: every measure asked for in every mode asked for."""
+    return [Column(key, mode) for mode in args.mode for key in args.measures]
 
 
 def settings_of(args: argparse.Namespace) -> Settings:
+    """The settings every column shares (each column has its own mode)."""
     return Settings(rho=args.rho, steps=args.steps, n_samples=args.n_samples, seed=args.seed, epsilon=args.epsilon)
 
 
@@ -86,7 +96,7 @@ def execute(
             store = ResultStore(store_path)  # warns about damaged lines, which it skips
             keep_on_interrupt(f"finished results are kept in {store_path}; rerun the same command to resume")
             trust = getattr(args, "trust_remote_code", False)  # geosharp demo has no such flag: its zoo has no code
-            board = run_leaderboard(models, data, measures_of(args), store, settings=settings_of(args), gap=gap,
+            board = run_leaderboard(models, data, columns_of(args), store, settings=settings_of(args), gap=gap,
                                     progress=not args.quiet, trust_remote_code=trust)
             paths = write_outputs(board, args.out)
     except (DataError, OutputPathError, StoreLockedError) as err:

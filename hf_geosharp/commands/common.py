@@ -83,6 +83,16 @@ def comma_list(allowed: tuple[str, ...]) -> Callable[[str], list[str]]:
     return parse
 
 
+def measure_keys(text: str) -> list[str]:
+    """An argparse type: measure keys of the registry or their short forms, comma-separated."""
+    from ..measures import parse_measures  # the registry imports torch: only once a command parses its arguments
+
+    try:
+        return parse_measures(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def add_trust_remote_code(parser: argparse.ArgumentParser) -> None:
     """``--trust-remote-code``: the only way a command runs a model's own Python code."""
     parser.add_argument("--trust-remote-code", action="store_true", help=TRUST_HELP)

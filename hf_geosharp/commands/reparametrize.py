@@ -26,6 +26,8 @@ from .common import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, add_trust_remote_code,
 
 logger = logging.getLogger(__name__)
 
+DEFAULTS = Settings()
+
 RECORD = "geosharp_reparametrize.json"
 
 
@@ -44,12 +46,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    "look flat or sharp (needs --dataset: the search uses the loss's gradients)")
     p.add_argument("--condition", type=float, default=100.0, help="largest condition number of each head's "
                    "group element (default: 100)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the group element or of the search")
+    p.add_argument("--seed", type=int, default=DEFAULTS.seed,
+                   help="seed of the group element or of the search (default: %(default)s)")
     p.add_argument("--dataset", help="dataset for the probe and --hide (default without --hide: random inputs)")
     p.add_argument("--split", default="train", help="split of --dataset (default: train)")
     p.add_argument("--n-examples", type=int, default=32, help="examples of --dataset (default: 32)")
     p.add_argument("--batch-size", type=int, default=16, help="examples per batch (default: 16)")
-    p.add_argument("--rho", type=float, default=0.1, help="with --hide: the radius of adaptive sharpness")
+    p.add_argument("--rho", type=float, default=DEFAULTS.rho,
+                   help="with --hide: the radius of adaptive sharpness (default: %(default)s)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
     add_trust_remote_code(p)
     p.set_defaults(func=run)

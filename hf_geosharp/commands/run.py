@@ -38,6 +38,7 @@ from ..data import (
     require_task,
 )
 from ..durable import OutputPathError, check_writable, write_json
+from ..engine.settings import MODES
 from ..measures import (
     DEFAULT_MEASURES,
     MEASURES,
@@ -53,6 +54,7 @@ from .common import (
     EXIT_OK,
     add_trust_remote_code,
     keep_on_interrupt,
+    measure_keys,
     non_negative,
     positive,
     quiet_libraries,
@@ -104,13 +106,6 @@ def _metrics(text: str) -> list[str]:
     return metrics
 
 
-def _measures(text: str) -> list[str]:
-    try:
-        return parse_measures(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-
-
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     default_metrics = [spec(k).metric for k in DEFAULT_MEASURES if spec(k).metric]
     p = subparsers.add_parser(
@@ -139,17 +134,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default="adaptive_sharpness" in DEFAULT_MEASURES,
         help="also measure adaptive sharpness (the baseline)",
     )
-    p.add_argument("--measures", type=_measures,
+    p.add_argument("--measures", type=measure_keys,
                    help="measure keys or short forms (inv, mix, adaptive, ...), comma-separated; instead of "
                    f"--metric/--baseline (default: {','.join(DEFAULT_MEASURES)})")  # fmt: skip
-    p.add_argument("--mode", choices=("worst", "average"), default=DEFAULTS.mode, help="worst or average case")
+    p.add_argument("--mode", choices=MODES, default=DEFAULTS.mode, help="worst or average case")
     p.add_argument("--rho", type=positive(float), default=DEFAULTS.rho, help="perturbation radius")
     p.add_argument("--steps", type=steps_arg, default=DEFAULTS.steps,
-                   help="solver steps per batch (worst case), or auto: until certified (default: 20)")
+                   help="solver steps per batch (worst case), or auto: until certified")
     p.add_argument("--n-samples", type=positive(int), default=DEFAULTS.n_samples,
                    help="random directions per batch (average case)")  # fmt: skip
     p.add_argument("--epsilon", type=non_negative(float), default=DEFAULTS.epsilon,
-                   help="regulariser of the geodesic metric (default: the engine's, 1e-6)")  # fmt: skip
+                   help="regulariser of the geodesic metric")  # fmt: skip
     p.add_argument("--seed", type=seed, default=DEFAULTS.seed, help="seed of the example shuffle, solver and --head")
     p.add_argument("--no-shuffle", action="store_true", help="take the first --n-examples rows in file order")
     p.add_argument("--max-length", type=positive(int), default=DataSpec.max_length, help="tokenizer truncation length")
@@ -325,7 +320,7 @@ def _what_to_run(args: argparse.Namespace) -> tuple[list[str], Settings, DataSpe
     keys = args.measures or parse_measures(args.metric + (["adaptive"] if args.baseline else []))
     settings = Settings(
         rho=args.rho, mode=args.mode, steps=args.steps, n_samples=args.n_samples, seed=args.seed,
-        epsilon=args.epsilon, adaptive_variant=DEFAULTS.adaptive_variant,
+        epsilon=args.epsilon,
     )  # fmt: skip
     spec_ = DataSpec(
         dataset=args.dataset, config=args.config, split=args.split, n_examples=args.n_examples,

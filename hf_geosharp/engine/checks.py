@@ -1,39 +1,14 @@
-"""Checks that run before any work: settings and batches that would otherwise fail deep inside a model or a loss
-(or, on a GPU, as a device-side assert that poisons the CUDA context)."""
+"""Checks that run before any work: models and batches that would otherwise fail deep inside a model or a loss
+(or, on a GPU, as a device-side assert that poisons the CUDA context). The settings check themselves
+(:class:`hf_geosharp.engine.settings.RunSettings`)."""
 
 from __future__ import annotations
 
 import itertools
-import math
-import numbers
 from collections.abc import Iterable, Mapping
-from typing import Any, Literal
+from typing import Any
 
-import numpy as np
 from torch import Tensor, nn
-
-Steps = int | Literal["auto"]
-
-
-def check_common(rho: float, mode: str, steps: Steps, n_samples: int, seed: int) -> tuple[float, Steps, int, int]:
-    """Refuse bad settings; return them as plain Python numbers (numpy scalars are accepted, e.g. ``np.int64(20)``)."""
-
-    def integral(value: Any) -> bool:  # bool is an int subclass: steps=True would silently mean 1 step
-        return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
-
-    auto = isinstance(steps, str) and steps == "auto"
-    if not isinstance(rho, numbers.Real) or isinstance(rho, (bool, np.bool_)) or not math.isfinite(rho) or rho <= 0:
-        raise ValueError(f"rho must be a positive finite number, got {rho!r}.")
-    if mode not in ("worst", "average"):
-        raise ValueError(f"mode must be 'worst' or 'average', got {mode!r}.")
-    if not auto and (not integral(steps) or steps < 1):
-        raise ValueError(f"steps must be a positive integer or 'auto', got {steps!r}.")
-    if not integral(n_samples) or n_samples < 1:
-        raise ValueError(f"n_samples must be a positive integer, got {n_samples!r}.")
-    if not integral(seed):
-        raise ValueError(f"seed must be an integer, got {seed!r}.")
-    return float(rho), steps if auto else int(steps), int(n_samples), int(seed)
-
 
 _CLASSIFIER_HEADS = ("ForSequenceClassification", "ForTokenClassification", "ForImageClassification")
 _PER_EXAMPLE_HEADS = ("ForSequenceClassification", "ForImageClassification")  # one prediction per example
@@ -173,19 +148,6 @@ def check_tokens(model: nn.Module, tensors: Mapping[str, Tensor], i: int) -> Non
             f"(config.max_position_embeddings); truncate to at most {positions[1]} tokens (tokenizer(..., "
             f"truncation=True, max_length={positions[1]}), or --max-length {positions[1]} on the command line)."
         )
-
-
-def check_convergence_args(tol: float, max_steps: int) -> None:
-    if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not math.isfinite(tol) or tol < 0:
-        raise ValueError(f"tol must be a finite number >= 0, got {tol!r}.")
-    if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
-        raise ValueError(f"max_steps must be a positive integer, got {max_steps!r}.")
-
-
-def check_epsilon(epsilon: float) -> float:
-    if isinstance(epsilon, bool) or not isinstance(epsilon, numbers.Real) or not math.isfinite(epsilon) or epsilon < 0:
-        raise ValueError(f"epsilon must be a finite number >= 0, got {epsilon!r}.")
-    return float(epsilon)
 
 
 def check_labels_present(batches: list[Any], names: Iterable[str], where: str) -> None:

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from .. import __version__
 from .checks import check_batch, check_model
+from .defaults import SEED
 from .model_function.objective import LossFn, default_loss, preserved_model_state, to_device
 from .placement.single import reparametrized
 from .result import SharpnessResult, average_stderr, batch_stderr
@@ -69,7 +70,7 @@ def relative_flatness(
     *,
     layer: str | nn.Linear | None = None,
     n_samples: int | None = None,
-    seed: int = 0,
+    seed: int = SEED,
     loss_fn: LossFn | None = None,
 ) -> SharpnessResult:
     """Relative flatness ``kappa_Tr`` of the feature layer (Petzka et al. 2021), exact per batch by default.

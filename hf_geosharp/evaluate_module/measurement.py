@@ -108,7 +108,7 @@ Args:
     batch_size (`int`, default {DEFAULT_BATCH_SIZE}): examples per batch; values are averaged over batches.
     max_length (`int`, default {DEFAULT_MAX_LENGTH}): truncation length when tokenizing `predictions`.
     seed (`int`, default {DEFAULTS.seed}): every batch's randomness is seeded from (seed, batch index).
-    epsilon (`float`, *optional*): regulariser of the metric's Gram matrices (the engine's default).
+    epsilon (`float`, default {DEFAULTS.epsilon:g}): regulariser of the geodesic metric's Gram matrices.
     loss_fn (`callable`, *optional*): `loss_fn(model, batch) -> scalar tensor` instead of the model's own loss.
     accelerator (`accelerate.Accelerator`, *optional*): created automatically when torch.distributed is running.
     fsdp (`bool`, default False): under `torchrun`, load `model_id` on every rank and shard it with FSDP2 before

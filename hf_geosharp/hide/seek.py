@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..durable import atomic_path
-from ..measures import Settings, run_measure
+from ..measures import DEFAULT_MEASURES, Settings, run_measure
 from ..symmetry import map_symmetries
 from .transform import DEFAULT_CONDITION, hide, reparametrize_checked
 
@@ -68,7 +68,7 @@ def hide_and_seek(
     gaps: list[float],
     *,
     settings: Settings | None = None,
-    measures: tuple[str, ...] = ("geodesic_sharpness_inv", "geodesic_sharpness_mix", "adaptive_sharpness"),
+    measures: tuple[str, ...] = DEFAULT_MEASURES,
     condition: float = DEFAULT_CONDITION,
     seed: int = 0,
     cache: Cache | None = None,

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
 from .. import __version__
 from ..durable import atomic_path, write_text
-from ..measures import MEASURES
+from ..measures import MEASURES, key_of
 
 logger = logging.getLogger(__name__)
 
@@ -106,14 +106,10 @@ class DatasetInfo:
 # ------------------------------------------------------------------------------------------------ what was measured
 def measure_key(result: dict[str, Any]) -> str:
     """The public key (:data:`hf_geosharp.measures.MEASURES`) of a ``SharpnessResult.to_dict()``."""
-    measure, config = result["measure"], result.get("config") or {}
-    for key, spec in MEASURES.items():
-        if spec.family == "geodesic":
-            if measure.startswith("geodesic_") and (config.get("metric") or measure.split("_")[1]) == spec.metric:
-                return key
-        elif measure.startswith(key) or measure.startswith(f"{spec.family}_"):
-            return key
-    raise CardError(f"result {measure!r} is not one of the known measures ({', '.join(MEASURES)}).")
+    key = key_of(result["measure"])
+    if key is None:
+        raise CardError(f"result {result['measure']!r} is not one of the known measures ({', '.join(MEASURES)}).")
+    return key
 
 
 def known_task(model_class: str | None) -> str | None:

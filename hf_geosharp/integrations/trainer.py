@@ -24,6 +24,7 @@ from transformers.training_args import TrainingArguments
 
 from ..api import SharpnessResult
 from ..engine.checks import check_inputs, check_labels_present
+from ..engine.defaults import SEED
 from ..measures import Settings, parse_measures, result_fields, run_measures
 
 logger = logging.getLogger(__name__)
@@ -123,7 +124,7 @@ class GeodesicSharpnessCallback(TrainerCallback):
         measures: str | Iterable[str] | None = None,
         n_examples: int = 64,
         batch_size: int | None = None,
-        seed: int = 0,
+        seed: int = SEED,
         settings: Settings | None = None,
         data_collator: Callable[[list], Any] | None = None,
         trainer: Any = None,
@@ -206,7 +207,7 @@ def measure_trainer(
     measures: str | Iterable[str] | None = None,
     settings: Settings | None = None,
     batch_size: int | None = None,
-    seed: int = 0,
+    seed: int = SEED,
     progress: bool = False,
 ) -> dict[str, SharpnessResult]:
     """Measure ``trainer.model`` (e.g. after ``trainer.train()``) on ``n_examples`` rows drawn with ``seed`` from

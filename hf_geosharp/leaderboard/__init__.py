@@ -10,16 +10,17 @@ moment it is computed, keyed by a fingerprint of the content of the model and th
 (:mod:`hf_geosharp.leaderboard.store`). A rerun with the same settings skips every finished (model, measure) and only
 computes what is missing. Every output file is written durably (:mod:`hf_geosharp.durable`).
 
-One job per module: :mod:`.inputs` (models, measures, settings, gap), :mod:`.run` (measuring into the store),
+The measures and their settings are the registry's (:mod:`hf_geosharp.measures`): a column is a registry measure in a
+mode. One job per module: :mod:`.inputs` (models, columns, gap), :mod:`.run` (measuring into the store),
 :mod:`.statistics` (Kendall taus) and :mod:`.report` (Markdown, CSV, plot).
 """
 
-from .inputs import KINDS, GapMetric, GapSpec, Kind, Measure, Mode, ModelRef, Settings, read_gap_file, resolve_models
+from .inputs import Column, GapMetric, GapSpec, ModelRef, read_gap_file, resolve_models
 from .report import markdown, ranked, scatter_plot, table_markdown, taus_markdown, write_csv, write_outputs
 from .run import TRIVIAL, Leaderboard, convergence_fix, evaluate_split, run_leaderboard
 from .statistics import MIN_MODELS_FOR_CI, kendall_taus
 
-__all__ = ["KINDS", "MIN_MODELS_FOR_CI", "TRIVIAL", "GapMetric", "GapSpec", "Kind", "Leaderboard", "Measure",
-           "ModelRef", "Mode", "Settings", "convergence_fix", "evaluate_split", "kendall_taus", "markdown", "ranked",
-           "read_gap_file", "resolve_models", "run_leaderboard", "scatter_plot", "table_markdown", "taus_markdown",
-           "write_csv", "write_outputs"]
+__all__ = ["MIN_MODELS_FOR_CI", "TRIVIAL", "Column", "GapMetric", "GapSpec", "Leaderboard", "ModelRef",
+           "convergence_fix", "evaluate_split", "kendall_taus", "markdown", "ranked", "read_gap_file",
+           "resolve_models", "run_leaderboard", "scatter_plot", "table_markdown", "taus_markdown", "write_csv",
+           "write_outputs"]

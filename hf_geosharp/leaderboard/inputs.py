@@ -1,9 +1,11 @@
-"""What a leaderboard ranks and how: the models (resolved from folders, list files and Hub ids), the measures, the
-solver settings and where each model's generalisation gap comes from."""
+"""What a leaderboard ranks and how: the models (resolved from folders, list files and Hub ids), its columns (measures
+of the registry, :mod:`hf_geosharp.measures`, each in a mode) and where each model's generalisation gap comes from.
+The solver settings are the registry's :class:`~hf_geosharp.measures.Settings`."""
 
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import os
 import re
@@ -13,11 +15,10 @@ from pathlib import Path
 from typing import Literal
 
 from ..data import DataError
+from ..engine.settings import Mode
+from ..measures import MEASURES, Settings, parse_measures
 
-Kind = Literal["inv", "mix", "adaptive", "relative_flatness"]
-Mode = Literal["worst", "average"]
 GapMetric = Literal["error", "loss"]
-KINDS: tuple[Kind, ...] = ("inv", "mix", "adaptive", "relative_flatness")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
@@ -73,32 +74,25 @@ def resolve_models(specs: Iterable[str]) -> list[ModelRef]:
 
 
 @dataclass(frozen=True)
-class Measure:
-    """One measure: geodesic (``inv``/``mix``) or ``adaptive`` sharpness, worst or average case, or
-    ``relative_flatness`` (Petzka et al.; it has no mode)."""
+class Column:
+    """One column of a leaderboard: a measure of the registry (its key or short form, e.g. ``"inv"``) in one mode
+    (``None``: the mode of the leaderboard's settings). Relative flatness has no mode: asked in both, it is one
+    column."""
 
-    kind: Kind
-    mode: Mode = "worst"
+    key: str
+    mode: Mode | None = None
 
-    @property
-    def name(self) -> str:
-        """The engine's name for it (``SharpnessResult.measure``), also the table's column."""
-        if self.kind == "relative_flatness":
-            return "relative_flatness"
-        if self.kind == "adaptive":
-            return "adaptive_clean_worst" if self.mode == "worst" else "adaptive_average"
-        return f"geodesic_{self.kind}_{self.mode}"
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "key", parse_measures([self.key])[0])  # a short form becomes its key
 
+    def settings(self, shared: Settings) -> Settings:
+        """The leaderboard's settings in this column's mode: what its measure runs with."""
+        return shared if self.mode is None else dataclasses.replace(shared, mode=self.mode)
 
-@dataclass(frozen=True)
-class Settings:
-    """Solver settings shared by all measures (each is part of every result's fingerprint)."""
-
-    rho: float = 0.1
-    steps: int | str = 20
-    n_samples: int = 20
-    seed: int = 0
-    epsilon: float = 1e-6
+    def name(self, shared: Settings) -> str:
+        """The column's name: the engine's name of its measure run with :meth:`settings` (e.g.
+        ``geodesic_inv_worst``), also the ``measure`` of its stored results."""
+        return MEASURES[self.key].result_name(self.settings(shared))
 
 
 @dataclass

@@ -13,19 +13,19 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from ..api import SharpnessResult, adaptive_sharpness, collected_convergence_notes, geodesic_sharpness
+from ..api import SharpnessResult, collected_convergence_notes
 from ..data import DataError, DataSpec, load_batches, load_model, load_processor, load_split, require_task
-from ..engine.relative_flatness import relative_flatness
-from ..measures import no_symmetry_note
+from ..measures import MEASURES, Settings, no_symmetry_note, run_measure
 from ..symmetry import map_symmetries
-from .inputs import GapSpec, Measure, ModelRef, Settings, read_gap_file
+from .inputs import Column, GapSpec, ModelRef, read_gap_file
 from .statistics import kendall_taus
 from .store import ResultStore, data_identity, fingerprint, model_identity
 
 logger = logging.getLogger(__name__)
 
 TRIVIAL = ("param_norm", "clean_loss")  # the baselines every measure must beat
-
+#: ``{column name: (measure key, the settings it runs with)}``, in column order.
+Plan = dict[str, tuple[str, Settings]]
 
 
 @torch.no_grad()
@@ -41,18 +41,24 @@ def evaluate_split(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]
     return {"loss": loss_sum / n, "error": wrong / n}
 
 
-def _measure(
-    measure: Measure, model: torch.nn.Module, batches: list, settings: Settings, smap: Any
-) -> SharpnessResult:
-    common = dict(rho=settings.rho, mode=measure.mode, steps=settings.steps, seed=settings.seed,
-                  n_samples=settings.n_samples, progress=False)
-    if measure.kind == "relative_flatness":
-        return relative_flatness(model, batches)  # the exact trace
-    if measure.kind == "adaptive":
-        return adaptive_sharpness(model, batches, **common)
-    return geodesic_sharpness(
-        model, batches, metric=measure.kind, epsilon=settings.epsilon, symmetry_map=smap, **common
-    )
+def _measure(key: str, model: torch.nn.Module, batches: list, settings: Settings, smap: Any) -> SharpnessResult:
+    """One result of the table, run by the registry."""
+    return run_measure(key, model, batches, settings, symmetry_map=smap, progress=False)
+
+
+def plan(columns: list[Column], settings: Settings) -> Plan:
+    """Each column's name and what it runs; a column asked twice under one name (relative flatness, which has no
+    mode, in both modes) once."""
+    runs: Plan = {}
+    for column in columns:
+        runs.setdefault(column.name(settings), (column.key, column.settings(settings)))
+    return runs
+
+
+def fingerprint_settings(settings: Settings) -> dict[str, Any]:
+    """The settings that key a stored result besides its column's name, which already says the mode and the
+    adaptive solver."""
+    return {k: v for k, v in settings.as_dict().items() if k not in ("mode", "adaptive_variant")}
 
 
 @dataclass
@@ -86,7 +92,7 @@ class Leaderboard:
 def run_leaderboard(
     models: list[ModelRef],
     data: DataSpec,
-    measures: list[Measure],
+    columns: list[Column],
     store: ResultStore,
     *,
     settings: Settings | None = None,
@@ -100,18 +106,19 @@ def run_leaderboard(
     store as soon as it exists, so killing the run loses at most the computation in flight. Results are keyed by the
     content of each model's files and of the data, so editing either recomputes them.
     """
-    if not measures:
+    if not columns:
         raise ValueError("no measures given; pick some of 'inv', 'mix', 'adaptive'.")
     settings = Settings() if settings is None else settings
+    runs = plan(columns, settings)
     gap_table = read_gap_file(gap.file) if gap is not None and gap.file is not None else None
     data_key = data_identity(data, None if Path(data.dataset).exists() else load_split(data))
     rows, results = [], {}
-    todo = len(models) * (len(measures) + 1 + (gap is not None and gap_table is None))
+    todo = len(models) * (len(runs) + 1 + (gap is not None and gap_table is None))
     bar = tqdm(total=todo, desc="leaderboard", unit="result", disable=not progress)
     for ref in models:
         model = model_identity(ref.source)
-        keys = {m.name: fingerprint(kind="measure", model=model, measure=m.name, data=data_key, **asdict(settings))
-                for m in measures}
+        keys = {name: fingerprint(kind="measure", model=model, measure=name, data=data_key,
+                                  **fingerprint_settings(settings)) for name in runs}
         keys["stats"] = fingerprint(kind="stats", model=model, data=data_key)
         if gap is not None and gap_table is None:
             splits = {k: v for k, v in asdict(gap).items() if k not in ("file", "metric")}  # both metrics are stored
@@ -120,11 +127,11 @@ def run_leaderboard(
         bar.update(len(keys) - len(missing))
         if missing:
             with collected_convergence_notes():  # one summary line below, not a warning per result
-                _compute_missing(ref, data, measures, settings, gap, store, keys, missing, bar, trust_remote_code)
-        rows.append(_row(ref, measures, store, keys, gap, gap_table))
-        results[ref.name] = [store.get(keys[m.name]) for m in measures]
+                _compute_missing(ref, data, runs, gap, store, keys, missing, bar, trust_remote_code)
+        rows.append(_row(ref, list(runs), store, keys, gap, gap_table))
+        results[ref.name] = [store.get(keys[name]) for name in runs]
     bar.close()
-    board = Leaderboard(rows, [m.name for m in measures], gap.metric if gap is not None else None, results)
+    board = Leaderboard(rows, list(runs), gap.metric if gap is not None else None, results)
     if unconverged := board.not_converged():
         logger.warning("%d of the worst-case results are not converged at steps=%s (not certified as the maximum; "
                        "each stored record says so in 'converged' and why in 'convergence_note'); %s.",
@@ -141,8 +148,8 @@ def convergence_fix(steps: int | str) -> str:
 
 
 def _compute_missing(
-    ref: ModelRef, data: DataSpec, measures: list[Measure], settings: Settings, gap: GapSpec | None,
-    store: ResultStore, keys: dict[str, str], missing: list[str], bar: tqdm, trust_remote_code: bool,
+    ref: ModelRef, data: DataSpec, runs: Plan, gap: GapSpec | None, store: ResultStore, keys: dict[str, str],
+    missing: list[str], bar: tqdm, trust_remote_code: bool,
 ) -> None:
     bar.set_postfix(model=ref.name)
     model = load_model(ref.source, trust_remote_code=trust_remote_code)
@@ -150,17 +157,17 @@ def _compute_missing(
     processor = load_processor(ref.source, model, trust_remote_code=trust_remote_code)
     batches = load_batches(model, processor, data)
     smap = None
-    if any(m.kind in ("inv", "mix") and m.name in missing for m in measures):
+    if any(MEASURES[key].family == "geodesic" and name in missing for name, (key, _) in runs.items()):
         smap = map_symmetries(model)
         if note := no_symmetry_note(smap, ref.name):
             logger.warning(note)
-    for m in measures:
-        if m.name not in missing:
+    for name, (key, settings) in runs.items():
+        if name not in missing:
             continue
-        bar.set_postfix(model=ref.name, measure=m.name)
+        bar.set_postfix(model=ref.name, measure=name)
         start = time.perf_counter()
-        res = _measure(m, model, batches, settings, smap)
-        store.put({"key": keys[m.name], "kind": "measure", "model": ref.name, "source": ref.source,
+        res = _measure(key, model, batches, settings, smap)
+        store.put({"key": keys[name], "kind": "measure", "model": ref.name, "source": ref.source,
                    "measure": res.measure, "value": res.value, "stderr": res.stderr, "converged": res.converged,
                    "stationarity_gap": res.stationarity_gap, "convergence_note": res.convergence_note,
                    "clean_loss": res.clean_loss, "per_batch": res.per_batch, "config": res.config,
@@ -184,11 +191,11 @@ def _compute_missing(
 
 
 def _row(
-    ref: ModelRef, measures: list[Measure], store: ResultStore, keys: dict[str, str], gap: GapSpec | None,
+    ref: ModelRef, names: list[str], store: ResultStore, keys: dict[str, str], gap: GapSpec | None,
     gap_table: dict[str, float] | None,
 ) -> dict[str, Any]:
     stats_record = store.get(keys["stats"])
-    records = {m.name: store.get(keys[m.name]) for m in measures}
+    records = {name: store.get(keys[name]) for name in names}
     row: dict[str, Any] = {"model": ref.name, **{name: r["value"] for name, r in records.items()},
                            **{f"{name}_stderr": r.get("stderr", math.nan) for name, r in records.items()},
                            "param_norm": stats_record["param_norm"], "clean_loss": stats_record["clean_loss"]}

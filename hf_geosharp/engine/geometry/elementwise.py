@@ -21,6 +21,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from ..defaults import ELEMENTWISE_CURVATURE
+
 Curvature = Literal["none", "second_order", "exact_exp"]
 #: Per segment: every coordinate (True), none (False), or a bool mask over the segment.
 Selection = bool | Tensor
@@ -57,7 +59,7 @@ class ElementwiseGeometry:
         self,
         w: Tensor | Sequence[Tensor],
         mask: Tensor | None = None,
-        curvature: Curvature = "none",
+        curvature: Curvature = ELEMENTWISE_CURVATURE,
         zero_tol: float = 1e-12,
         *,
         measure: list[Selection] | None = None,

@@ -31,6 +31,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from ..defaults import EPSILON, METRIC
+
 Metric = Literal["inv", "mix"]
 Pair = tuple[Tensor, Tensor]
 Reduce = Callable[[Tensor], Tensor]
@@ -111,8 +113,8 @@ class GLQuotient:
         self,
         G: Tensor,
         H: Tensor,
-        metric: Metric = "inv",
-        epsilon: float = 1e-6,
+        metric: Metric = METRIC,
+        epsilon: float = EPSILON,
         lie_basis: Tensor | None = None,
         probe_generator: torch.Generator | None = None,
         reduce: Reduce | None = None,
@@ -139,7 +141,8 @@ class GLQuotient:
             raise ValueError(
                 "A head's G^T G or H^T H is singular (the paper's Assumption 5.1 of full column rank fails) and the "
                 "relaxation cannot fill it (epsilon=0, or both factors of the head are zero). Pass epsilon > 0 (the "
-                "default 1e-6 is relative and keeps the invariance) or check the symmetry report for dead heads."
+                f"default {EPSILON:g} is relative and keeps the invariance) or check the symmetry report for dead "
+                "heads."
             ) from err
         P_inv, Q_inv = torch.cholesky_inverse(L_P), torch.cholesky_inverse(L_Q)
         self._P64, self._Q64, self._P_inv64, self._Q_inv64 = P, Q, P_inv, Q_inv

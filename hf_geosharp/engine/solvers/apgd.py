@@ -28,6 +28,8 @@ from typing import Literal, Protocol
 import torch
 from torch import Tensor, nn
 
+from ..defaults import N_SAMPLES, STEP_NORMALIZATION, STEPS
+
 logger = logging.getLogger(__name__)
 
 #: What the solvers call: ``objective(xi, need_grad, out=None) -> (loss, gradient or None)`` (the engine's is
@@ -322,9 +324,9 @@ def apgd(
     objective: ObjectiveFn,
     *,
     rho: float,
-    steps: int = 20,
+    steps: int = STEPS,
     momentum: float = 0.75,
-    step_normalization: StepNormalization = "riemannian",
+    step_normalization: StepNormalization = STEP_NORMALIZATION,
     min_update_ratio: float = 0.75,
     on_step: Callable[[int, float], None] | None = None,
     max_steps: int | None = None,
@@ -556,7 +558,7 @@ def average_case(
     objective: ObjectiveFn,
     *,
     rho: float,
-    n_samples: int = 20,
+    n_samples: int = N_SAMPLES,
     generator: torch.Generator,
     on_step: Callable[[int, float], None] | None = None,
 ) -> SolveResult:

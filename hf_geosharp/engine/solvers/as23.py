@@ -10,6 +10,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from ..defaults import STEPS
 from .apgd import CONVERGENCE_TOL, ObjectiveFn, Pool, SolveResult, StepSchedule, relative_gap
 
 _BLOCK = 1 << 20  # coordinates per block of the bisection's sums: a few MiB, so a block stays in cache
@@ -68,7 +69,7 @@ def apgd_as23(
     objective: ObjectiveFn,
     *,
     rho: float,
-    steps: int = 20,
+    steps: int = STEPS,
     momentum: float = 0.75,
     min_update_ratio: float = 0.75,
     on_step: Callable[[int, float], None] | None = None,

@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from ...symmetry.base import PairBlock
+from ..defaults import ELEMENTWISE_CURVATURE, EPSILON, METRIC
 from ..geometry.elementwise import Curvature, ElementwiseGeometry, per_segment
 from ..geometry.gl_quotient import GLQuotient, Metric
 from .coordinates import Factor, stack_alike
@@ -63,12 +64,12 @@ class SpaceOptions:
         elementwise_curvature: geodesic used for the non-pair coordinates.
     """
 
-    metric: Metric | None = "inv"
-    epsilon: float = 1e-6
+    metric: Metric | None = METRIC
+    epsilon: float = EPSILON
     second_order: bool = True
     riemannian_norm: bool = True
     horizontal_projection: bool = True
-    elementwise_curvature: Curvature = "none"
+    elementwise_curvature: Curvature = ELEMENTWISE_CURVATURE
 
 
 class Shard(Protocol):

@@ -1,0 +1,130 @@
+"""One settings object, checked once, with every default written once (hf_geosharp.engine.defaults): the public
+functions, the engine's layers, the registry's Settings and the command lines all start from the same values, and a
+bad setting is refused before any work, on every path (the runner, single-process or sharded, is never reached)."""
+
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+import pytest
+
+import hf_geosharp as gs
+import hf_geosharp.api as api
+from hf_geosharp.cli import build_parser
+from hf_geosharp.engine import defaults
+from hf_geosharp.engine.geometry.gl_quotient import GLQuotient
+from hf_geosharp.engine.settings import RunSettings
+from hf_geosharp.engine.solvers.apgd import apgd, average_case
+from hf_geosharp.engine.solvers.as23 import apgd_as23
+from hf_geosharp.engine.space.perturbation_space import SpaceOptions
+from hf_geosharp.integrations import GeodesicSharpnessCallback, measure_trainer
+from hf_geosharp.measures import Settings
+
+from .fixtures.hf_models import one_thread  # noqa: F401  (autouse: one torch thread for tiny models)
+from .fixtures.intact import FAST, assert_intact, snapshot, tiny_batches, tiny_bert
+
+#: Each keyword of the public functions and the constant that is its default.
+API_DEFAULTS = {"rho": defaults.RHO, "mode": defaults.MODE, "steps": defaults.STEPS, "seed": defaults.SEED,
+                "n_samples": defaults.N_SAMPLES, "params": defaults.PARAMS}
+GEODESIC_DEFAULTS = {"epsilon": defaults.EPSILON, "metric": defaults.METRIC,
+                     "step_normalization": defaults.STEP_NORMALIZATION,
+                     "elementwise_curvature": defaults.ELEMENTWISE_CURVATURE}
+
+
+def _defaults(function) -> dict:
+    return {name: p.default for name, p in inspect.signature(function).parameters.items()
+            if p.default is not inspect.Parameter.empty}
+
+
+def test_the_public_functions_default_to_the_constants():
+    assert _defaults(gs.geodesic_sharpness).items() >= {**API_DEFAULTS, **GEODESIC_DEFAULTS}.items()
+    assert _defaults(gs.adaptive_sharpness).items() >= {**API_DEFAULTS, "variant": defaults.ADAPTIVE_VARIANT}.items()
+
+
+def test_the_engine_defaults_to_the_constants():
+    run = RunSettings(rho=defaults.RHO)
+    assert (run.mode, run.steps, run.seed, run.n_samples, run.params, run.step_normalization) == (
+        defaults.MODE, defaults.STEPS, defaults.SEED, defaults.N_SAMPLES, defaults.PARAMS, defaults.STEP_NORMALIZATION)
+    assert run.variant == defaults.ADAPTIVE_VARIANT  # adaptive sharpness (no space options) with the default solver
+    options = SpaceOptions()
+    assert (options.metric, options.epsilon, options.elementwise_curvature) == (
+        defaults.METRIC, defaults.EPSILON, defaults.ELEMENTWISE_CURVATURE)
+    assert _defaults(GLQuotient)["epsilon"] == defaults.EPSILON and _defaults(GLQuotient)["metric"] == defaults.METRIC
+    assert _defaults(apgd)["steps"] == _defaults(apgd_as23)["steps"] == defaults.STEPS
+    assert _defaults(apgd)["step_normalization"] == defaults.STEP_NORMALIZATION
+    assert _defaults(average_case)["n_samples"] == defaults.N_SAMPLES
+
+
+def test_every_face_defaults_to_the_constants():
+    bundle = Settings()
+    assert bundle.as_dict() == {"rho": defaults.RHO, "mode": defaults.MODE, "steps": defaults.STEPS,
+                                "n_samples": defaults.N_SAMPLES, "seed": defaults.SEED, "epsilon": defaults.EPSILON,
+                                "adaptive_variant": defaults.ADAPTIVE_VARIANT}
+    parser = build_parser()
+    run = parser.parse_args(["run", "--model", "m", "--dataset", "d"])
+    board = parser.parse_args(["leaderboard", "m", "--dataset", "d"])
+    demo = parser.parse_args(["demo"])
+    for args in (run, board, demo):
+        assert (args.rho, args.steps, args.n_samples, args.seed, args.epsilon) == (
+            bundle.rho, bundle.steps, bundle.n_samples, bundle.seed, bundle.epsilon)
+    assert run.mode == bundle.mode and board.mode == demo.mode == [bundle.mode]
+    hide = parser.parse_args(["reparametrize", "m", "out"])
+    assert (hide.rho, hide.seed) == (bundle.rho, bundle.seed)
+    assert _defaults(GeodesicSharpnessCallback)["seed"] == _defaults(measure_trainer)["seed"] == defaults.SEED
+
+
+def test_help_texts_show_the_constants(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["leaderboard", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for flag, value in (("--rho", defaults.RHO), ("--steps", defaults.STEPS), ("--n-samples", defaults.N_SAMPLES),
+                        ("--epsilon", defaults.EPSILON), ("--seed", defaults.SEED), ("--mode", defaults.MODE)):
+        assert f"(default: {value})" in text.split(flag, 2)[-1].split("--", 1)[0], flag
+
+
+@pytest.mark.parametrize("measure", [gs.geodesic_sharpness, gs.adaptive_sharpness], ids=["geodesic", "adaptive"])
+def test_an_unknown_params_is_refused_before_any_work(measure, monkeypatch):
+    """``params="Trainable"`` once meant "all" on the sharded path: it is refused when the settings are made, before
+    the runner picks a placement, so no path can read it differently."""
+
+    def runner_reached(*args, **kwargs):
+        raise AssertionError("the runner was reached with settings that should have been refused")
+
+    monkeypatch.setattr(api, "run", runner_reached)
+    model = tiny_bert()
+    forwards = []
+    model.register_forward_pre_hook(lambda module, inputs: forwards.append(1))
+    before = snapshot(model)
+    with pytest.raises(ValueError, match=r"params must be 'all' or 'trainable', got 'Trainable'\."):
+        measure(model, tiny_batches(), params="Trainable", **FAST)
+    assert not forwards
+    assert_intact(model, before)
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"params": "Trainable"}, "params must be 'all' or 'trainable'"),
+    ({"rho": 0.0}, "rho must be a positive finite number"),
+    ({"mode": "best"}, "mode must be 'worst' or 'average'"),
+    ({"steps": 0}, "steps must be a positive integer or 'auto'"),
+    ({"n_samples": 2.0}, "n_samples must be a positive integer"),
+    ({"seed": None}, "seed must be an integer"),
+    ({"tol": -1.0}, "tol must be a finite number >= 0"),
+    ({"max_steps": True}, "max_steps must be a positive integer"),
+    ({"step_normalization": "l2"}, "step_normalization must be 'riemannian', 'euclidean' or 'none'"),
+    ({"variant": "as24"}, "variant must be 'clean' or 'as23'"),
+    ({"options": SpaceOptions(metric="euclid")}, "metric must be 'inv' or 'mix'"),
+    ({"options": SpaceOptions(epsilon=float("nan"))}, "epsilon must be a finite number >= 0"),
+])
+def test_run_settings_check_themselves(changes, message):
+    with pytest.raises(ValueError, match=message):
+        RunSettings(**{"rho": defaults.RHO, **changes})
+
+
+def test_run_settings_hold_plain_python_numbers():
+    settings = RunSettings(np.float32(0.5), steps=np.int64(3), n_samples=np.int32(4), seed=np.int64(7),
+                           options=SpaceOptions(epsilon=np.float64(0.0)))
+    assert (type(settings.rho), type(settings.steps), type(settings.n_samples), type(settings.seed)) == (
+        float, int, int, int)
+    assert type(settings.options.epsilon) is float and settings.measure == "geodesic_inv_worst"
+    assert RunSettings(1.0, steps="auto").steps == "auto"
