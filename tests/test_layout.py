@@ -61,10 +61,10 @@ def test_the_lowest_layers_import_only_each_other(relative: str) -> None:
     assert not imported, f"{relative} imports {sorted(imported)}"
 
 
-def test_the_symmetry_map_takes_only_the_lie_algebras_from_the_engine() -> None:
+def test_the_symmetry_map_takes_only_the_lie_algebras_and_the_defaults_from_the_engine() -> None:
     for path in sorted((PACKAGE / "symmetry").rglob("*.py")):
         engine = {name for name in _imports(path) if name.startswith("engine")}
-        assert all(name.startswith("engine.geometry.lie") for name in engine), \
+        assert all(name.startswith(("engine.geometry.lie", "engine.defaults")) for name in engine), \
             f"{path.relative_to(PACKAGE)} imports {sorted(engine)}"
 
 

@@ -20,7 +20,7 @@ import torch
 
 from .. import durable
 from ..data import DataError, DataSpec, load_batches, load_model, load_processor
-from ..hide import FunctionChangedError, hide, reparametrize_checked
+from ..hide import DEFAULT_CONDITION, FunctionChangedError, hide, reparametrize_checked
 from ..measures import Settings
 from .common import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, add_trust_remote_code, keep_on_interrupt, quiet_libraries
 
@@ -44,8 +44,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("out", metavar="OUT", type=Path, help="folder for the transformed copy (new or empty)")
     p.add_argument("--hide", choices=("flat", "sharp"), help="search for the element that makes adaptive sharpness "
                    "look flat or sharp (needs --dataset: the search uses the loss's gradients)")
-    p.add_argument("--condition", type=float, default=100.0, help="largest condition number of each head's "
-                   "group element (default: 100)")
+    p.add_argument("--condition", type=float, default=DEFAULT_CONDITION, help="largest condition number of each "
+                   "head's group element (default: %(default)g)")
     p.add_argument("--seed", type=int, default=DEFAULTS.seed,
                    help="seed of the group element or of the search (default: %(default)s)")
     p.add_argument("--dataset", help="dataset for the probe and --hide (default without --hide: random inputs)")

@@ -42,8 +42,6 @@ def build(
     sizes = [p.numel() for p in params]  # of a sharded parameter, the global size
     pair_params = pair_parameters(blocks, sizes)
     trainable = [settings.params == "all" or p.requires_grad for p in params]
-    if settings.params not in ("all", "trainable"):
-        raise ValueError(f"params must be 'all' or 'trainable', got {settings.params!r}.")
     if not any(trainable):
         raise ValueError("params='trainable' but no parameter has requires_grad=True; use params='all'.")
     placement.prepare(settings, params, list(batches.values()))

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from ..engine.defaults import EPSILON
 from .flat import flat_vector, parameters_in_order
 
 if TYPE_CHECKING:  # SymmetryMap.summary() calls into this module: no runtime import back into base
@@ -120,5 +121,5 @@ def format_report(report: dict) -> str:
         if items:
             lines += ["", f"  {title}:"] + [f"    - {item}" for item in items]
     if cond and cond["suggested_epsilon"] is not None:
-        lines.append(f"    suggested epsilon: {cond['suggested_epsilon']:.3g} (default 1e-6)")
+        lines.append(f"    suggested epsilon: {cond['suggested_epsilon']:.3g} (default {EPSILON:g})")
     return "\n".join(lines)
