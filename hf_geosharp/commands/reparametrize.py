@@ -32,6 +32,7 @@ RECORD = "geosharp_reparametrize.json"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``geosharp reparametrize``."""
     p = subparsers.add_parser(
         "reparametrize",
         help="save a copy of a model moved along its attention symmetries (same function), optionally adversarially",
@@ -94,6 +95,7 @@ def _random_batches(model: torch.nn.Module, seed: int) -> list[dict[str, torch.T
 
 
 def run(args: argparse.Namespace) -> int:
+    """Move the model along its symmetries (random or ``--hide``), check the function and save it; the exit code."""
     try:
         problem = _problem(args)
     except durable.OutputPathError as err:

@@ -107,6 +107,7 @@ def _metrics(text: str) -> list[str]:
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``geosharp run``."""
     default_metrics = [spec(k).metric for k in DEFAULT_MEASURES if spec(k).metric]
     p = subparsers.add_parser(
         "run",
@@ -257,6 +258,7 @@ def _cast_inputs(batches: list[dict], dtype: Any) -> list[dict]:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Measure a model on a dataset, print the table and write the results; the exit code."""
     quiet_libraries()
     try:
         launch = start(args.fsdp)

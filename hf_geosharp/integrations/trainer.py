@@ -148,6 +148,7 @@ class GeodesicSharpnessCallback(TrainerCallback):
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
+        """Draw the measuring subset and refuse, before any training, what the first measurement would refuse."""
         if self._handler is None:
             self._handler = _calling_handler(self)
             if self._handler is None:
@@ -166,6 +167,7 @@ class GeodesicSharpnessCallback(TrainerCallback):
         self._last_step = None
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        """Measure every ``every_n_steps`` steps and at the last one."""
         due = self.every_n_steps is not None and state.global_step % self.every_n_steps == 0
         if due or control.should_training_stop:  # DefaultFlowCallback has already flagged the last step
             self._measure(args, state, control, kwargs["model"])
@@ -173,6 +175,7 @@ class GeodesicSharpnessCallback(TrainerCallback):
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
+        """Measure once more if training stopped at a step that was not measured (e.g. early stopping)."""
         if self._last_step != state.global_step:  # training stopped early (e.g. EarlyStoppingCallback)
             self._measure(args, state, control, kwargs["model"])
 

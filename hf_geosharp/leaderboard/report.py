@@ -55,6 +55,7 @@ def markdown(board: Leaderboard) -> str:
 
 
 def write_csv(board: Leaderboard, path: Path) -> None:
+    """Write the ranked table as CSV, one row per model, floats in full precision (``repr``)."""
     table = ranked(board)
     with atomic_path(path) as tmp, open(tmp, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(table[0]))

@@ -73,6 +73,7 @@ class Leaderboard:
 
     @property
     def predictors(self) -> list[str]:
+        """The table's predictors: every measure's column, then the trivial ones."""
         return [*self.measures, *TRIVIAL]
 
     def certified(self, measure: str) -> tuple[int, int] | None:
