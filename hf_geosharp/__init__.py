@@ -4,18 +4,17 @@ Importing the package writes nothing and starts nothing: the evaluate module is 
 ``geosharp register`` (which ``scripts/install.sh`` runs), never as a side effect of ``import hf_geosharp``.
 """
 
-__version__ = "0.4.1"
-
-from .api import NotConvergedWarning, SharpnessResult, adaptive_sharpness, geodesic_sharpness  # noqa: E402
-from .engine.relative_flatness import relative_flatness  # noqa: E402
-from .hide import HideResult, hide  # noqa: E402
-from .symmetry import SymmetryMap, map_symmetries, reparametrize  # noqa: E402
+from ._version import __version__
+from .api import NotConvergedWarning, SharpnessResult, adaptive_sharpness, geodesic_sharpness
+from .engine.relative_flatness import relative_flatness
+from .hide import HideResult, hide
+from .symmetry import SymmetryMap, map_symmetries, reparametrize
 
 __all__ = ["HideResult", "NotConvergedWarning", "SharpnessResult", "SymmetryMap", "adaptive_sharpness",
            "geodesic_sharpness", "hide", "map_symmetries", "relative_flatness", "reparametrize",
            "EVALUATE_MODULE_DIR", "EVALUATE_MODULE_SCRIPT", "__version__"]
 
-from .evaluate_module import register as _register  # noqa: E402
+from .evaluate_module import register as _register
 
 EVALUATE_MODULE_DIR = str(_register.MODULE_DIR)
 """The evaluate module's one folder as published (loading script and measurement card): ``metric_card/``."""

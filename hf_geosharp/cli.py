@@ -17,7 +17,7 @@ import logging
 import sys
 import warnings
 
-from . import __version__
+from ._version import __version__
 from .commands.common import invoke, quiet_libraries
 
 COMMANDS = ("run", "symmetry", "register", "leaderboard", "card", "demo", "export_space", "reparametrize")

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from huggingface_hub import SpaceCard
 
-from .. import __version__
+from .._version import __version__
 from ..durable import staged_dir, write_bytes, write_text
 from .common import EXIT_BAD_INPUT, EXIT_OK, error, keep_on_interrupt
 

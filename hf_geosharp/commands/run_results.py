@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .. import __version__
+from .._version import __version__
 from ..durable import write_json
 from ..engine.solvers.apgd import AUTO_BLOCK
 from ..leaderboard.store import file_digest, model_identity

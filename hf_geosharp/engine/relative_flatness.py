@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .. import __version__
+from .._version import __version__
 from .checks import check_batch, check_model
 from .defaults import SEED
 from .model_function.objective import LossFn, default_loss, preserved_model_state, to_device

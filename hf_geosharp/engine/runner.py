@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .. import __version__
+from .._version import __version__
 from ..symmetry.base import SymmetryMap
 from .builder import build, measuring
 from .checks import check_inputs

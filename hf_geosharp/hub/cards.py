@@ -35,7 +35,7 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData
 if TYPE_CHECKING:
     from huggingface_hub import EvalResultEntry
 
-from .. import __version__
+from .._version import __version__
 from ..durable import atomic_path, write_text
 from ..measures import MEASURES, key_of
 

@@ -24,7 +24,7 @@ from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any
 
-from .. import __version__
+from .._version import __version__
 
 logger = logging.getLogger(__name__)
 
