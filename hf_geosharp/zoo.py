@@ -17,9 +17,10 @@ recorded fingerprint matches its config, so an interrupted or outdated build is 
 Training is chaotic: a last-bit difference in one matmul grows into a different model within a few hundred steps
 (measured after 780 steps, 1 against 2 threads: relative weight distance 1.1 in float32, 0.35 in float64). Each
 machine's kernels round differently (thread count, AVX2 or AVX-512, MKL's and oneDNN's own dispatch), so the zoo is
-trained in a child process whose kernels are pinned to a portable baseline (:data:`PORTABLE_KERNELS`): the same
-weights, bit for bit, on any x86-64 CPU, whatever the caller's thread count (checked by switching this machine's
-kernels: AVX2 or AVX-512, MKL's instruction set, one or two threads; ``tests/test_leaderboard.py``).
+trained in a child process whose kernels are pinned to a portable baseline (:data:`PORTABLE_KERNELS`): on one
+machine the same weights, bit for bit, whatever the caller's thread count and instruction set (checked by switching
+the machine's kernels: AVX2 or AVX-512, MKL's instruction set, one or two threads; ``tests/test_leaderboard.py``).
+Across machines this does not yet hold: an AMD EPYC machine trained a different zoo (README, "The embedded demo").
 """
 
 from __future__ import annotations
