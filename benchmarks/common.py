@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from hf_geosharp import __version__
+
 
 @dataclass
 class Timing:
@@ -83,6 +85,7 @@ def machine(device: str) -> dict[str, Any]:
     """What the numbers were measured on, written into every JSON file."""
     info: dict[str, Any] = {
         "device": device,
+        "hf_geosharp": __version__,
         "python": platform.python_version(),
         "torch": torch.__version__,
         "platform": platform.platform(),

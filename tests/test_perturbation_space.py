@@ -41,12 +41,13 @@ def test_strided_gathers_and_scatters_match_index_operations():
     assert strided > 0
 
 
-@pytest.mark.parametrize("riemannian_norm", [True, False])
-@pytest.mark.parametrize("metric", ["inv", "mix"])
+@pytest.mark.parametrize(("metric", "riemannian_norm"),
+                         [("inv", True), ("mix", True), ("inv", False), ("mix", False), (None, True)])
 def test_ascent_direction_matches_metric_inner_products(metric, riemannian_norm):
     """The solver's step direction and its Gram row from ``ascent_direction`` (``<R e, v>_g = <e, v>`` for horizontal
     ``v``, ``<d, d>_g`` summed block by block) equal the Riemannian gradient and full metric inner products, also when
-    the gradient is consumed in place (epsilon = 0)."""
+    the gradient is consumed in place (epsilon = 0). The blocks are small, so that the pass meets every kind: all
+    coordinates movable (no mask), some frozen (the zero biases), pair coordinates kept for the pair geometry."""
     model = tiny_bert()
     theta0 = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     options = SpaceOptions(metric, epsilon=0.0, riemannian_norm=riemannian_norm)

@@ -76,6 +76,7 @@ class ElementwiseGeometry:
         self.measure = measure if measure is not None else per_segment(mask, self.sizes, True)
         self.keep = keep if keep is not None else [False] * len(self.sizes)
         self.curvature, self.zero_tol = curvature, zero_tol
+        self._plain: tuple[int, list[bool]] | None = None
 
     # ------------------------------------------------------------------ blocks
     def _blocks(self) -> Iterator[tuple[slice, Tensor, Selection, Selection]]:
@@ -87,6 +88,15 @@ class ElementwiseGeometry:
                 pick = lambda s, a=start, b=stop: s if isinstance(s, bool) else s[a:b]  # noqa: E731
                 yield slice(offset + start, offset + stop), w[start:stop], pick(measure), pick(keep)
             offset += n
+
+    def _plain_blocks(self) -> list[bool]:
+        """Per block, whether every coordinate is measured and movable, so that the step's pass needs no mask: read
+        once per block size, since the base point does not change while the geometry lives."""
+        if self._plain is None or self._plain[0] != self.CHUNK:
+            flags = [measure is True and not bool((self._scale_sq(w, True) == 0).any())
+                     for _, w, measure, _ in self._blocks()]
+            self._plain = (self.CHUNK, flags)
+        return self._plain[1]
 
     def _scale_sq(self, w: Tensor, measure: Selection) -> Tensor:
         """``w^2`` on measured movable coordinates of a block, else 0 (a block-sized tensor)."""
@@ -172,12 +182,17 @@ class ElementwiseGeometry:
         block of ``egrad`` runs before it is overwritten and while it is in cache. Returns ``(square, products)``
         as float64 tensors on the device (no synchronisation)."""
         sums = torch.zeros(len(vectors) + 1, dtype=torch.float64, device=egrad.device)
-        for where, w, measure, keep in self._blocks():
+        for (where, w, measure, keep), plain in zip(self._blocks(), self._plain_blocks()):
             e = egrad[where]
             if save is not None:
                 save[where].copy_(e)
             if len(vectors):
                 sums[1:] += torch.mv(vectors[:, where], e)
+            if plain:  # every coordinate measured and movable: (e w) w, with no mask and no temporary
+                scaled = torch.mul(e, w, out=out[where])  # e is not read again, so out may be egrad
+                sums[0] += torch.dot(scaled, scaled)
+                scaled.mul_(w)
+                continue
             if measure is False:
                 if keep is not True:
                     out[where].mul_(keep) if isinstance(keep, Tensor) else out[where].zero_()
