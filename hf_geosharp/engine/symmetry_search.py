@@ -39,7 +39,8 @@ Target = Literal["flat", "sharp"]
 
 class AdaptiveProxy:
     """The first-order adaptive worst case ``rho * ||grad L (.) |w| ||`` at any point of the orbit of ``w``, from one
-    gradient per batch at ``w`` itself (taken here, with the model's state restored afterwards).
+    gradient per batch at ``w`` itself (taken here, with the model's state restored afterwards). It lives on the
+    model's device, and so does the search that calls it.
 
     Args:
         model: the model at ``w`` (not changed).
@@ -53,7 +54,7 @@ class AdaptiveProxy:
         params = parameters_in_order(model, smap)
         w = flat_vector(params)
         in_block = pair_mask(smap, len(w), w.device)
-        self.rho = rho
+        self.rho, self.device = rho, w.device
         self.G = [w[b.G_index.to(w.device)] for b in smap.blocks]
         self.H = [w[b.H_index.to(w.device)] for b in smap.blocks]
         self.rest, self.gG, self.gH = [], [], []
@@ -113,8 +114,9 @@ def _adam_in_the_algebra(proxy: AdaptiveProxy, smap: SymmetryMap, target: Target
     proxy."""
     coeffs, bases = [], []
     for block in smap.blocks:
-        basis = algebra_basis(block.head_dim, block.lie_basis)
-        c = torch.randn(block.n_pairs, basis.shape[0], generator=generator, dtype=torch.float64)
+        basis = algebra_basis(block.head_dim, block.lie_basis).to(proxy.device)
+        # drawn on the CPU, so that a seed gives the same start on every device
+        c = torch.randn(block.n_pairs, basis.shape[0], generator=generator, dtype=torch.float64).to(proxy.device)
         c *= 0.1 * bound / torch.linalg.matrix_norm(algebra_elements(c, basis), ord=2)[:, None]
         coeffs.append(c.requires_grad_(True))
         bases.append(basis)
@@ -192,7 +194,8 @@ def search_group_element(
                          "(see `geosharp symmetry MODEL`).")
     bound = math.log(condition) / 2
     proxy = AdaptiveProxy(model, batches, smap, rho, loss_fn)
-    identity = [torch.zeros(b.n_pairs, b.head_dim, b.head_dim, dtype=torch.float64) for b in smap.blocks]
+    identity = [torch.zeros(b.n_pairs, b.head_dim, b.head_dim, dtype=torch.float64, device=proxy.device)
+                for b in smap.blocks]
     with torch.no_grad():
         proxy_before = float(proxy(identity))
     generator = torch.Generator().manual_seed(seed)
