@@ -20,7 +20,10 @@ machine's kernels round differently (thread count, AVX2 or AVX-512, MKL's and on
 trained in a child process whose kernels are pinned to a portable baseline (:data:`PORTABLE_KERNELS`): on one
 machine the same weights, bit for bit, whatever the caller's thread count and instruction set (checked by switching
 the machine's kernels: AVX2 or AVX-512, MKL's instruction set, one or two threads; ``tests/test_leaderboard.py``).
-Across machines this does not yet hold: an AMD EPYC machine trained a different zoo (README, "The embedded demo").
+Across machines: with the kernels of zoo version 2 an Intel Xeon and an AMD EPYC trained different zoos; version 3
+also turns oneDNN off (its convolution picks its blocking from the CPU's cache sizes, whatever its instruction set),
+and every member records a digest of its weights, which the demo prints, so that a run on another CPU shows at once
+whether it trained the same zoo (README, "The embedded demo").
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-ZOO_VERSION = 2  # bump when training changes, so that cached members are retrained (2: portable kernels)
+ZOO_VERSION = 3  # bump when training changes, so that cached members are retrained (2: portable kernels, 3: no oneDNN)
 N_TRAIN = 500  # of the 1797 digits; the remaining 1297 are the test split (small train set: real gaps)
 SPLIT_SEED = 0
 METRICS_FILE = "zoo_metrics.json"
@@ -59,7 +62,8 @@ ZooSize = Literal["mini", "full"]
 # The child process that trains the zoo runs on these: ATen's scalar baseline instead of its AVX2/AVX-512 kernels,
 # MKL's conditional numerical reproducibility (identical results whatever instructions the CPU has), oneDNN capped at
 # SSE4.1 (which every x86-64 CPU of the last 15 years has), one thread. Each of the four changes the trained weights
-# when left out (measured on zoo-06, whose 780 steps took 10-12 s with or without them on a busy machine).
+# when left out (measured on zoo-06, whose 780 steps took 10-12 s with or without them on a busy machine). The child
+# also turns oneDNN off (:func:`_train_members_here`), so the patch convolution runs on ATen's own kernel and MKL.
 PORTABLE_KERNELS = {
     "ATEN_CPU_CAPABILITY": "default",
     "MKL_CBWR": "COMPATIBLE",
@@ -239,6 +243,7 @@ def train_member(member: ZooMember, data: dict[str, tuple[np.ndarray, np.ndarray
         "train_loss": train["loss"], "train_error": train["error"],
         "test_loss": test["loss"], "test_error": test["error"],
         "fit_loss": _metrics(model, x_train, y_fit)["loss"], "n_params": sum(p.numel() for p in model.parameters()),
+        "weights_digest": weights_digest(model.state_dict()),
         "kernels": {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                     "threads": torch.get_num_threads()},
     }
@@ -246,6 +251,16 @@ def train_member(member: ZooMember, data: dict[str, tuple[np.ndarray, np.ndarray
     image_processor().save_pretrained(folder)
     write_json(folder / METRICS_FILE, metrics)
     return metrics
+
+
+def weights_digest(state: dict[str, torch.Tensor]) -> str:
+    """A short SHA-256 of the tensors' names, dtypes, shapes and bytes, in name order."""
+    h = hashlib.sha256()
+    for name in sorted(state):
+        t = state[name].detach().cpu().contiguous()
+        h.update(f"{name} {t.dtype} {tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
 @contextlib.contextmanager
@@ -287,6 +302,12 @@ class Zoo:
     def metrics(self) -> dict[str, dict]:
         """Each member's recorded train/test metrics, by name."""
         return {m.name: json.loads((self.root / m.name / METRICS_FILE).read_text()) for m in self.members}
+
+    def weights_digest(self) -> str:
+        """One digest of every member's weights (their recorded :func:`weights_digest`): equal on two machines
+        exactly when they trained the same zoo."""
+        digests = [self.metrics()[m.name]["weights_digest"] for m in self.members]
+        return hashlib.sha256(" ".join(digests).encode()).hexdigest()[:12]
 
 
 def build_zoo(
@@ -359,6 +380,8 @@ def _train_members_here(root: str) -> None:
     members = [ZooMember(**m) for m in json.loads(sys.stdin.read())]
     data = digits_arrays()
     torch.set_num_threads(1)
+    # oneDNN's convolution blocks by the CPU's cache sizes even at a capped instruction set: another CPU, other sums
+    torch.backends.mkldnn.enabled = False
     for member in members:
         with staged_dir(Path(root) / member.name) as tmp:
             metrics = train_member(member, data, tmp)

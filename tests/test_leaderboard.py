@@ -18,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from scipy import stats
+from transformers import ViTForImageClassification
 
 from hf_geosharp import cli
 from hf_geosharp.data import DataError, DataSpec, load_batches, load_model, load_processor
@@ -46,6 +47,7 @@ from hf_geosharp.zoo import (
     pixel_values,
     torch_threads,
     train_member,
+    weights_digest,
     zoo_members,
 )
 
@@ -123,10 +125,23 @@ def test_the_zoo_trains_to_the_same_bits_whatever_the_callers_threads_and_kernel
         fresh, cached = (load_file(root / name / "model.safetensors") for root in (again.root, zoo.root))
         assert fresh.keys() == cached.keys() and all(torch.equal(fresh[k], cached[k]) for k in cached), name
         assert again.metrics()[name]["test_loss"] == zoo.metrics()[name]["test_loss"]
+        model = ViTForImageClassification.from_pretrained(again.root / name)
+        reloaded = weights_digest(model.state_dict())
+        assert reloaded == again.metrics()[name]["weights_digest"] == zoo.metrics()[name]["weights_digest"]
     assert zoo.metrics()["mini-01"]["kernels"]["cpu_capability"] == "DEFAULT"
     if torch.backends.cpu.get_cpu_capability() != "DEFAULT":
         here = train_member(zoo.members[1], digits_arrays(), tmp_path / "here")  # lr 1e-2, 12 epochs: chaotic
         assert here["test_loss"] != zoo.metrics()["mini-01"]["test_loss"]
+
+
+def test_the_weights_digest_sees_one_ulp_and_a_renamed_tensor():
+    """What the demo prints to tell two machines' zoos apart: it changes with any bit of any weight, and with names."""
+    state = {"a.weight": torch.randn(3, 4, generator=torch.Generator().manual_seed(0)), "b.bias": torch.zeros(2)}
+    moved = dict(state, **{"a.weight": state["a.weight"].clone()})
+    moved["a.weight"][1, 2] = torch.nextafter(moved["a.weight"][1, 2], torch.tensor(math.inf))
+    renamed = {"c.weight": state["a.weight"], "b.bias": state["b.bias"]}
+    assert weights_digest(state) == weights_digest(dict(reversed(list(state.items()))))  # name order, not insertion
+    assert len({weights_digest(state), weights_digest(moved), weights_digest(renamed)}) == 3
 
 
 def test_build_zoo_subset_trains_only_the_named_member(tmp_path):

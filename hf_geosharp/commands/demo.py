@@ -146,7 +146,8 @@ def run(args: argparse.Namespace) -> int:
         with torch_threads(args.threads):
             _hide_and_seek(args, zoo, data, board)
     if not args.quiet:
-        print(f"\nzoo: {len(zoo.members)} models in {zoo.root} ({trained - start:.0f} s); "
+        print(f"\nzoo: {len(zoo.members)} models, weights digest {zoo.weights_digest()}, in {zoo.root} "
+              f"({trained - start:.0f} s); "
               f"leaderboard: {ranked_at - trained:.0f} s; hide & seek: {time.perf_counter() - ranked_at:.0f} s")
         print(convergence_summary(board, args.steps))
     return EXIT_OK
