@@ -130,6 +130,10 @@ BYTES_PER_PARAMETER_GOAL = 16
 #: Memory goal of a solve where the model's activations leave room for it: its peak, relative to a plain
 #: forward+backward's.
 PEAK_RATIO_GOAL = 1.5
+#: The share of the bytes goal the rule leaves for what a solve holds besides its vectors and the space (the
+#: allocator's rounding, a pass's temporaries): the memory suite measured 16.04 bytes per parameter where five
+#: vectors and the space came to 15.94 (BERT-base, clean adaptive).
+BYTES_MARGIN = 0.02
 
 
 @dataclass(frozen=True)
@@ -159,7 +163,8 @@ def keeps_best_gradient(footprint: Footprint) -> bool:
 
     The rule: keep it when the solve, with it, stays within the memory goals it meets without it.
 
-    * :data:`BYTES_PER_PARAMETER_GOAL` holds everywhere: the five vectors and the space's own memory must fit in it.
+    * :data:`BYTES_PER_PARAMETER_GOAL` holds everywhere: the five vectors and the space's own memory must fit in it,
+      with :data:`BYTES_MARGIN` to spare.
     * :data:`PEAK_RATIO_GOAL` is met only where the activations are large enough. A plain forward+backward's peak is
       estimated between ``weights + activations`` (its least) and ``2 weights + activations`` (its most, every
       gradient written); the fifth vector is kept if the solve's extra memory with it is within the goal's headroom
@@ -171,7 +176,7 @@ def keeps_best_gradient(footprint: Footprint) -> bool:
     tokens, whose four vectors fit the peak goal and five would not, recomputes."""
     four = 4 * footprint.vector + footprint.space
     five = four + footprint.vector
-    if five > BYTES_PER_PARAMETER_GOAL * footprint.parameters:
+    if five > (1.0 - BYTES_MARGIN) * BYTES_PER_PARAMETER_GOAL * footprint.parameters:
         return False
     headroom = PEAK_RATIO_GOAL - 1.0
     least = footprint.weights + footprint.activations
