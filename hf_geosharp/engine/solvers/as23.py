@@ -137,5 +137,10 @@ def apgd_as23(
 def _gap(egrad: Tensor, scale: Tensor, delta: Tensor, rho: float, sharpness: float) -> float:
     """The relative Frank-Wolfe gap of the adaptive ball at ``delta`` (elementwise metric ``1/w^2``: the Riemannian
     gradient's norm is ``||egrad |w| ||``, its product with ``delta`` is ``<egrad, delta>``)."""
-    sq_d = float(torch.linalg.vector_norm(egrad * scale, dtype=torch.float64) ** 2)
-    return relative_gap(rho, sq_d, float(torch.dot(egrad, delta)), sharpness)
+    scratch = egrad.new_empty(min(_BLOCK, egrad.numel()))
+    sq_d = torch.zeros((), dtype=torch.float64, device=egrad.device)
+    for start in range(0, egrad.numel(), _BLOCK):  # float32 blocks summed in float64: no parameter-sized temporary
+        g, s = egrad[start : start + _BLOCK], scale[start : start + _BLOCK]
+        block = torch.mul(g, s, out=scratch[: g.numel()])
+        sq_d += torch.dot(block, block)
+    return relative_gap(rho, float(sq_d), float(torch.dot(egrad, delta)), sharpness)
