@@ -45,7 +45,6 @@ def test_blocked_ellipsoid_projection_matches_the_reference_formula(monkeypatch)
         assert float((got * inv).norm()) <= rho + 1e-5
 
 
-
 def test_blocked_as23_gap_matches_the_whole_vector_formula(monkeypatch):
     """AS23's Frank-Wolfe gap, summed block by block, against ``relative_gap`` on whole float64 vectors."""
     from hf_geosharp.engine.solvers import as23 as solver
@@ -55,10 +54,13 @@ def test_blocked_as23_gap_matches_the_whole_vector_formula(monkeypatch):
     g = torch.Generator().manual_seed(1)
     egrad, scale, delta = (torch.randn(10_500, generator=g) for _ in range(3))
     scale[::7] = 0.0  # frozen coordinates
+    delta *= 1e-3  # <egrad, delta> below rho ||egrad |w| ||: every gap below is positive, so the sum is tested
     e, s = egrad.double(), scale.double()
     for rho, value in ((0.1, 2.0), (1.0, 0.5), (0.01, 30.0)):
         expected = relative_gap(rho, float((e * s).square().sum()), float(e @ delta.double()), value)
-        assert solver._gap(egrad, scale, delta, rho, value) == pytest.approx(expected, rel=1e-5)
+        assert expected > 0 and solver._gap(egrad, scale, delta, rho, value) == pytest.approx(expected, rel=1e-5)
+
+
 def test_solver_bookkeeping_keeps_iterates_in_the_ball():
     """Iterates never leave the ball, and the best iterate's norm from the Gram bookkeeping is its real norm."""
     from hf_geosharp.engine.model_function import objective as objective_module
