@@ -18,7 +18,8 @@ _BLOCK = 1 << 20  # coordinates per block of the bisection's sums: a few MiB, so
 
 def _ellipsoid_norm(delta: Tensor, inv_scale: Tensor, lmbd: float, scratch: tuple[Tensor, Tensor]) -> float:
     """``||(delta / |w|) / (1 + 2 lambda / w^2)||``, block by block (float64 across blocks): no parameter-sized
-    temporary, two reads of the data per evaluation."""
+    temporary, two reads of the data per evaluation. At ``lambda = 0`` it is ``||delta * inv_scale||`` for any two
+    vectors (:func:`_gap` uses it so), and ``work`` is not touched."""
     u, work = scratch
     total = torch.zeros((), dtype=torch.float64, device=delta.device)
     for start in range(0, delta.numel(), _BLOCK):
@@ -138,9 +139,5 @@ def _gap(egrad: Tensor, scale: Tensor, delta: Tensor, rho: float, sharpness: flo
     """The relative Frank-Wolfe gap of the adaptive ball at ``delta`` (elementwise metric ``1/w^2``: the Riemannian
     gradient's norm is ``||egrad |w| ||``, its product with ``delta`` is ``<egrad, delta>``)."""
     scratch = egrad.new_empty(min(_BLOCK, egrad.numel()))
-    sq_d = torch.zeros((), dtype=torch.float64, device=egrad.device)
-    for start in range(0, egrad.numel(), _BLOCK):  # float32 blocks summed in float64: no parameter-sized temporary
-        g, s = egrad[start : start + _BLOCK], scale[start : start + _BLOCK]
-        block = torch.mul(g, s, out=scratch[: g.numel()])
-        sq_d += torch.dot(block, block)
-    return relative_gap(rho, float(sq_d), float(torch.dot(egrad, delta)), sharpness)
+    sq_d = _ellipsoid_norm(egrad, scale, 0.0, (scratch, scratch)) ** 2  # blocked: no parameter-sized temporary
+    return relative_gap(rho, sq_d, float(torch.dot(egrad, delta)), sharpness)
