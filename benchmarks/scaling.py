@@ -9,6 +9,11 @@
   the geometry does not depend on the tokens, the model's work does, so its share falls with batch x sequence.
 * ``batches``: total geodesic time against the number of batches; each batch is solved separately, so time per batch
   should stay flat (the space is built once per call).
+* ``threads``: wall time at one and two torch threads, MiniLM and BERT-base at 8 x 128 tokens, of a plain
+  forward+backward, of a step's vector work over every parameter (the clean solver's: no pairs) and of the geodesic
+  step (vector work plus pair geometry), next to the memory bandwidth of a parameter-sized ``c = a + b``. The floor
+  suite times wall with every thread; the model's large products use them all, a step's passes over the parameter
+  vectors and its small pair products scale less, so their share of a step grows with the threads (CPU only).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from hf_geosharp.symmetry.base import PairBlock
 
 from .common import forward_backward, interleaved, synchronize
 from .config import RunConfig
-from .models import MINILM, bert_batches, bert_classifier, symmetry_map
+from .models import BERT_BASE, MINILM, bert_batches, bert_classifier, symmetry_map
 
 
 def _layer_space(heads: int, h: int, metric: str, device: str) -> PerturbationSpace:
@@ -70,6 +75,43 @@ def geometry_step_seconds(space: PerturbationSpace, device: str, repeats: int) -
     return min(samples)  # load from other processes only adds time
 
 
+def _stream_seconds(n: int, device: str, repeats: int) -> float:
+    """Minimum seconds of ``c = a + b`` on float32 vectors of ``n`` entries (12 n bytes moved)."""
+    a, b = torch.ones(n, device=device), torch.ones(n, device=device)
+    c = torch.empty_like(a)
+    timings, _ = interleaved({"add": lambda: torch.add(a, b, out=c)}, repeats, device,
+                             warmup=lambda: torch.add(a, b, out=c))
+    return timings["add"].wall
+
+
+def thread_scaling(cfg: RunConfig, reps: int) -> list[dict[str, Any]]:
+    """Wall seconds at 1 and 2 torch threads of a forward+backward, a step's vector work and a geodesic step."""
+    rows, threads = [], torch.get_num_threads()
+    try:
+        for size in (MINILM, BERT_BASE):
+            model = bert_classifier(size, device=cfg.device)
+            smap, _ = symmetry_map(model)
+            batch = bert_batches(model, n_batches=1, batch_size=8, seq_len=128)[0]
+            params = [p.detach() for p in model.parameters()]
+            n = sum(p.numel() for p in params)
+            for count in (1, 2):
+                torch.set_num_threads(count)
+                timings, _ = interleaved({"fb": lambda: forward_backward(model, batch)}, reps, cfg.device,
+                                         warmup=lambda: forward_backward(model, batch))
+                row = {"model": size.name, "n_params": n, "threads": count, "tokens_per_batch": 8 * 128,
+                       "forward_backward_s": timings["fb"].wall,
+                       "stream_gb_per_s": 12 * n / _stream_seconds(n, cfg.device, reps) / 1e9}
+                for metric in ("none", "inv", "mix"):
+                    space = PerturbationSpace(params, smap.blocks, SpaceOptions(None if metric == "none" else metric))
+                    row[f"step_{metric}_s"] = geometry_step_seconds(space, cfg.device, reps)
+                    del space
+                rows.append(row)
+            del model, params
+    finally:
+        torch.set_num_threads(threads)
+    return rows
+
+
 def run(cfg: RunConfig) -> dict[str, Any]:
     reps = max(3, cfg.repeats)
     geometry = []
@@ -111,7 +153,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     timings, _ = interleaved(cases, cfg.repeats, cfg.device, warmup=lambda: forward_backward(model, all_batches[0]))
     batches = [{"n_batches": int(b), "total_s": t.wall, "per_batch_s": t.wall / int(b)} for b, t in timings.items()]
     return {"suite": "scaling", "symmetry_map": source, "geometry": geometry,
-            "sequence": sequence, "batches": {"steps": steps, "batch_size": 8, "seq_len": 64, "rows": batches}}
+            "sequence": sequence, "batches": {"steps": steps, "batch_size": 8, "seq_len": 64, "rows": batches},
+            "threads": thread_scaling(cfg, reps) if cfg.device == "cpu" else []}
 
 
 def table(result: dict[str, Any]) -> str:
@@ -131,4 +174,13 @@ def table(result: dict[str, Any]) -> str:
               "| batches | total s | s / batch |", "|---|---|---|"]
     for r in b["rows"]:
         lines.append(f"| {r['n_batches']} | {r['total_s']:.2f} | {r['per_batch_s']:.2f} |")
+    lines += ["", "Wall ms at 8 x 128 tokens by torch threads: a forward+backward, a step's vector work over every "
+              "parameter (no pairs), a geodesic step, and their share of the forward+backward:", "",
+              "| model | threads | stream GB/s | fwd+bwd ms | vector work ms (share) | inv step ms (share) | "
+              "mix step ms (share) |", "|---|---|---|---|---|---|---|"]
+    for r in result.get("threads", []):
+        fb = r["forward_backward_s"]
+        cells = [f"{1e3 * r[f'step_{m}_s']:.0f} ({100 * r[f'step_{m}_s'] / fb:.1f} %)" for m in ("none", "inv", "mix")]
+        lines.append(f"| {r['model']} | {r['threads']} | {r['stream_gb_per_s']:.1f} | {1e3 * fb:.0f} | "
+                     + " | ".join(cells) + " |")
     return "\n".join(lines)
