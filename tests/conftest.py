@@ -1,6 +1,7 @@
 """Every test runs offline: no test may touch the Hugging Face Hub."""
 
 import os
+import signal
 
 import pytest
 
@@ -17,3 +18,14 @@ def measurement():
     import hf_geosharp as gs
 
     return evaluate.load(gs.EVALUATE_MODULE_SCRIPT, keep_in_memory=True)
+
+
+@pytest.fixture
+def ctrl_c_raises():
+    """A real SIGINT raises KeyboardInterrupt in the test, as in a terminal, whatever the run inherited: a shell
+    without job control starts background jobs with SIGINT ignored, and Python then leaves it ignored."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -168,6 +168,7 @@ def _replace_full(target: Path, at_step: int, monkeypatch, seen: list[str], comm
                 signal.raise_signal(signal.SIGINT)
 
 
+@pytest.mark.usefixtures("ctrl_c_raises")
 def test_ctrl_c_at_any_step_leaves_old_or_new_complete_and_says_which(tmp_path, monkeypatch, swap) -> None:
     """A real SIGINT while the new folder is written and before each step of the replacement: the folder is the old
     one or the new one, complete; the commit hook (what the command reports) ran exactly when it is the new one; a

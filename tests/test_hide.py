@@ -139,10 +139,9 @@ class _Interrupt:
         self.copy(param, value)
 
 
+@pytest.mark.usefixtures("ctrl_c_raises")
 @pytest.mark.parametrize("how", ["raise", "signal"])
 def test_reparametrize_interrupted_mid_copy_leaves_the_model_bit_exact(monkeypatch, how: str) -> None:
-    if how == "signal" and signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # e.g. a background job: SIGINT ignored
     handler = signal.getsignal(signal.SIGINT)
     model = _bert()
     state = _state(model)
@@ -155,10 +154,9 @@ def test_reparametrize_interrupted_mid_copy_leaves_the_model_bit_exact(monkeypat
     assert signal.getsignal(signal.SIGINT) is handler  # the handler is put back
 
 
+@pytest.mark.usefixtures("ctrl_c_raises")
 @pytest.mark.parametrize("how", ["raise", "signal"])
 def test_hide_interrupted_mid_copy_leaves_the_model_bit_exact(monkeypatch, how: str) -> None:
-    if how == "signal" and signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
     model, batches = _bert(), _batches()
     state = _state(model)
     monkeypatch.setattr(reparam_module, "_copy", _Interrupt(2, how))

@@ -102,6 +102,7 @@ def _interrupt_at(monkeypatch, module, name: str) -> None:
     monkeypatch.setattr(module, name, call)
 
 
+@pytest.mark.usefixtures("ctrl_c_raises")
 @pytest.mark.parametrize("where", ["while saving", "at the swap", "at the rename"])
 def test_ctrl_c_leaves_out_old_or_new_complete_and_says_which(tmp_path: Path, monkeypatch, capsys, where) -> None:
     """Ctrl-C during ``--overwrite``: OUT is byte for byte the old copy (interrupted while the new one is written)
@@ -132,6 +133,7 @@ def test_ctrl_c_leaves_out_old_or_new_complete_and_says_which(tmp_path: Path, mo
                                                                                    else []))
 
 
+@pytest.mark.usefixtures("ctrl_c_raises")
 def test_ctrl_c_before_out_exists_leaves_no_out_and_out_follows_the_umask(tmp_path: Path, monkeypatch,
                                                                           capsys) -> None:
     model_dir = save_text_model(tmp_path / "model")
