@@ -22,8 +22,9 @@ def measurement():
 
 @pytest.fixture
 def ctrl_c_raises():
-    """A real SIGINT raises KeyboardInterrupt in the test, as in a terminal, whatever the run inherited: a shell
-    without job control starts background jobs with SIGINT ignored, and Python then leaves it ignored."""
+    """A real SIGINT raises KeyboardInterrupt in the test, and in the processes it starts, as in a terminal, whatever
+    the run inherited: a shell without job control starts background jobs with SIGINT ignored, Python then leaves it
+    ignored, and child processes inherit that."""
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         yield

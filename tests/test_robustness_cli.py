@@ -407,6 +407,7 @@ def test_python_side_needs_trust_remote_code_too(files, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------- Ctrl-C
+@pytest.mark.usefixtures("ctrl_c_raises")
 def test_ctrl_c_exits_130_with_one_line_and_keeps_finished_measures(files, tmp_path):
     """SIGINT once the first measure has finished (the baseline's bar shows up on stderr): exit 130, one line naming
     what was kept, no traceback; the finished measure is in --json, marked interrupted."""
