@@ -39,7 +39,7 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
@@ -63,7 +63,7 @@ ZooSize = Literal["mini", "full"]
 # MKL's conditional numerical reproducibility (identical results whatever instructions the CPU has), oneDNN capped at
 # SSE4.1 (which every x86-64 CPU of the last 15 years has), one thread. Each of the four changes the trained weights
 # when left out (measured on zoo-06, whose 780 steps took 10-12 s with or without them on a busy machine). The child
-# also turns oneDNN off (:func:`_train_members_here`), so the patch convolution runs on ATen's own kernel and MKL.
+# also turns oneDNN off (:func:`run_portably`), so the patch convolution runs on ATen's own kernel and MKL.
 PORTABLE_KERNELS = {
     "ATEN_CPU_CAPABILITY": "default",
     "MKL_CBWR": "COMPATIBLE",
@@ -346,43 +346,57 @@ def build_zoo(
 
 def train_portably(members: list[ZooMember], root: Path) -> Iterator[dict]:
     """Train ``members`` into ``root/<name>`` in a child process on :data:`PORTABLE_KERNELS`; yields each member's
-    metrics as it is saved. The environment is read by torch, MKL and oneDNN when they load, hence the child."""
-    package_parent = str(Path(__file__).resolve().parents[1])  # the child imports this very copy of the package
-    child_code = (f"import sys; sys.path.insert(0, {package_parent!r}); "
-                  f"from hf_geosharp.zoo import _train_members_here; _train_members_here({str(root)!r})")
-    command = [sys.executable, "-c", child_code]
+    metrics as it is saved."""
+    yield from run_portably("hf_geosharp.zoo:_train_members_here",
+                            {"root": str(root), "members": [asdict(m) for m in members]})
+
+
+def run_portably(target: str, payload: Any, *, path: tuple[str, ...] = ()) -> Iterator[dict]:
+    """Call ``target`` (``"module:function"``, given ``payload``) in a child process on :data:`PORTABLE_KERNELS`
+    with one torch thread and oneDNN off, and yield what it passes to :func:`portable_result`. The environment is read
+    by torch, MKL and oneDNN when they load, hence the child; it imports this very copy of the package, plus ``path``.
+    An error or Ctrl-C of the consumer kills the child; a failed child raises with its last error lines."""
+    module, function = target.split(":")
+    roots = [str(Path(__file__).resolve().parents[1]), *path]
+    child_code = (f"import json, sys; sys.path[:0] = {roots!r}; import torch; torch.set_num_threads(1); "
+                  "torch.backends.mkldnn.enabled = False; "  # oneDNN blocks by the CPU's cache sizes: other sums
+                  f"from {module} import {function}; {function}(json.loads(sys.stdin.read()))")
     env = {**os.environ, **PORTABLE_KERNELS}
     with tempfile.TemporaryFile("w+") as errors, subprocess.Popen(
-        command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors, text=True, env=env
+        [sys.executable, "-c", child_code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors, text=True,
+        env=env,
     ) as child:
         assert child.stdin is not None and child.stdout is not None
         try:
-            child.stdin.write(json.dumps([asdict(m) for m in members]))
+            child.stdin.write(json.dumps(payload))
             child.stdin.close()
             for line in child.stdout:
-                if line.startswith(_METRICS_LINE):
-                    yield json.loads(line[len(_METRICS_LINE):])
+                if line.startswith(_RESULT_LINE):
+                    yield json.loads(line[len(_RESULT_LINE):])
                 elif line.strip():
-                    logger.debug("zoo training: %s", line.rstrip())
+                    logger.debug("%s: %s", target, line.rstrip())
         except BaseException:  # the consumer stopped early (an error, Ctrl-C, a closed generator): no orphan
             child.kill()
             raise
         if child.wait() != 0:
             errors.seek(0)
-            raise RuntimeError(f"training the zoo failed (exit {child.returncode}):\n{errors.read().strip()[-4000:]}")
+            raise RuntimeError(f"{target} failed in its portable child process (exit {child.returncode}):\n"
+                               f"{errors.read().strip()[-4000:]}")
 
 
-_METRICS_LINE = "zoo-metrics "  # marks the child's result lines among anything a library prints
+_RESULT_LINE = "portable-result "  # marks the child's result lines among anything a library prints
 
 
-def _train_members_here(root: str) -> None:
-    """The child's side of :func:`train_portably`: member configs as JSON on stdin, one metrics line per member."""
-    members = [ZooMember(**m) for m in json.loads(sys.stdin.read())]
+def portable_result(result: dict) -> None:
+    """Hand ``result`` to the parent of :func:`run_portably` (the child's side)."""
+    print(_RESULT_LINE + json.dumps(result), flush=True)
+
+
+def _train_members_here(payload: dict) -> None:
+    """The child's side of :func:`train_portably`: one metrics result per member."""
+    members = [ZooMember(**m) for m in payload["members"]]
     data = digits_arrays()
-    torch.set_num_threads(1)
-    # oneDNN's convolution blocks by the CPU's cache sizes even at a capped instruction set: another CPU, other sums
-    torch.backends.mkldnn.enabled = False
     for member in members:
-        with staged_dir(Path(root) / member.name) as tmp:
+        with staged_dir(Path(payload["root"]) / member.name) as tmp:
             metrics = train_member(member, data, tmp)
-        print(_METRICS_LINE + json.dumps(metrics), flush=True)
+        portable_result(metrics)
