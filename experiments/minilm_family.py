@@ -48,7 +48,7 @@ import sys
 import textwrap
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -340,13 +340,23 @@ def member_folder(member: Member, config: Config, cache: Path) -> Path:
     return cache / "models" / f"{member.name}-{key}"
 
 
-def trained_metrics(member: Member, config: Config, cache: Path) -> dict[str, Any] | None:
-    """The saved metrics of a trained member (with its ``folder`` and gaps), or None."""
+def member_key(member: Member, config: Config) -> str:
+    """The store key of a member's training record (its metrics and weights' digest)."""
+    return _digest(trained=member_folder(member, config, Path()).name)
+
+
+def trained_metrics(member: Member, config: Config, cache: Path,
+                    store: ResultStore | None = None) -> dict[str, Any] | None:
+    """The metrics of a trained member (with its ``folder`` and gaps): from its folder, else from its training record
+    in ``store`` (a sitting on a fresh machine: the folder is trained again before the member is measured, see
+    :func:`ensure_trained`), else None."""
     folder = member_folder(member, config, cache)
     try:
         metrics = json.loads((folder / "metrics.json").read_text())
     except FileNotFoundError:
-        return None
+        if store is None or (record := store.get(member_key(member, config))) is None:
+            return None
+        metrics = record["metrics"]
     return {**metrics, "folder": str(folder), **{gap: metrics[te] - metrics[tr] for gap, (te, tr) in GAPS.items()}}
 
 
@@ -362,6 +372,20 @@ def train_members(todo: list[Member], config: Config, cache: Path, tarball: Path
                     "weights %s", metrics["member"]["name"], metrics["train_seconds"], metrics["train_cpu_seconds"],
                     metrics["train_error"], metrics["train_error_clean"], metrics["test_error"],
                     metrics["weights_digest"])
+
+
+def ensure_trained(row: dict[str, Any], config: Config, cache: Path, tarball: Path) -> None:
+    """Train the member of ``row`` again if its folder is missing (its metrics came from the store), and check that
+    it got the weights the store's numbers belong to."""
+    folder = Path(row["folder"])
+    if (folder / "metrics.json").exists():
+        return
+    train_members([Member(**row["member"])], config, cache, tarball)
+    digest = json.loads((folder / "metrics.json").read_text())["weights_digest"]
+    if digest != row["weights_digest"]:
+        raise RuntimeError(f"{row['member']['name']} trained to other weights here (digest {digest}) than the store's "
+                           f"record of it ({row['weights_digest']}), so the stored numbers are not this model's; "
+                           "measure into a new store (--store NEW_FILE) or on a machine that trains the same weights")
 
 
 def _train_here(payload: dict[str, Any]) -> None:
@@ -432,8 +456,10 @@ def tasks(row: dict[str, Any], config: Config, target: str | None) -> list[tuple
 class Runner:
     """Measures with a store: each (member, measure, settings, stage) is computed once and appended immediately."""
 
-    def __init__(self, store_path: Path, batches: list, config: Config) -> None:
+    def __init__(self, store_path: Path, batches: list, config: Config,
+                 ensure_trained: Callable[[dict[str, Any]], None]) -> None:
         self.store, self.batches, self.config = ResultStore(store_path), batches, config
+        self.ensure_trained = ensure_trained  # the folder, before a member is loaded
         self._model: tuple[str, Any] | None = None
 
     def lookup(self, key: str) -> dict[str, Any] | None:
@@ -444,6 +470,7 @@ class Runner:
 
     def model(self, row: dict[str, Any]) -> Any:
         if self._model is None or self._model[0] != row["folder"]:
+            self.ensure_trained(row)
             self._model = (row["folder"], load_member(row["folder"]))
         return self._model[1]
 
@@ -477,6 +504,7 @@ class Runner:
         keys = {n: measure_key(row, n, c.settings(n), stage, c) for n in HIDDEN}
         if self.lookup(hkey) and all(self.lookup(k) for k in keys.values()):
             return {"hide": self.store.get(hkey)} | {n: self.store.get(k) for n, k in keys.items()}
+        self.ensure_trained(row)
         model = load_member(row["folder"])
         with _clock() as clock:
             result = hide(model, self.batches, target=target, condition=c.hide_condition, search_steps=c.hide_steps,
@@ -533,17 +561,26 @@ def run(config: Config, cache: Path, out_dir: Path | None = RESULTS, *, tarball:
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         tarball = tarball or fetch_corpus(cache)
         corpus = load_corpus(tarball, tokenizer, config)
-        runner = Runner(_store_path(cache, store), measure_batches(corpus, config), config)
+        runner = Runner(_store_path(cache, store), measure_batches(corpus, config), config,
+                        lambda row: ensure_trained(row, config, cache, tarball))
         mine = [m for m in members(config) if m.seed % shard[1] == shard[0]]
-        if "train" in stages and (todo := [m for m in mine if trained_metrics(m, config, cache) is None]):
+        if "train" in stages and (todo := [m for m in mine if trained_metrics(m, config, cache, runner.store) is None]):
             train_members(todo, config, cache, tarball)
-        rows = [row for m in mine if (row := trained_metrics(m, config, cache)) is not None]
+        rows = []
+        for member in mine:  # every trained member's metrics go into the store, for sittings without its folder
+            if (row := trained_metrics(member, config, cache, runner.store)) is None:
+                continue
+            rows.append(row)
+            if runner.lookup(key := member_key(member, config)) is None:
+                runner.store.put({"key": key, "kind": "minilm_family_member", "model": member.name,
+                                  "metrics": {k: v for k, v in row.items() if k != "folder" and k not in GAPS}})
         if "main" in stages:
             for row in _progress(rows, "main"):
                 for name in PLAN:
                     runner.measure(row, name, config.rho)
         if "adversarial" in stages:
-            everyone = [r for m in members(config) if (r := trained_metrics(m, config, cache)) is not None]
+            shared = ResultStore(runner.store.path)  # with the other shards' members
+            everyone = [r for m in members(config) if (r := trained_metrics(m, config, cache, shared)) is not None]
             if (split := hide_targets(everyone, config)) is None:
                 logger.warning("adversarial stage skipped: %d of %d members trained (the hide targets need the "
                                "median gap of all); rerun when every shard has trained its members", len(everyone),
@@ -572,7 +609,7 @@ def collect(config: Config, cache: Path, store: Path | None = None) -> tuple[lis
     """What the store holds for the current library version and settings: one row per trained member (metrics, gaps,
     and one record per number: ``numbers[column]``), and the population's hide split. Measures nothing."""
     records = ResultStore(_store_path(cache, store))
-    rows = [r for m in members(config) if (r := trained_metrics(m, config, cache)) is not None]
+    rows = [r for m in members(config) if (r := trained_metrics(m, config, cache, records)) is not None]
     split = hide_targets(rows, config)
     for row in rows:
         target = None if split is None else split[1][row["member"]["name"]]
@@ -668,12 +705,12 @@ def remaining(config: Config, cache: Path, store: Path | None = None) -> dict[st
     by_name = {r["member"]["name"]: r for r in rows}
     for member in members(config):
         row = by_name.get(member.name)
-        kinds = [] if row is not None else ["train/train"]
-        if row is None or not row.get("hide"):
-            kinds.append("adversarial/hide")
+        kinds = [] if row is not None and row.get("hide") else ["adversarial/hide"]
         numbers = {} if row is None else row["numbers"]
         kinds += [_task_kind(s, n) for s, n, rho, _ in tasks({}, config, "flat")
                   if column_name(s, n, rho) not in numbers]
+        if row is None or (kinds and not (Path(row["folder"]) / "metrics.json").exists()):
+            kinds.append("train/train")  # trained first, or again on this machine
         for kind in kinds:
             todo[kind] = todo.get(kind, 0) + 1
     seconds = {kind: n * each(kind) for kind, n in todo.items()}
@@ -686,10 +723,12 @@ def status(config: Config, cache: Path, store: Path | None = None) -> str:
     left = remaining(config, cache, store)
     complete = sum(not r["missing"] and bool(r.get("hide")) for r in rows)
     main = sum(all(n in r["numbers"] for n in PLAN) for r in rows)
+    here = sum((Path(r["folder"]) / "metrics.json").exists() for r in rows)
     cost = _cost(rows)
     lines = [f"hf_geosharp {__version__}, protocol {PROTOCOL}; cache {cache}, store {_store_path(cache, store)}",
-             f"members: {len(rows)}/{config.n_models} trained, {main} with every main number, {complete} complete "
-             f"(main, adversarial, sweep); {info['store_records']} records in the store (all versions)"]
+             f"members: {len(rows)}/{config.n_models} trained ({here} in the cache), {main} with every main number, "
+             f"{complete} complete (main, adversarial, sweep); {info['store_records']} records in the store (all "
+             "versions)"]
     if info["median_gap"] is None:
         lines.append("adversarial targets: not yet (every member must be trained)")
     for stage, agg in cost["per_stage"].items():

@@ -180,24 +180,34 @@ def _exchange(a: Path, b: Path) -> bool:
 
 
 @contextlib.contextmanager
-def ctrl_c_deferred() -> Iterator[None]:
-    """Hold Ctrl-C off while the block runs and deliver it once the block has finished, so that steps that must not
-    be separated (the two renames of a folder replacement) never are. Signals reach only the main thread; in any
-    other thread the block just runs."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
+def held_interrupts() -> Iterator[list[int]]:
+    """Hold SIGINT back while the block runs; yields the list of those received meanwhile, for the caller to act on
+    (deliver them later, or undo what the block did). Signals reach only the main thread: in any other thread, when
+    SIGINT is ignored, or when its handler was not installed from Python, nothing is held and the list stays empty."""
+    received: list[int] = []
+    previous = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
+    if previous is None or previous is signal.SIG_IGN:
+        yield received
         return
-    pending: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: pending.append(signum))
+    signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
     try:
-        yield
+        yield received
     finally:
         signal.signal(signal.SIGINT, previous)
-    if pending:
-        if callable(previous):
-            previous(signal.SIGINT, None)  # Python's default handler raises KeyboardInterrupt here
-        elif previous != signal.SIG_IGN:
-            signal.raise_signal(signal.SIGINT)
+
+
+@contextlib.contextmanager
+def ctrl_c_deferred() -> Iterator[None]:
+    """Hold Ctrl-C off while the block runs and deliver it once the block has finished, so that steps that must not
+    be separated (the two renames of a folder replacement) never are."""
+    with held_interrupts() as received:
+        yield
+    if received:
+        handler = signal.getsignal(signal.SIGINT)
+        if callable(handler):
+            handler(signal.SIGINT, None)  # Python's default handler raises KeyboardInterrupt here
+        else:
+            signal.raise_signal(signal.SIGINT)  # the default action
 
 
 def _is_empty_dir(path: Path) -> bool:

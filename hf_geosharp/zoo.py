@@ -357,7 +357,7 @@ def run_portably(target: str, payload: Any, *, path: tuple[str, ...] = ()) -> It
     by torch, MKL and oneDNN when they load, hence the child; it imports this very copy of the package, plus ``path``.
     An error or Ctrl-C of the consumer kills the child; a failed child raises with its last error lines."""
     module, function = target.split(":")
-    roots = [str(Path(__file__).resolve().parents[1]), *path]
+    roots = list(dict.fromkeys([str(Path(__file__).resolve().parents[1]), *path]))
     child_code = (f"import json, sys; sys.path[:0] = {roots!r}; import torch; torch.set_num_threads(1); "
                   "torch.backends.mkldnn.enabled = False; "  # oneDNN blocks by the CPU's cache sizes: other sums
                   f"from {module} import {function}; {function}(json.loads(sys.stdin.read()))")

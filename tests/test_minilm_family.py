@@ -13,6 +13,8 @@ import dataclasses
 import io
 import json
 import math
+import re
+import shutil
 import tarfile
 from pathlib import Path
 
@@ -165,13 +167,31 @@ def test_smoke_population_runs_every_stage_and_resumes(tmp_path: Path, monkeypat
 
     store = cache / "results.jsonl"
     lines = store.read_text().splitlines()
-    assert len(lines) == 3 * (len(PLAN) + len(HIDDEN) + 1 + 2)  # no number measured twice
+    assert len(lines) == 3 * (1 + len(PLAN) + len(HIDDEN) + 1 + 2)  # a training record each, no number twice
     models = sorted((cache / "models").iterdir())
     mtimes = [m.stat().st_mtime_ns for m in models]
     again = run(SMOKE, cache, out, tarball=tarball, doc=doc)
     assert store.read_text().splitlines() == lines  # every number came from the store
     assert [m.stat().st_mtime_ns for m in sorted((cache / "models").iterdir())] == mtimes  # nothing retrained
     assert again["taus"] == rep["taus"] and doc.read_text() == text
+
+    # a fresh machine (no member folders) has every number from the store alone; a member trained again there gets
+    # the same weights, bit for bit, and a member whose weights come out different is refused
+    assert all(re.fullmatch(r"[0-9a-f]{16}", r["weights_digest"]) for r in collect(SMOKE, cache)[0])
+    shutil.move(cache / "models", tmp_path / "models-elsewhere")
+    fresh, _ = collect(SMOKE, cache)
+    assert [r["numbers"] for r in fresh] == [r["numbers"] for r in collect(SMOKE, cache)[0]]
+    assert [r["numbers"].keys() for r in fresh] == [set(columns)] * 3 and remaining(SMOKE, cache)["tasks"] == {}
+    assert report(SMOKE, cache, out, doc=doc)["taus"] == rep["taus"]
+    row = fresh[0]
+    family.ensure_trained(row, SMOKE, cache, tarball)
+    assert json.loads((Path(row["folder"]) / "metrics.json").read_text())["weights_digest"] == row["weights_digest"]
+    shutil.rmtree(row["folder"])
+    with pytest.raises(RuntimeError, match="other weights"):
+        family.ensure_trained({**row, "weights_digest": "0" * 16}, SMOKE, cache, tarball)
+    shutil.rmtree(cache / "models")
+    shutil.move(tmp_path / "models-elsewhere", cache / "models")
+    assert store.read_text().splitlines() == lines
 
     # a new library version finds none of these numbers (it would measure them again), but keeps the members
     monkeypatch.setattr(family, "__version__", "0.0.0+other")

@@ -10,40 +10,19 @@ bit, before it propagates. So a model is either wholly transformed or exactly as
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import signal
-import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
+from ..durable import held_interrupts
 from ..engine.geometry.lie import random_group_element
 from .base import SymmetryMap
 from .flat import flat_vector, pair_mask, parameters_in_order
 from .mapping import map_symmetries
 
 logger = logging.getLogger(__name__)
-
-
-@contextlib.contextmanager
-def deferred_interrupts() -> Iterator[list[int]]:
-    """Hold SIGINT back for the duration of the block; yields the list of signals received meanwhile.
-
-    Outside the main thread (where Python cannot install handlers), when SIGINT is ignored, or when its handler was
-    not installed from Python, nothing is deferred and the list stays empty; the callers' rollback on exceptions
-    still applies."""
-    received: list[int] = []
-    previous = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
-    if previous is None or previous is signal.SIG_IGN:  # not the main thread, or Ctrl-C is ignored anyway
-        yield received
-        return
-    signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
-    try:
-        yield received
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 def _copy(param: torch.Tensor, value: torch.Tensor) -> None:
@@ -58,7 +37,7 @@ def swap_parameters(params: Sequence[torch.Tensor], values: Sequence[torch.Tenso
     propagates (the interrupt as ``KeyboardInterrupt``)."""
     with torch.no_grad():
         previous = [p.detach().clone() for p in params]
-        with deferred_interrupts() as received:
+        with held_interrupts() as received:
             try:
                 for p, v in zip(params, values):
                     _copy(p, v)
