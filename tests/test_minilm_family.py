@@ -193,10 +193,19 @@ def test_smoke_population_runs_every_stage_and_resumes(tmp_path: Path, monkeypat
     shutil.move(tmp_path / "models-elsewhere", cache / "models")
     assert store.read_text().splitlines() == lines
 
+    # the spot check measures a member again (same library: the same bits; measuring is deterministic), store untouched
+    checked = family.spot_check(SMOKE, cache, "minilm-00", out, library=__version__, tarball=tarball)
+    assert set(checked["numbers"]) == set(PLAN) and all(n["bit_equal"] for n in checked["numbers"].values())
+    assert json.loads((out / "minilm_family_spot_check.json").read_text()) == checked
+    assert store.read_text().splitlines() == lines
+
     # a new library version finds none of these numbers (it would measure them again), but keeps the members
     monkeypatch.setattr(family, "__version__", "0.0.0+other")
     rows_other, _ = collect(SMOKE, cache)
     assert len(rows_other) == 3 and all(r["numbers"] == {} for r in rows_other)
+    assert [r["numbers"] for r in collect(SMOKE, cache, library=__version__)[0]] == [r["numbers"] for r in fresh]
+    with pytest.raises(ValueError, match="no stored"):
+        family.spot_check(SMOKE, cache, "minilm-00", out, library="0.0.0+other", tarball=tarball)
     left = remaining(SMOKE, cache)["tasks"]
     assert left["main/geodesic_inv"] == 3 and left["adversarial/hide"] == 3 and "train/train" not in left
     out_other = tmp_path / "out-other"
