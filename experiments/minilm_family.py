@@ -366,8 +366,8 @@ def trained_metrics(member: Member, config: Config, cache: Path,
 
 def train_members(todo: list[Member], config: Config, cache: Path, tarball: Path) -> None:
     """Train ``todo`` into their folders in a child process on the portable kernels
-    (:func:`hf_geosharp.zoo.run_portably`): the same weights, bit for bit, on another machine, so that the numbers of
-    the committed store, keyed by the weights' digest, still belong to the member a fresh sitting trains."""
+    (:func:`hf_geosharp.zoo.run_portably`), so that a sitting on another machine can train the same weights, bit for
+    bit, to which the committed store's numbers belong (:func:`ensure_trained` checks the digest)."""
     payload = {"config": asdict(config), "members": [asdict(m) for m in todo], "cache": str(cache),
                "tarball": str(tarball)}
     repo = str(Path(__file__).resolve().parents[1])
@@ -594,7 +594,7 @@ def run(config: Config, cache: Path, out_dir: Path | None = RESULTS, *, tarball:
                 logger.warning("adversarial stage skipped: %d of %d members trained (the hide targets need the "
                                "median gap of all); rerun when every shard has trained its members", len(everyone),
                                config.n_models)
-        for row in _progress(rows, "adversarial and sweep"):
+        for row in _progress(rows, "adversarial and sweep") if split is not None or "sweep" in stages else ():
             if split is not None:
                 runner.hidden(row, split[1][row["member"]["name"]])
             for rho in config.sweep_rhos if "sweep" in stages else ():
