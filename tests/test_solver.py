@@ -188,3 +188,67 @@ def test_the_memory_rule(model, vector, space, activations, kept):
     parameters, weights = model
     footprint = Footprint(int(vector * MB), int(space * MB), parameters, weights, int(activations * MB))
     assert keeps_best_gradient(footprint) is kept
+
+
+class _Line:
+    """A Euclidean space over ``R^n`` and a loss that depends on one direction ``v`` only:
+    ``f(t) = t^2 + 0.2 t - 0.5 t^3`` with ``t = <v, xi> / rho``. Its maxima on the ball are ``rho v`` (0.7, towards
+    which the gradient at zero points, and where random points of the sphere climb) and ``-rho v`` (1.3, the
+    maximum, reached only from its side)."""
+
+    held_bytes = 0
+
+    def __init__(self, n: int, rho: float) -> None:
+        self.n, self.rho = n, rho
+        self.v = torch.zeros(n, dtype=torch.float64)
+        self.v[0] = 1.0
+
+    def zero(self):
+        return torch.zeros(self.n, dtype=torch.float64)
+
+    def empty(self):
+        return torch.empty(self.n, dtype=torch.float64)
+
+    def ascent_direction(self, egrad, vectors, out, save=None):
+        out.copy_(egrad)
+        if save is not None:
+            save.copy_(egrad)
+        return out, float(out @ out), [float(row @ out) for row in vectors]
+
+    def random_tangent_vector(self, generator):
+        return torch.randn(self.n, generator=generator, dtype=torch.float64)
+
+    def norm(self, xi):
+        return xi.norm()
+
+    def total(self, values):
+        return values
+
+    def objective(self, xi, need_grad, out=None):
+        t = float(self.v @ xi) / self.rho
+        loss = 1.0 + t * t + 0.2 * t - 0.5 * t**3
+        if not need_grad:
+            return loss, None
+        grad = out if out is not None else self.empty()
+        return loss, grad.copy_(self.v).mul_((2 * t + 0.2 - 1.5 * t * t) / self.rho)
+
+
+def test_auto_certifies_a_maximum_that_only_its_own_side_reaches():
+    """Two maxima: the climb from zero finds the lower one, the antipode start the higher, and random points of the
+    sphere climb to the lower one again (the gradient points there almost everywhere). A third start that begins
+    near the best point reaches it again, which certifies it; random starts would never have agreed on it."""
+    from hf_geosharp.engine.solvers.apgd import apgd
+
+    line = _Line(2000, rho=0.3)
+    res = apgd(line, line.objective, rho=line.rho, steps=20, max_steps=400, keep_best_gradient=False,
+               generator=torch.Generator().manual_seed(0))
+    assert res.start_values[0] == pytest.approx(0.7, rel=1e-3)  # the lower maximum first
+    assert res.sharpness == pytest.approx(1.3, rel=1e-3)
+    assert res.certificate(1e-3, starts=2) is None, res.certificate(1e-3, starts=2)
+    assert len(res.start_values) == 3 and res.start_values[2] == pytest.approx(1.3, rel=1e-3)
+    # the starts the solver used before: random points of the sphere all climb to the lower maximum
+    for seed in range(5):
+        z = line.random_tangent_vector(torch.Generator().manual_seed(seed))
+        start = z * (line.rho / float(z.norm()))
+        t = float(line.v @ start) / line.rho
+        assert 2 * t + 0.2 - 1.5 * t * t > 0  # the gradient along v points to the lower maximum

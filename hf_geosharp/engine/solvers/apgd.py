@@ -118,8 +118,10 @@ class SolveResult:
 CONVERGENCE_TOL = 1e-3
 #: Default step budget of ``steps="auto"`` (all starts together).
 AUTO_MAX_STEPS = 640
-#: The most starts ``steps="auto"`` makes: from zero, from the antipode of the best point, then random points.
+#: The most starts ``steps="auto"`` makes: from zero, from the antipode of the best point, then near the best point.
 AUTO_MAX_STARTS = 4
+#: How far from the best point found so far a third or later start begins, as a fraction of ``rho``.
+NEAR_BEST = 0.5
 #: Steps of a start's first block under ``steps="auto"`` (the step-size checkpoints follow its length).
 AUTO_BLOCK = 20
 
@@ -350,7 +352,7 @@ def apgd(
     same bits either way. With ``max_steps`` (``steps="auto"``) a start stops as soon as its best point is
     stationary within ``tol`` (the gap is free at every step: it comes from the step's own direction), continuing in
     blocks of doubling length (each with AS23's checkpoints) while it is not; then further starts (the antipode of
-    the best point, then random points of the sphere, up to ``max_starts``) run the same way until two stationary
+    the best point, then points near the best point found so far, up to ``max_starts``) run the same way until two stationary
     starts agree on the best value within ``tol``, all within ``max_steps`` steps. With
     ``step_normalization="riemannian"`` every quantity is g-invariant, so the iterates are equivariant under the
     model's symmetries.
@@ -365,7 +367,8 @@ def apgd(
     buffer, which the objective fills with the perturbed weights and then with the gradient, in which the direction
     ``d`` is computed over that gradient, and from which the new iterate is combined; a fifth, outside the pool,
     when the best point's gradient is kept (copied by the direction pass that consumes it, copied back at a restart
-    from it). Nothing parameter-sized is allocated per step (a random start draws one vector). ``best_norm`` comes
+    from it). Nothing parameter-sized is allocated per step (a further start draws one vector, and keeps the best
+    point aside in bfloat16 for the next). ``best_norm`` comes
     from the same bookkeeping. The horizontal projection is exactly g-orthogonal (also with ``epsilon > 0``), so
     these identities hold exactly.
     """
@@ -390,7 +393,7 @@ def apgd(
         result = SolveResult(overall.loss, clean_loss, climb.losses, 0.0, overall.gap, values, gaps)
         if result.certificate(tol, starts=2) is None or not overall.gap <= tol:
             break  # certified, or the best start is not stationary (the budget ran out inside it)
-        start, sq = climb.next_start(best, len(values), generator)
+        start, sq = climb.next_start(best, overall, len(values), generator)
         loss, egrad = objective(start, True, out=work)
         climb.record(loss)
         best = climb.run(start, sq, loss, egrad, steps=min(AUTO_BLOCK, budget - climb.steps_used),
@@ -426,6 +429,7 @@ class _Climb:
         self.best_loss = clean_loss
         self.keep_best_gradient = keep_best_gradient
         self.kept: tuple[_Best, Tensor] | None = None  # a best point and a copy of its gradient
+        self.aside: Tensor | None = None  # the best point found so far, for starts that begin near it
 
     @property
     def steps_used(self) -> int:
@@ -526,16 +530,33 @@ class _Climb:
             best.gap = self.gap(best, sq_d, products[0] if best.sq > 0 else 0.0)
         return best
 
-    def next_start(self, best: _Best, index: int, generator: torch.Generator | None) -> tuple[Tensor, float]:
-        """The first point of start ``index`` (1: the antipode of the last start's best point, in its row; then a
-        random point of the sphere) and its squared norm."""
-        if index == 1 and best.sq > 0:
-            return best.row.neg_(), best.sq
-        row = self.pool.free(self.work)
+    def next_start(self, last: _Best, overall: _Best, index: int,
+                   generator: torch.Generator | None) -> tuple[Tensor, float]:
+        """The first point of start ``index`` and its squared norm. Start 1 begins at the antipode of the first
+        start's best point (in its row), where a second maximum opposite the first is found. Later starts begin
+        near the best point found so far, displaced by ``NEAR_BEST * rho`` in a random direction and brought back
+        into the ball: a start that reaches the best value again from elsewhere certifies it, where random points of
+        the sphere climb to the nearer, lower maximum (docs/method.md, "Convergence"). The best point waits in
+        ``self.aside`` in bfloat16 (2 bytes per coordinate): a start's first point needs no more precision."""
+        if index == 1 and last.sq > 0:
+            self.aside = last.row.to(torch.bfloat16)
+            return last.row.neg_(), last.sq
+        if overall is last and last.sq > 0:
+            if self.aside is None:
+                self.aside = last.row.to(torch.bfloat16)
+            else:
+                self.aside.copy_(last.row)
         z = self.space.random_tangent_vector(generator or torch.Generator().manual_seed(index))
         norm = float(self.space.norm(z))
-        row.copy_(z).mul_(self.rho / norm if norm > 0 else 0.0)
-        return row, self.rho * self.rho if norm > 0 else 0.0
+        row = self.pool.free(self.work)
+        row.copy_(z).mul_(NEAR_BEST * self.rho / norm if norm > 0 else 0.0)
+        if overall.sq > 0 and self.aside is not None:
+            row.add_(self.aside)
+        sq = float(self.space.norm(row)) ** 2
+        if sq > self.rho * self.rho:
+            row.mul_(self.rho / math.sqrt(sq))
+            sq = self.rho * self.rho
+        return row, sq
 
 
 def _momentum_step(
