@@ -606,6 +606,11 @@ def run(config: Config, cache: Path, out_dir: Path | None = RESULTS, *, tarball:
     return None if out_dir is None else report(config, cache, out_dir, doc=doc, store=store)
 
 
+def _finite(x: float | None) -> float | None:
+    """``x``, or None where it is missing or not finite (a gap is NaN where no solver ran: JSON-safe)."""
+    return x if x is not None and math.isfinite(x) else None
+
+
 def spot_check(config: Config, cache: Path, name: str, out_dir: Path, *, library: str, store: Path | None = None,
                tarball: Path | None = None) -> dict[str, Any]:
     """Measure the main numbers of member ``name`` again with the installed library and compare them with the ones
@@ -634,7 +639,8 @@ def spot_check(config: Config, cache: Path, name: str, out_dir: Path, *, library
                 "stored": then["value"], "now": now["value"], "bit_equal": then["value"] == now["value"],
                 "relative_difference": abs(now["value"] - then["value"]) / max(abs(then["value"]), 1e-300),
                 "converged": {"stored": then.get("converged"), "now": now.get("converged")},
-                "gap": {"stored": then.get("gap"), "now": now.get("gap")},
+                "stationarity_gap": {"stored": _finite(then.get("stationarity_gap")),
+                                     "now": _finite(now.get("stationarity_gap"))},
                 "steps_used": {"stored": then.get("steps_used"), "now": now.get("steps_used")},
             }
     out = {"member": name, "weights_digest": row["weights_digest"], "measured_with": library,
@@ -682,6 +688,35 @@ def collect(config: Config, cache: Path, store: Path | None = None,
 def column_name(stage: str, name: str, rho: float) -> str:
     """The report's column of a number: ``geodesic_inv`` (main), ``hidden_geodesic_inv``, ``geodesic_inv@0.05``."""
     return {"main": name, "adversarial": f"hidden_{name}"}.get(stage, f"{name}@{rho:g}")
+
+
+def compare_versions(config: Config, cache: Path, store: Path | None, library: str | None,
+                     previous: str) -> dict[str, Any]:
+    """The main numbers that two library versions stored for the same members, batch by batch: how many batch
+    values are bit-equal, how many numbers each version certified, and both versions' values where a batch changed.
+    Measures nothing."""
+    then = {r["member"]["name"]: r for r in collect(config, cache, store, previous)[0]}
+    columns: dict[str, dict[str, Any]] = {}
+    for row in collect(config, cache, store, library)[0]:
+        before = then.get(row["member"]["name"], {}).get("numbers", {})
+        for col in PLAN:
+            a, b = before.get(col), row["numbers"].get(col)
+            if a is None or b is None:
+                continue
+            slot = columns.setdefault(col, {"members": 0, "batches": 0, "batches_bit_equal": 0,
+                                            "certified_before": 0, "certified_now": 0, "changed": []})
+            equal = [x == y for x, y in zip(a["per_batch"], b["per_batch"])]
+            slot["members"] += 1
+            slot["batches"] += len(equal)
+            slot["batches_bit_equal"] += sum(equal)
+            slot["certified_before"] += bool(a.get("converged"))
+            slot["certified_now"] += bool(b.get("converged"))
+            if not all(equal):
+                slot["changed"].append({"member": row["member"]["name"], "value": [a["value"], b["value"]],
+                                        "converged": [a.get("converged"), b.get("converged")],
+                                        "steps_used": [a.get("steps_used"), b.get("steps_used")],
+                                        "batches_changed": [i for i, e in enumerate(equal) if not e]})
+    return {"versions": [previous, library or __version__], "columns": columns}
 
 
 def _tau_table(rows: list[dict[str, Any]], columns: list[str], config: Config) -> dict[str, dict[str, Any]]:
@@ -789,9 +824,10 @@ def status(config: Config, cache: Path, store: Path | None = None, library: str 
 
 
 def report(config: Config, cache: Path, out_dir: Path, doc: Path | None = None,
-           store: Path | None = None, library: str | None = None) -> dict[str, Any]:
+           store: Path | None = None, library: str | None = None, previous: str | None = None) -> dict[str, Any]:
     """Write ``minilm_family.json`` (and the figure, when there are taus) into ``out_dir`` from what is stored, and the
-    generated tables into ``doc``; measures nothing."""
+    generated tables into ``doc``; measures nothing. ``previous``: a library version whose stored main numbers are
+    compared with these (:func:`compare_versions`)."""
     import transformers
 
     rows, info = collect(config, cache, store, library)
@@ -828,6 +864,8 @@ def report(config: Config, cache: Path, out_dir: Path, doc: Path | None = None,
         "cost": _cost(rows),
         "members": [_member_out(r) for r in rows],
     }
+    if previous is not None:
+        out["against_previous"] = compare_versions(config, cache, store, library, previous)
     out["rho_sweep"][f"{config.rho:g}"] = {gap: {c: t for c, t in taus.items() if c in config.sweep_measures}
                                            for gap, taus in out["taus"].items()}
     durable.write_json(out_dir / "minilm_family.json", out)
@@ -842,12 +880,17 @@ def report(config: Config, cache: Path, out_dir: Path, doc: Path | None = None,
     return out
 
 
+#: What the report keeps of each number (the store keeps the rest: the library version and the measuring set, which
+#: are the report's, and the engine's whole configuration).
+NUMBER_FIELDS = ("value", "stderr", "converged", "convergence_note", "stationarity_gap", "steps_used", "settings",
+                 "clean_loss", "per_batch", "seconds", "cpu_seconds")
+
+
 def _member_out(row: dict[str, Any]) -> dict[str, Any]:
     keep = ("member", "train_loss", "train_error", "train_loss_clean", "train_error_clean", "train_error_fitted_labels",
             "test_loss", "test_error", "n_flipped", "flipped", "param_norm", "train_seconds", "train_cpu_seconds",
             "hide_target", *GAPS)
-    numbers = {col: {k: v for k, v in rec.items() if k not in ("key", "kind", "model")}
-               for col, rec in row["numbers"].items()}
+    numbers = {col: {k: rec[k] for k in NUMBER_FIELDS if k in rec} for col, rec in row["numbers"].items()}
     hide = row.get("hide")
     return {k: row.get(k) for k in keep} | {"folder": Path(row["folder"]).name, "numbers": numbers,
                                             "hide": None if hide is None else {k: v for k, v in hide.items()
@@ -974,6 +1017,18 @@ def tables_markdown(out: dict[str, Any], figure_link: bool = True) -> str:
             lines += ["; ".join(parts) + ".", ""]
         if figure_link:
             lines += ["![MiniLM family](results/minilm_family.png)", ""]
+    if (versus := out.get("against_previous")) and versus["columns"]:
+        before, now = versus["versions"]
+        lines += [f"The main numbers that hf_geosharp {before} also stored, batch by batch (a batch value differs "
+                  "where the two versions' code paths differ, or where another machine's kernels round differently):",
+                  "",
+                  f"| measure | members | batch values bit-equal | certified ({before} -> {now}) | changed members |",
+                  "|---|---:|---:|---:|---|"]
+        for col, c in versus["columns"].items():
+            changed = ", ".join(f"{ch['member']} {ch['value'][0]:.4g} -> {ch['value'][1]:.4g}" for ch in c["changed"])
+            lines.append(f"| {col} | {c['members']} | {c['batches_bit_equal']}/{c['batches']} | "
+                         f"{c['certified_before']} -> {c['certified_now']} | {changed or '-'} |")
+        lines.append("")
     cost = out["cost"]
     if cost["per_task"]:
         lines += ["Cost so far (seconds per task: wall, and CPU on one thread):", "",
@@ -1007,6 +1062,8 @@ def main() -> None:
     parser.add_argument("--library", default=None, metavar="VERSION",
                         help="--status, --report, --spot-check: the hf_geosharp version whose numbers to read (default "
                              "the installed one; a run always measures with the installed one)")
+    parser.add_argument("--previous", default=None, metavar="VERSION",
+                        help="--report: compare the main numbers with those this hf_geosharp version stored")
     parser.add_argument("--spot-check", default=None, metavar="MEMBER",
                         help="measure MEMBER's main numbers again with the installed library and compare them with "
                              "those of --library (writes minilm_family_spot_check.json into --out)")
@@ -1034,7 +1091,8 @@ def main() -> None:
         print(json.dumps(checked, indent=1))
         return
     if args.report:
-        out = report(config, cache, args.out, doc=args.doc, store=args.store, library=args.library)
+        out = report(config, cache, args.out, doc=args.doc, store=args.store, library=args.library,
+                     previous=args.previous)
         print(tables_markdown(out, figure_link=False))
         return
     if args.library not in (None, __version__):

@@ -38,8 +38,10 @@ from experiments.minilm_family import (  # noqa: E402
     report,
     run,
     status,
+    tables_markdown,
 )
 from hf_geosharp import __version__  # noqa: E402
+from hf_geosharp.leaderboard.store import ResultStore  # noqa: E402
 
 HAM = ["meeting moved to thursday, agenda attached", "the build is green again, thanks for the fix",
        "lunch tomorrow? the usual place", "minutes of the review are on the wiki"]
@@ -109,13 +111,15 @@ def test_smoke_population_runs_every_stage_and_resumes(tmp_path: Path, monkeypat
             assert math.isfinite(rec["value"]), col
             if col in ("param_norm", "clean_loss"):
                 continue
-            assert rec["library"] == __version__ and rec["seconds"] > 0 and "stderr" in rec
+            assert rec["seconds"] > 0 and "stderr" in rec and "config" not in rec  # the store keeps the config
             assert len(rec["per_batch"]) == 2 and rec["value"] == pytest.approx(np.mean(rec["per_batch"]))
             assert rec["stderr"] == pytest.approx(np.std(rec["per_batch"], ddof=1) / math.sqrt(2), rel=1e-6)
             assert isinstance(rec["converged"], bool) and rec["converged"] == (rec["convergence_note"] is None)
             if col != "relative_flatness":
                 assert rec["settings"]["steps"] == 2 and rec["steps_used"] >= 2 and rec["value"] > 0
+    for row in collect(SMOKE, cache)[0]:
         assert row["numbers"]["relative_flatness"]["config"]["estimator"] == "exact"
+        assert all(row["numbers"][col]["library"] == __version__ for col in PLAN)
         # the main rho's sweep entry is the main number, not measured again
         assert row["numbers"]["geodesic_inv"]["rho"] == 0.1 and row["numbers"]["geodesic_inv@0.05"]["rho"] == 0.05
         # the hidden member is the same function: geodesic sharpness barely moves (float32, condition <= 1000)
@@ -213,3 +217,24 @@ def test_smoke_population_runs_every_stage_and_resumes(tmp_path: Path, monkeypat
     empty = report(SMOKE, cache, out_other, doc=doc)
     assert all(not empty["taus"][g] for g in GAPS) and not (out_other / "minilm_family.png").exists()
     assert "no tau is reported yet" in doc.read_text()
+
+    # the other version stores minilm-00's main numbers, one of them with a changed batch: the comparison with the
+    # first version counts the bit-equal batch values and names the changed number
+    other = ResultStore(store)
+    for name in PLAN:
+        record = dict(fresh[0]["numbers"][name])
+        if name == "geodesic_inv":
+            record["per_batch"] = [record["per_batch"][0] * 2, *record["per_batch"][1:]]
+            record["value"] = sum(record["per_batch"]) / len(record["per_batch"])
+        record["key"] = family.measure_key(fresh[0], name, SMOKE.settings(name), "original", SMOKE)
+        other.put(record)
+    versus = family.compare_versions(SMOKE, cache, None, None, previous=__version__)
+    assert versus["versions"] == [__version__, "0.0.0+other"] and set(versus["columns"]) == set(PLAN)
+    batches = len(fresh[0]["numbers"]["geodesic_inv"]["per_batch"])
+    for name, c in versus["columns"].items():
+        assert c["members"] == 1 and c["batches"] == batches
+        assert c["batches_bit_equal"] == batches - (name == "geodesic_inv")
+        assert [ch["member"] for ch in c["changed"]] == (["minilm-00"] if name == "geodesic_inv" else [])
+    assert versus["columns"]["geodesic_inv"]["changed"][0]["batches_changed"] == [0]
+    text = tables_markdown(report(SMOKE, cache, out_other, doc=doc, previous=__version__))
+    assert f"hf_geosharp {__version__} also stored" in text and "| geodesic_inv | 1 |" in text
