@@ -252,3 +252,23 @@ def test_auto_certifies_a_maximum_that_only_its_own_side_reaches():
         start = z * (line.rho / float(z.norm()))
         t = float(line.v @ start) / line.rho
         assert 2 * t + 0.2 - 1.5 * t * t > 0  # the gradient along v points to the lower maximum
+
+
+def test_max_starts_bounds_the_starts_and_changes_nothing_once_two_agree():
+    """Starts stop at the certificate: a larger ``max_starts`` repeats a certified run bit for bit (the MiniLM
+    population's numbers certified within four starts did not move when the default became eight), and too few
+    starts leave the disagreement in the note."""
+    from hf_geosharp.engine.solvers.apgd import AUTO_MAX_STARTS, apgd
+
+    line = _Line(2000, rho=0.3)
+
+    def solve(max_starts):
+        return apgd(line, line.objective, rho=line.rho, steps=20, max_steps=400, keep_best_gradient=False,
+                    generator=torch.Generator().manual_seed(0), max_starts=max_starts)
+
+    few, four, default = solve(2), solve(4), solve(AUTO_MAX_STARTS)
+    assert len(few.start_values) == 2
+    assert few.certificate(1e-3, starts=2) == "2 starts reached different maxima (0.7, 1.3)"
+    assert default.losses == four.losses
+    assert (default.start_values, default.start_gaps) == (four.start_values, four.start_gaps)
+    assert len(four.start_values) == 3 < AUTO_MAX_STARTS
