@@ -64,7 +64,7 @@ import torch
 from examples.minilm_spam import PACKAGE, read_corpus
 from hf_geosharp import NotConvergedWarning, durable
 from hf_geosharp._version import __version__
-from hf_geosharp.leaderboard import kendall_taus
+from hf_geosharp.leaderboard import kendall_taus, tau_differences
 from hf_geosharp.leaderboard.store import ResultStore
 from hf_geosharp.measures import Settings, run_measure
 from hf_geosharp.zoo import cache_root, portable_result, run_portably, torch_threads, weights_digest
@@ -736,6 +736,30 @@ def _tau_table(rows: list[dict[str, Any]], columns: list[str], config: Config) -
     return out
 
 
+def _versus_baseline(rows: list[dict[str, Any]], config: Config, baseline: str = "param_norm") -> dict[str, Any]:
+    """Each measure against a trivial predictor, over the members that have both: the tau of the two with each other
+    (do they rank the members alike?) and, against each gap, the difference of their taus with a paired bootstrap
+    interval (does the measure rank the members by their gap better?)."""
+    def values(col: str) -> dict[str, float]:
+        return {r["member"]["name"]: r["numbers"][col]["value"] for r in rows if col in r["numbers"]
+                and math.isfinite(r["numbers"][col]["value"])}
+
+    base = values(baseline)
+    out: dict[str, Any] = {"baseline": baseline, "with_baseline": {}, "differences": {gap: {} for gap in GAPS}}
+    for col in PLAN:
+        mine = values(col)
+        both = [r for r in rows if r["member"]["name"] in mine and r["member"]["name"] in base]
+        if len(both) < 3:
+            continue
+        alike = [{"x": mine[r["member"]["name"]], "gap": base[r["member"]["name"]]} for r in both]
+        out["with_baseline"][col] = kendall_taus(alike, ["x"], n_resamples=config.n_resamples)["x"]
+        for gap in GAPS:
+            paired = [{"x": mine[r["member"]["name"]], "base": base[r["member"]["name"]], "gap": r[gap]} for r in both
+                      if math.isfinite(r[gap])]
+            out["differences"][gap][col] = tau_differences(paired, ["x"], "base", n_resamples=config.n_resamples)["x"]
+    return out
+
+
 def _cost(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Seconds per stage and per measure, from the records (wall and CPU), and per member."""
     per: dict[str, dict[str, float]] = {}
@@ -856,6 +880,7 @@ def report(config: Config, cache: Path, out_dir: Path, doc: Path | None = None,
             "taus": _tau_table(rows, hidden_cols, config),
             **_adversarial_summary(rows),
         },
+        "versus_param_norm": _versus_baseline(rows, config),
         "rho_sweep": {f"{rho:g}": _tau_table(rows, cols, config) for rho, cols in sweep_cols.items()},
         "convergence": {col: {"n": sum(col in r["numbers"] for r in rows),
                               "certified": sum(bool(r["numbers"][col].get("converged")) for r in rows
@@ -966,6 +991,13 @@ def _cell(t: dict[str, Any] | None) -> str:
     return f"{t['tau']:+.2f}{ci}, p={t['p_value']:.2g}"
 
 
+def _difference_cell(d: dict[str, Any] | None) -> str:
+    if d is None:
+        return "-"
+    ci = "" if math.isnan(d["ci_low"]) else f" [{d['ci_low']:+.2f}, {d['ci_high']:+.2f}]"
+    return f"{d['difference']:+.2f}{ci}"
+
+
 def tables_markdown(out: dict[str, Any], figure_link: bool = True) -> str:
     """The doc's generated section: progress, taus against the four gaps (original, hidden, sweep), convergence,
     the adversarial check and the cost."""
@@ -1001,6 +1033,17 @@ def tables_markdown(out: dict[str, Any], figure_link: bool = True) -> str:
                 block(taus, [f"{n}@{rho}" for n in out["config"]["sweep_measures"]],
                       lambda c: c.replace("@", " @ rho "))
         lines.append("")
+        versus = out["versus_param_norm"]
+        if versus["with_baseline"]:
+            lines += ["Each measure against the parameter norm, over the same members: Kendall tau of the two with "
+                      "each other, and the measure's tau against each gap minus the parameter norm's, with a paired "
+                      "bootstrap 95 % interval (the same resampled members for both; an interval above zero says the "
+                      "measure ranks the members by that gap better than the parameter norm does):", "",
+                      "| measure | tau with param_norm | " + " | ".join(gaps) + " |", "|---|---|" + "---|" * len(gaps)]
+            for col, alike in versus["with_baseline"].items():
+                lines.append(f"| {col} | {_cell(alike)} | " + " | ".join(
+                    _difference_cell(versus["differences"][g].get(col)) for g in gaps) + " |")
+            lines.append("")
         adv = out["adversarial"]
         if adv.get("n"):
             parts = [f"Adversarial control on {adv['n']} members: outputs moved by at most "

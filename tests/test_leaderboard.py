@@ -34,6 +34,7 @@ from hf_geosharp.leaderboard import (
     read_gap_file,
     resolve_models,
     run_leaderboard,
+    tau_differences,
     write_outputs,
 )
 from hf_geosharp.leaderboard.store import STORE_FILE, ResultStore
@@ -238,6 +239,24 @@ def test_kendall_taus_and_intervals():
     n = MIN_MODELS_FOR_CI - 1
     few = _board(gap[:n], s=gap[:n], param_norm=noisy[:n], clean_loss=noisy[:n])
     assert few.taus["s"]["tau"] == 1.0 and math.isnan(few.taus["s"]["ci_low"])  # too few models to resample
+
+
+def test_tau_differences_are_paired():
+    """The difference of two taus over the same resampled models: zero with a zero-width interval for a predictor
+    against itself, the difference of the two taus at the point, and an interval above zero for a predictor that
+    ranks the models by their gap against one that ignores it."""
+    rng = np.random.default_rng(0)
+    gap = rng.random(30)
+    close = gap + rng.normal(0, 0.1, 30)
+    unrelated = rng.random(30)
+    rows = [{"gap": g, "close": c, "unrelated": u, "twin": u} for g, c, u in zip(gap, close, unrelated)]
+    diffs = tau_differences(rows, ["close", "twin"], "unrelated", n_resamples=500)
+    expected = stats.kendalltau(close, gap).statistic - stats.kendalltau(unrelated, gap).statistic
+    assert diffs["close"]["difference"] == pytest.approx(expected)
+    assert 0 < diffs["close"]["ci_low"] < diffs["close"]["difference"] < diffs["close"]["ci_high"]
+    assert diffs["twin"] == {"difference": 0.0, "ci_low": 0.0, "ci_high": 0.0, "n": 30}
+    few = tau_differences(rows[: MIN_MODELS_FOR_CI - 1], ["close"], "unrelated")
+    assert math.isnan(few["close"]["ci_low"])
 
 
 def test_outputs_rank_by_the_first_measure_and_plot_one_panel_per_predictor(tmp_path):

@@ -153,6 +153,10 @@ def test_smoke_population_runs_every_stage_and_resumes(tmp_path: Path, monkeypat
         assert set(rep["rho_sweep"]["0.05"][gap]) == {"geodesic_inv@0.05", "adaptive_clean@0.05"}
         for t in rep["taus"][gap].values():
             assert -1 <= t["tau"] <= 1 and 0 <= t["p_value"] <= 1 and t["n"] == 3
+        taus = rep["taus"][gap]
+        for col, d in rep["versus_param_norm"]["differences"][gap].items():  # paired: the two taus' difference
+            assert d["difference"] == pytest.approx(taus[col]["tau"] - taus["param_norm"]["tau"])
+    assert set(rep["versus_param_norm"]["with_baseline"]) == set(PLAN)
     for col, count in rep["convergence"].items():  # what the records say, counted
         assert count == {"n": 3, "certified": sum(r["numbers"][col]["converged"] for r in rows)}, col
     assert rep["convergence"]["relative_flatness"]["certified"] == 3  # exact: nothing iterates

@@ -18,9 +18,9 @@ mode. One job per module: :mod:`.inputs` (models, columns, gap), :mod:`.run` (me
 from .inputs import Column, GapMetric, GapSpec, ModelRef, read_gap_file, resolve_models
 from .report import markdown, ranked, scatter_plot, table_markdown, taus_markdown, write_csv, write_outputs
 from .run import TRIVIAL, Leaderboard, convergence_fix, evaluate_split, run_leaderboard
-from .statistics import MIN_MODELS_FOR_CI, kendall_taus
+from .statistics import MIN_MODELS_FOR_CI, kendall_taus, tau_differences
 
 __all__ = ["MIN_MODELS_FOR_CI", "TRIVIAL", "Column", "GapMetric", "GapSpec", "Leaderboard", "ModelRef",
            "convergence_fix", "evaluate_split", "kendall_taus", "markdown", "ranked", "read_gap_file",
-           "resolve_models", "run_leaderboard", "scatter_plot", "table_markdown", "taus_markdown", "write_csv",
-           "write_outputs"]
+           "resolve_models", "run_leaderboard", "scatter_plot", "table_markdown", "tau_differences", "taus_markdown",
+           "write_csv", "write_outputs"]

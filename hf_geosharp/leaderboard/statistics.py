@@ -37,3 +37,31 @@ def kendall_taus(
         out[name] = {"tau": float(result.statistic), "ci_low": low, "ci_high": high, "p_value": float(result.pvalue),
                      "n": len(rows)}
     return out
+
+
+def tau_differences(
+    rows: list[dict[str, Any]], predictors: list[str], baseline: str, *, n_resamples: int = 2000, seed: int = 0
+) -> dict[str, dict[str, float]]:
+    """``tau(predictor, gap) - tau(baseline, gap)`` of each predictor, with a percentile bootstrap 95 % interval that
+    resamples the models once for both taus. Whether a measure ranks models better than a trivial predictor is a
+    paired question: two separate intervals that overlap do not answer it, since both taus move with the same models.
+    Below ``MIN_MODELS_FOR_CI`` models the interval is nan."""
+    gap = np.array([r["gap"] for r in rows], dtype=float)
+    base = np.array([r[baseline] for r in rows], dtype=float)
+
+    def difference(x: np.ndarray, b: np.ndarray, g: np.ndarray) -> float:
+        return float(stats.kendalltau(x, g).statistic - stats.kendalltau(b, g).statistic)
+
+    out = {}
+    for name in predictors:
+        x = np.array([r[name] for r in rows], dtype=float)
+        low = high = math.nan
+        if len(rows) >= MIN_MODELS_FOR_CI:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", stats.DegenerateDataWarning)
+                boot = stats.bootstrap((x, base, gap), difference, paired=True, vectorized=False,
+                                       n_resamples=n_resamples, confidence_level=0.95, method="percentile",
+                                       rng=np.random.default_rng(seed))
+            low, high = float(boot.confidence_interval.low), float(boot.confidence_interval.high)
+        out[name] = {"difference": difference(x, base, gap), "ci_low": low, "ci_high": high, "n": len(rows)}
+    return out
