@@ -221,6 +221,7 @@ def _board(gap: list[float], **predictors: list[float]) -> Leaderboard:
     rows = [{"model": f"m{i}", "gap": g, **{k: v[i] for k, v in predictors.items()}} for i, g in enumerate(gap)]
     board = Leaderboard(rows, [k for k in predictors if k not in TRIVIAL], "error")
     board.taus = kendall_taus(rows, board.predictors, n_resamples=500)
+    board.versus_param_norm = tau_differences(rows, board.measures, "param_norm", n_resamples=500)
     return board
 
 
@@ -269,7 +270,11 @@ def test_outputs_rank_by_the_first_measure_and_plot_one_panel_per_predictor(tmp_
     assert [r["rank"] for r in _table(paths["csv"])] == ["1", "2", "3", "4"]
     text = paths["markdown"].read_text()
     assert "| 1 | m3 |" in text and "| param_norm |" in text and "Kendall tau" in text
-    assert json.loads(paths["taus"].read_text())["taus"]["sharp"]["n"] == 4
+    taus = json.loads(paths["taus"].read_text())
+    assert taus["taus"]["sharp"]["n"] == 4
+    # "other" ranks the models exactly as the parameter norm does: nothing gained over it
+    assert taus["versus_param_norm"]["other"]["difference"] == 0.0 and "| other | " in text
+    assert set(taus["versus_param_norm"]) == {"sharp", "other"}
     width, height = Image.open(paths["plot"]).size
     assert width == pytest.approx(3.2 * 4 * 120, abs=2) and height == pytest.approx(3.2 * 120, abs=2)
 

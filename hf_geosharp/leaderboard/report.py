@@ -39,13 +39,20 @@ def taus_markdown(board: Leaderboard) -> str:
     if not board.taus:
         return ""
     lines = [f"Kendall tau against the generalisation gap (test minus train {board.gap_metric}), "
-             f"{len(board.rows)} models, bootstrap 95 % interval:", "",
-             "| predictor | tau | 95 % CI | p-value | certified |", "|---|---|---|---|---|"]
+             f"{len(board.rows)} models, bootstrap 95 % interval; last column: the measure's tau minus the parameter "
+             "norm's over the same resampled models (an interval above zero: it ranks the models better than the "
+             "parameter norm does):", "",
+             "| predictor | tau | 95 % CI | p-value | certified | minus param_norm's tau [95 % CI] |",
+             "|---|---|---|---|---|---|"]
     for name, t in board.taus.items():
         ci = f"[{_fmt(t['ci_low'], '+.3f')}, {_fmt(t['ci_high'], '+.3f')}]"
         certified = board.certified(name)
         count = "-" if certified is None else f"{certified[0]} of {certified[1]}"
-        lines.append(f"| {name} | {_fmt(t['tau'], '+.3f')} | {ci} | {_fmt(t['p_value'], '.3g')} | {count} |")
+        d = board.versus_param_norm.get(name)
+        versus = "-" if d is None else (f"{_fmt(d['difference'], '+.3f')} "
+                                        f"[{_fmt(d['ci_low'], '+.3f')}, {_fmt(d['ci_high'], '+.3f')}]")
+        lines.append(f"| {name} | {_fmt(t['tau'], '+.3f')} | {ci} | {_fmt(t['p_value'], '.3g')} | {count} | "
+                     f"{versus} |")
     return "\n".join(lines) + "\n"
 
 
@@ -103,7 +110,8 @@ def write_outputs(board: Leaderboard, out_dir: Path) -> dict[str, Path]:
     if board.taus:
         paths["taus"] = out_dir / "taus.json"
         certified = {name: list(count) for name in board.measures if (count := board.certified(name)) is not None}
-        write_json(paths["taus"], {"gap_metric": board.gap_metric, "taus": board.taus, "certified": certified})
+        write_json(paths["taus"], {"gap_metric": board.gap_metric, "taus": board.taus, "certified": certified,
+                                   "versus_param_norm": board.versus_param_norm})
         paths["plot"] = out_dir / "scatter.png"
         scatter_plot(board, paths["plot"])
     return paths

@@ -18,7 +18,7 @@ from ..data import DataError, DataSpec, load_batches, load_model, load_processor
 from ..measures import MEASURES, Settings, no_symmetry_note, run_measure
 from ..symmetry import map_symmetries
 from .inputs import Column, GapSpec, ModelRef, read_gap_file
-from .statistics import kendall_taus
+from .statistics import kendall_taus, tau_differences
 from .store import ResultStore, data_identity, fingerprint, model_identity
 
 logger = logging.getLogger(__name__)
@@ -70,6 +70,8 @@ class Leaderboard:
     gap_metric: str | None
     results: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # model -> its stored measure records
     taus: dict[str, dict[str, float]] = field(default_factory=dict)
+    #: Each measure's tau minus the parameter norm's, with a paired interval: does it rank better than the norm?
+    versus_param_norm: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @property
     def predictors(self) -> list[str]:
@@ -139,6 +141,7 @@ def run_leaderboard(
                        len(unconverged), settings.steps, convergence_fix(settings.steps))
     if gap is not None:
         board.taus = kendall_taus(rows, board.predictors, seed=settings.seed)
+        board.versus_param_norm = tau_differences(rows, board.measures, "param_norm", seed=settings.seed)
     return board
 
 
