@@ -54,6 +54,8 @@ def test_the_demo_table_is_the_recorded_demo_run():
     for label, key in labels.items():
         t = recorded["taus"][key]
         count = recorded["certified"].get(key)
+        d = recorded["versus_param_norm"].get(key)
+        versus = "-" if d is None else f"{d['difference']:+.2f} [{d['ci_low']:+.2f}, {d['ci_high']:+.2f}]"
         row = (f"| {label} | {t['tau']:+.2f} | [{t['ci_low']:+.2f}, {t['ci_high']:+.2f}] | {t['p_value']:.2g} | "
-               f"{'-' if count is None else f'{count[0]} of {count[1]}'} |")
+               f"{'-' if count is None else f'{count[0]} of {count[1]}'} | {versus} |")
         assert row in section, row

@@ -3,7 +3,8 @@
 A generalisation measure is judged by how well it ranks models, so the leaderboard measures every model on the same
 batches, correlates every measure with the gap (Kendall tau, as in the paper's Section 5, with bootstrap 95 % intervals)
 and always puts two trivial predictors beside the sharpness measures, the parameter norm and the clean training loss:
-a measure that does not beat them tells the reader little.
+a measure that does not beat them tells the reader little. Whether it beats the parameter norm is read from the
+difference of the two taus over the same resampled models (a paired interval).
 
 Long runs must survive being killed, so every number goes into a :class:`~hf_geosharp.leaderboard.store.ResultStore` the
 moment it is computed, keyed by a fingerprint of the content of the model and the data
@@ -12,7 +13,7 @@ computes what is missing. Every output file is written durably (:mod:`hf_geoshar
 
 The measures and their settings are the registry's (:mod:`hf_geosharp.measures`): a column is a registry measure in a
 mode. One job per module: :mod:`.inputs` (models, columns, gap), :mod:`.run` (measuring into the store),
-:mod:`.statistics` (Kendall taus) and :mod:`.report` (Markdown, CSV, plot).
+:mod:`.statistics` (Kendall taus and their paired differences) and :mod:`.report` (Markdown, CSV, plot).
 """
 
 from .inputs import Column, GapMetric, GapSpec, ModelRef, read_gap_file, resolve_models
