@@ -878,6 +878,8 @@ def report(config: Config, cache: Path, out_dir: Path, doc: Path | None = None,
             "rule": f"hide(target='flat') on members whose {config.hide_gap} is above the median, 'sharp' otherwise",
             "gap": config.hide_gap, "median_gap": info["median_gap"],
             "taus": _tau_table(rows, hidden_cols, config),
+            "taus_unmoved": _tau_table([r for r in rows if all(c in r["numbers"] for c in hidden_cols)], list(HIDDEN),
+                                       config),  # the same members before they were moved
             **_adversarial_summary(rows),
         },
         "versus_param_norm": _versus_baseline(rows, config),
@@ -998,6 +1000,60 @@ def _difference_cell(d: dict[str, Any] | None) -> str:
     return f"{d['difference']:+.2f}{ci}"
 
 
+def _excludes_zero(low: float, high: float) -> int:
+    """+1 if a 95 % interval lies above zero, -1 below, 0 if it includes zero or there is none (too few members)."""
+    return 0 if not (math.isfinite(low) and math.isfinite(high)) else (low > 0) - (high < 0)
+
+
+def reading(out: dict[str, Any]) -> list[str]:
+    """What the intervals allow, as bullet lines computed from the report (no sentence here is written by hand)."""
+    gaps, config = list(GAPS), out["config"]
+    lines = []
+    worst = {c: n for c, n in out["convergence"].items() if not c.endswith(("relative_flatness", "adaptive_as23"))}
+    open_ = {c: n["n"] - n["certified"] for c, n in worst.items() if n["n"] > n["certified"]}
+    total = sum(n["n"] for n in worst.values())
+    lines.append(f"* **Certificates**: {total - sum(open_.values())} of the {total} worst-case numbers measured with "
+                 "`steps=\"auto\"` are certified" + (": all." if not open_ else "; not: " + ", ".join(
+                     f"{c} ({k})" for c, k in open_.items()) + ".") + " AS23's are not, as expected.")
+    for gap in gaps:
+        taus = out["taus"][gap]
+        sides = {side: [f"{c} {t['tau']:+.2f}" for c, t in taus.items()
+                        if _excludes_zero(t["ci_low"], t["ci_high"]) == side] for side in (1, -1)}
+        none = [c for c, t in taus.items() if _excludes_zero(t["ci_low"], t["ci_high"]) == 0]
+        lines.append(f"* **{gap}**: interval above 0: {', '.join(sides[1]) or 'none'}; below 0: "
+                     f"{', '.join(sides[-1]) or 'none'}; including 0 (or too few members): "
+                     f"{', '.join(none) or 'none'}.")
+    versus = out["versus_param_norm"]
+    better = {gap: [f"{c} {d['difference']:+.2f}" for c, d in versus["differences"][gap].items()
+                    if _excludes_zero(d["ci_low"], d["ci_high"]) == 1] for gap in gaps}
+    worse = {gap: [f"{c} {d['difference']:+.2f}" for c, d in versus["differences"][gap].items()
+                   if _excludes_zero(d["ci_low"], d["ci_high"]) == -1] for gap in gaps}
+    if versus["with_baseline"]:
+        found = "; ".join(f"{gap}: better {', '.join(better[gap]) or '-'}, worse {', '.join(worse[gap]) or '-'}"
+                          for gap in gaps if better[gap] or worse[gap])
+        alike = ", ".join(f"{c} {t['tau']:+.2f}" for c, t in versus["with_baseline"].items())
+        lines.append("* **Against the parameter norm** (paired intervals that exclude 0): "
+                     + (found if found else "none, against any gap: no measure ranks the members better or worse "
+                        "than the parameter norm by an interval that excludes 0")
+                     + f". Tau of each measure with the parameter norm: {alike}.")
+    hide_gap = config["hide_gap"]
+    adv, before = (out["adversarial"][k].get(hide_gap, {}) for k in ("taus", "taus_unmoved"))
+    if adv:
+        pairs = ", ".join(f"{c.removeprefix('hidden_')} {_cell(before.get(c.removeprefix('hidden_')))} -> {_cell(t)}"
+                          for c, t in adv.items())
+        lines.append(f"* **Adversarial control**, tau against {hide_gap} on the {next(iter(adv.values()))['n']} "
+                     f"members moved, before -> after moving each against it: {pairs}.")
+    sweep = []
+    for name in config["sweep_measures"]:
+        cells = []
+        for rho, taus in sorted(out["rho_sweep"].items(), key=lambda kv: float(kv[0])):
+            t = taus.get(hide_gap, {}).get(name if float(rho) == config["rho"] else f"{name}@{rho}")
+            cells.append(f"rho {rho}: {_cell(t)}" + ("" if t is None else f", n={t['n']}"))
+        sweep.append(f"{name} ({'; '.join(cells)})")
+    lines.append(f"* **rho sweep**, tau against {hide_gap}: " + ", ".join(sweep) + ".")
+    return lines
+
+
 def tables_markdown(out: dict[str, Any], figure_link: bool = True) -> str:
     """The doc's generated section: progress, taus against the four gaps (original, hidden, sweep), convergence,
     the adversarial check and the cost."""
@@ -1060,6 +1116,8 @@ def tables_markdown(out: dict[str, Any], figure_link: bool = True) -> str:
             lines += ["; ".join(parts) + ".", ""]
         if figure_link:
             lines += ["![MiniLM family](results/minilm_family.png)", ""]
+        lines += ["What the intervals allow" + (" so far" if p["complete"] < p["members"] else "") + ":", "",
+                  *reading(out), ""]
     if (versus := out.get("against_previous")) and versus["columns"]:
         before, now = versus["versions"]
         lines += [f"The main numbers that hf_geosharp {before} also stored, batch by batch (a batch value differs "
@@ -1081,7 +1139,8 @@ def tables_markdown(out: dict[str, Any], figure_link: bool = True) -> str:
         stages = ", ".join(f"{stage} {agg['cpu_seconds'] / 3600:.2f}" for stage, agg in cost["per_stage"].items())
         lines += ["", f"Total: {cost['total_seconds'] / 3600:.2f} h wall, {cost['total_cpu_seconds'] / 3600:.2f} CPU "
                   f"h (CPU h per stage: {stages}).", ""]
-    wrapped = [line if line.startswith(("|", "!")) else textwrap.fill(line, 120) for line in lines]
+    wrapped = [line if line.startswith(("|", "!")) else
+               textwrap.fill(line, 120, subsequent_indent="  " if line.startswith("* ") else "") for line in lines]
     return "\n".join(wrapped).rstrip() + "\n"
 
 

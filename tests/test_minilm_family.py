@@ -34,6 +34,7 @@ from experiments.minilm_family import (  # noqa: E402
     Config,
     collect,
     members,
+    reading,
     remaining,
     report,
     run,
@@ -171,6 +172,14 @@ def test_smoke_population_runs_every_stage_and_resumes(tmp_path: Path, monkeypat
     certified = rep["convergence"]["geodesic_inv"]["certified"]
     assert f"| geodesic_inv | 3 | {certified}/3 |" in text and "| geodesic_inv (adversarially hidden) | 3 |" in text
     assert "| geodesic_inv @ rho 0.05 | 3 |" in text and "main/geodesic_inv" in text
+    # the reading counts the certificates the records hold, and with 3 members no interval excludes 0
+    worst = [c for c in rep["convergence"] if not c.endswith(("relative_flatness", "adaptive_as23"))]
+    n_worst = sum(rep["convergence"][c]["n"] for c in worst)
+    n_certified = sum(rep["convergence"][c]["certified"] for c in worst)
+    lines = reading(rep)
+    assert lines[0].startswith(f"* **Certificates**: {n_certified} of the {n_worst} worst-case numbers")
+    assert all("interval above 0: none; below 0: none" in line for line in lines if line.startswith("* **gap_"))
+    assert "What the intervals allow:" in text
     assert "3/3 trained" in status(SMOKE, cache) and remaining(SMOKE, cache)["tasks"] == {}
 
     store = cache / "results.jsonl"
