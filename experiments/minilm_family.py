@@ -1015,8 +1015,9 @@ def reading(out: dict[str, Any]) -> list[str]:
     as23 = out["convergence"].get("adaptive_as23", {"n": 0, "certified": 0})
     lines.append(f"* **Certificates**: {total - sum(uncertified.values())} of the {total} worst-case numbers measured "
                  "with `steps=\"auto\"` are certified" + ("" if not uncertified else "; not: " + ", ".join(
-                     f"{c} ({k})" for c, k in uncertified.items())) + f". AS23's {config['as23_steps']}-step numbers: {as23['certified']} "
-                 f"of {as23['n']} certified (its fixed points are not stationary).")
+                     f"{c} ({k})" for c, k in uncertified.items()))
+                 + f". AS23's {config['as23_steps']}-step numbers: {as23['certified']} of {as23['n']} certified (its "
+                 "fixed points are not stationary).")
     for gap in gaps:
         taus = out["taus"][gap]
         sides = {side: [f"{c} {t['tau']:+.2f}" for c, t in taus.items()
