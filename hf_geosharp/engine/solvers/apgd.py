@@ -119,8 +119,9 @@ CONVERGENCE_TOL = 1e-3
 #: Default step budget of ``steps="auto"`` (all starts together).
 AUTO_MAX_STEPS = 640
 #: The most starts ``steps="auto"`` makes: from zero, from the antipode of the best point, then near the best point.
-#: Where maxima lie close together, starts near the best point climb a ladder (0.0958, 0.0961, 0.0962, 0.0962 on a
-#: fine-tuned MiniLM at rho 0.2) before two agree; four starts left 3 of 176 such numbers uncertified (docs/method.md).
+#: Where maxima lie close together, starts near the best point climb a ladder before two agree (on a fine-tuned MiniLM
+#: at rho 0.2: 0.0958 from zero, then 0.0961, 0.0962, 0.0962); four starts left 3 of 176 such numbers uncertified
+#: (docs/method.md).
 AUTO_MAX_STARTS = 8
 #: How far from the best point found so far a third or later start begins, as a fraction of ``rho``.
 NEAR_BEST = 0.5
