@@ -1004,23 +1004,26 @@ def figure(out: dict[str, Any], path: Path) -> None:
         fig.savefig(tmp, dpi=110)
 
 
-def _cell(t: dict[str, Any] | None) -> str:
+def _cell(t: dict[str, Any] | None, value: str = "tau") -> str:
+    """A tau (or, with ``value="difference"``, a difference of taus) with its interval, and its p-value if it has
+    one."""
     if t is None:
         return "-"
     ci = "" if math.isnan(t["ci_low"]) else f" [{t['ci_low']:+.2f}, {t['ci_high']:+.2f}]"
-    return f"{t['tau']:+.2f}{ci}, p={t['p_value']:.2g}"
-
-
-def _difference_cell(d: dict[str, Any] | None) -> str:
-    if d is None:
-        return "-"
-    ci = "" if math.isnan(d["ci_low"]) else f" [{d['ci_low']:+.2f}, {d['ci_high']:+.2f}]"
-    return f"{d['difference']:+.2f}{ci}"
+    return f"{t[value]:+.2f}{ci}" + (f", p={t['p_value']:.2g}" if "p_value" in t else "")
 
 
 def _excludes_zero(low: float, high: float) -> int:
     """+1 if a 95 % interval lies above zero, -1 below, 0 if it includes zero or there is none (too few members)."""
     return 0 if not (math.isfinite(low) and math.isfinite(high)) else (low > 0) - (high < 0)
+
+
+def _by_side(table: dict[str, dict[str, Any]], value: str) -> dict[int, list[str]]:
+    """``"name value"`` of each entry, by the side of zero its interval lies on (:func:`_excludes_zero`)."""
+    sides: dict[int, list[str]] = {1: [], -1: [], 0: []}
+    for name, t in table.items():
+        sides[_excludes_zero(t["ci_low"], t["ci_high"])].append(f"{name} {t[value]:+.2f}")
+    return sides
 
 
 def reading(out: dict[str, Any]) -> list[str]:
@@ -1037,21 +1040,15 @@ def reading(out: dict[str, Any]) -> list[str]:
                  + f". AS23's {config['as23_steps']}-step numbers: {as23['certified']} of {as23['n']} certified (its "
                  "fixed points are not stationary).")
     for gap in gaps:
-        taus = out["taus"][gap]
-        sides = {side: [f"{c} {t['tau']:+.2f}" for c, t in taus.items()
-                        if _excludes_zero(t["ci_low"], t["ci_high"]) == side] for side in (1, -1)}
-        none = [c for c, t in taus.items() if _excludes_zero(t["ci_low"], t["ci_high"]) == 0]
+        sides = _by_side(out["taus"][gap], "tau")
         lines.append(f"* **{gap}**: interval above 0: {', '.join(sides[1]) or 'none'}; below 0: "
                      f"{', '.join(sides[-1]) or 'none'}; including 0 (or too few members): "
-                     f"{', '.join(none) or 'none'}.")
+                     f"{', '.join(c.split()[0] for c in sides[0]) or 'none'}.")
     versus = out["versus_param_norm"]
-    better = {gap: [f"{c} {d['difference']:+.2f}" for c, d in versus["differences"][gap].items()
-                    if _excludes_zero(d["ci_low"], d["ci_high"]) == 1] for gap in gaps}
-    worse = {gap: [f"{c} {d['difference']:+.2f}" for c, d in versus["differences"][gap].items()
-                   if _excludes_zero(d["ci_low"], d["ci_high"]) == -1] for gap in gaps}
     if versus["with_baseline"]:
-        found = "; ".join(f"{gap}: better {', '.join(better[gap]) or '-'}, worse {', '.join(worse[gap]) or '-'}"
-                          for gap in gaps if better[gap] or worse[gap])
+        by_gap = {gap: _by_side(versus["differences"][gap], "difference") for gap in gaps}
+        found = "; ".join(f"{gap}: better {', '.join(s[1]) or '-'}, worse {', '.join(s[-1]) or '-'}"
+                          for gap, s in by_gap.items() if s[1] or s[-1])
         alike = ", ".join(f"{c} {t['tau']:+.2f}" for c, t in versus["with_baseline"].items())
         lines.append("* **Against the parameter norm** (paired intervals that exclude 0): "
                      + (found if found else "none, against any gap: no measure ranks the members better or worse "
@@ -1119,7 +1116,7 @@ def tables_markdown(out: dict[str, Any], figure_link: bool = True) -> str:
                       "| measure | tau with param_norm | " + " | ".join(gaps) + " |", "|---|---|" + "---|" * len(gaps)]
             for col, alike in versus["with_baseline"].items():
                 lines.append(f"| {col} | {_cell(alike)} | " + " | ".join(
-                    _difference_cell(versus["differences"][g].get(col)) for g in gaps) + " |")
+                    _cell(versus["differences"][g].get(col), "difference") for g in gaps) + " |")
             lines.append("")
         adv = out["adversarial"]
         if adv.get("n"):
