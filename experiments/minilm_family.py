@@ -1018,12 +1018,17 @@ def _excludes_zero(low: float, high: float) -> int:
     return 0 if not (math.isfinite(low) and math.isfinite(high)) else (low > 0) - (high < 0)
 
 
-def _by_side(table: dict[str, dict[str, Any]], value: str) -> dict[int, list[str]]:
-    """``"name value"`` of each entry, by the side of zero its interval lies on (:func:`_excludes_zero`)."""
-    sides: dict[int, list[str]] = {1: [], -1: [], 0: []}
+def _by_side(table: dict[str, dict[str, Any]], value: str) -> dict[int, list[tuple[str, float]]]:
+    """``(name, value)`` of each entry, by the side of zero its interval lies on (:func:`_excludes_zero`)."""
+    sides: dict[int, list[tuple[str, float]]] = {1: [], -1: [], 0: []}
     for name, t in table.items():
-        sides[_excludes_zero(t["ci_low"], t["ci_high"])].append(f"{name} {t[value]:+.2f}")
+        sides[_excludes_zero(t["ci_low"], t["ci_high"])].append((name, t[value]))
     return sides
+
+
+def _listed(entries: list[tuple[str, float]], empty: str) -> str:
+    """``"name +0.12, name -0.03"``, or ``empty``."""
+    return ", ".join(f"{name} {v:+.2f}" for name, v in entries) or empty
 
 
 def reading(out: dict[str, Any]) -> list[str]:
@@ -1041,13 +1046,13 @@ def reading(out: dict[str, Any]) -> list[str]:
                  "fixed points are not stationary).")
     for gap in gaps:
         sides = _by_side(out["taus"][gap], "tau")
-        lines.append(f"* **{gap}**: interval above 0: {', '.join(sides[1]) or 'none'}; below 0: "
-                     f"{', '.join(sides[-1]) or 'none'}; including 0 (or too few members): "
-                     f"{', '.join(c.split()[0] for c in sides[0]) or 'none'}.")
+        lines.append(f"* **{gap}**: interval above 0: {_listed(sides[1], 'none')}; below 0: "
+                     f"{_listed(sides[-1], 'none')}; including 0 (or too few members): "
+                     f"{', '.join(name for name, _ in sides[0]) or 'none'}.")
     versus = out["versus_param_norm"]
     if versus["with_baseline"]:
         by_gap = {gap: _by_side(versus["differences"][gap], "difference") for gap in gaps}
-        found = "; ".join(f"{gap}: better {', '.join(s[1]) or '-'}, worse {', '.join(s[-1]) or '-'}"
+        found = "; ".join(f"{gap}: better {_listed(s[1], '-')}, worse {_listed(s[-1], '-')}"
                           for gap, s in by_gap.items() if s[1] or s[-1])
         alike = ", ".join(f"{c} {t['tau']:+.2f}" for c, t in versus["with_baseline"].items())
         lines.append("* **Against the parameter norm** (paired intervals that exclude 0): "

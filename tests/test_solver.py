@@ -4,6 +4,8 @@ recomputation (same bits, fewer model calls) with the memory rule that chooses b
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -272,3 +274,50 @@ def test_max_starts_bounds_the_starts_and_changes_nothing_once_two_agree():
     assert default.losses == four.losses
     assert (default.start_values, default.start_gaps) == (four.start_values, four.start_gaps)
     assert len(four.start_values) == 3 < AUTO_MAX_STARTS
+
+
+class _Bowl(_Line):
+    """A loss that rises steeply outward and gently along the sphere: ``f = 1 + R |xi|^2 / rho^2 + A x + S (y + c)^2``
+    with ``x = <u, xi> / rho``, ``y = <v, xi> / rho``. The maximum lies on the sphere in the ``(u, v)`` plane (the
+    other coordinates only add to the radial term). At a point of the sphere the Frank-Wolfe gap is about
+    ``rho t^2 / (2 r)`` for a slope ``t`` along the sphere and ``r`` outward: quadratic in ``t``, and small where ``r``
+    is large, although the loss still rises along the sphere."""
+
+    def __init__(self, n: int, rho: float, radial: float, a: float, s: float, c: float) -> None:
+        super().__init__(n, rho)
+        self.radial, self.a, self.s, self.c = radial, a, s, c
+        self.u = torch.zeros(n, dtype=torch.float64)
+        self.u[1] = 1.0
+
+    def maximum(self) -> float:
+        """The largest sharpness on the ball (the maximum over the circle of radius rho in the (u, v) plane)."""
+        angle = torch.linspace(0, 2 * math.pi, 200_001, dtype=torch.float64)
+        on_circle = self.radial + self.a * torch.cos(angle) + self.s * (torch.sin(angle) + self.c) ** 2
+        return float(on_circle.max()) - self.s * self.c**2
+
+    def objective(self, xi, need_grad, out=None):
+        x, y = float(self.u @ xi) / self.rho, float(self.v @ xi) / self.rho
+        loss = 1.0 + self.radial * float(xi @ xi) / self.rho**2 + self.a * x + self.s * (y + self.c) ** 2
+        if not need_grad:
+            return loss, None
+        grad = out if out is not None else self.empty()
+        grad.copy_(xi).mul_(2 * self.radial / self.rho**2).add_(self.u, alpha=self.a / self.rho)
+        return loss, grad.add_(self.v, alpha=2 * self.s * (y + self.c) / self.rho)
+
+
+def test_auto_certifies_within_tol_of_the_maximum_where_the_loss_rises_steeply_outward():
+    """A start stopped at a gap of ``tol`` would sit 0.6 % below the maximum here, and a second start agreed with it
+    (certified, wrongly); a start stops at a tenth of ``tol`` instead, and the certified value is within ``tol``."""
+    from hf_geosharp.engine.solvers.apgd import START_STOP_FRACTION, apgd
+
+    bowl = _Bowl(200, rho=0.3, radial=10.0, a=1.0, s=2.0, c=0.1)
+    res = apgd(bowl, bowl.objective, rho=bowl.rho, steps=20, max_steps=640, keep_best_gradient=False,
+               generator=torch.Generator().manual_seed(0))
+    assert res.certificate(1e-3, starts=2) is None, res.certificate(1e-3, starts=2)
+    assert res.sharpness == pytest.approx(bowl.maximum(), rel=1e-3)
+    assert max(res.start_gaps) <= 1e-3 * START_STOP_FRACTION
+    # where the gap of tol is: the first point of the climb from zero that reaches it, well below the maximum
+    early = apgd(bowl, bowl.objective, rho=bowl.rho, steps=20, max_steps=640, keep_best_gradient=False, tol=1e-2,
+                 generator=torch.Generator().manual_seed(0))
+    assert early.start_gaps[0] <= 1e-3 * 10 * START_STOP_FRACTION
+    assert early.start_values[0] < bowl.maximum() * (1 - 3e-3)
