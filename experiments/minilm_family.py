@@ -52,7 +52,7 @@ import tempfile
 import textwrap
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -89,6 +89,7 @@ PLAN: dict[str, tuple[str, str]] = {
 }
 TRIVIAL = ("param_norm", "clean_loss")
 HIDDEN = ("adaptive_clean", "geodesic_inv")  # measured again on the moved member
+GEODESIC = ("geodesic_inv", "geodesic_mix")  # compared with clean adaptive sharpness, the measure they refine
 #: The gaps: name -> (test metric, train metric); ``*_clean`` use only the training examples whose label was kept.
 GAPS: dict[str, tuple[str, str]] = {
     "gap_error": ("test_error", "train_error"),
@@ -736,8 +737,9 @@ def _tau_table(rows: list[dict[str, Any]], columns: list[str], config: Config) -
     return out
 
 
-def _versus_baseline(rows: list[dict[str, Any]], config: Config, baseline: str = "param_norm") -> dict[str, Any]:
-    """Each measure against a trivial predictor, over the members that have both: the tau of the two with each other
+def _versus_baseline(rows: list[dict[str, Any]], config: Config, baseline: str,
+                     measures: Iterable[str]) -> dict[str, Any]:
+    """Each of ``measures`` against ``baseline``, over the members that have both: the tau of the two with each other
     (do they rank the members alike?) and, against each gap, the difference of their taus with a paired bootstrap
     interval (does the measure rank the members by their gap better?)."""
     def values(col: str) -> dict[str, float]:
@@ -746,7 +748,7 @@ def _versus_baseline(rows: list[dict[str, Any]], config: Config, baseline: str =
 
     base = values(baseline)
     out: dict[str, Any] = {"baseline": baseline, "with_baseline": {}, "differences": {gap: {} for gap in GAPS}}
-    for col in PLAN:
+    for col in measures:
         mine = values(col)
         both = [r for r in rows if r["member"]["name"] in mine and r["member"]["name"] in base]
         if len(both) < 3:
@@ -882,7 +884,8 @@ def report(config: Config, cache: Path, out_dir: Path, doc: Path | None = None,
                                        config),  # the same members before they were moved
             **_adversarial_summary(rows),
         },
-        "versus_param_norm": _versus_baseline(rows, config),
+        "versus_param_norm": _versus_baseline(rows, config, "param_norm", PLAN),
+        "versus_adaptive_clean": _versus_baseline(rows, config, "adaptive_clean", GEODESIC),
         "rho_sweep": {f"{rho:g}": _tau_table(rows, cols, config) for rho, cols in sweep_cols.items()},
         "convergence": {col: {"n": sum(col in r["numbers"] for r in rows),
                               "certified": sum(bool(r["numbers"][col].get("converged")) for r in rows
@@ -1031,6 +1034,11 @@ def _listed(entries: list[tuple[str, float]], empty: str) -> str:
     return ", ".join(f"{name} {v:+.2f}" for name, v in entries) or empty
 
 
+#: The paired comparisons the report makes: (report key, title in the reading, the baseline as the text names it).
+VERSUS = (("versus_param_norm", "Against the parameter norm", "the parameter norm"),
+          ("versus_adaptive_clean", "Geodesic against clean adaptive", "clean adaptive sharpness"))
+
+
 def reading(out: dict[str, Any]) -> list[str]:
     """What the intervals allow, as bullet lines computed from the report (no sentence here is written by hand)."""
     gaps, config = list(GAPS), out["config"]
@@ -1049,16 +1057,18 @@ def reading(out: dict[str, Any]) -> list[str]:
         lines.append(f"* **{gap}**: interval above 0: {_listed(sides[1], 'none')}; below 0: "
                      f"{_listed(sides[-1], 'none')}; including 0 (or too few members): "
                      f"{', '.join(name for name, _ in sides[0]) or 'none'}.")
-    versus = out["versus_param_norm"]
-    if versus["with_baseline"]:
+    for key, title, baseline in VERSUS:
+        versus = out[key]
+        if not versus["with_baseline"]:
+            continue
         by_gap = {gap: _by_side(versus["differences"][gap], "difference") for gap in gaps}
         found = "; ".join(f"{gap}: better {_listed(s[1], '-')}, worse {_listed(s[-1], '-')}"
                           for gap, s in by_gap.items() if s[1] or s[-1])
         alike = ", ".join(f"{c} {t['tau']:+.2f}" for c, t in versus["with_baseline"].items())
-        lines.append("* **Against the parameter norm** (paired intervals that exclude 0): "
-                     + (found if found else "none, against any gap: no measure ranks the members better or worse "
-                        "than the parameter norm by an interval that excludes 0")
-                     + f". Tau of each measure with the parameter norm: {alike}.")
+        lines.append(f"* **{title}** (paired intervals that exclude 0): "
+                     + (found if found else f"none, against any gap: no measure ranks the members better or worse "
+                        f"than {baseline} by an interval that excludes 0")
+                     + f". Tau of each measure with {baseline}: {alike}.")
     hide_gap = config["hide_gap"]
     adv, before = (out["adversarial"][k].get(hide_gap, {}) for k in ("taus", "taus_unmoved"))
     if adv:
@@ -1112,13 +1122,16 @@ def tables_markdown(out: dict[str, Any], figure_link: bool = True) -> str:
                 block(taus, [f"{n}@{rho}" for n in out["config"]["sweep_measures"]],
                       lambda c: c.replace("@", " @ rho "))
         lines.append("")
-        versus = out["versus_param_norm"]
-        if versus["with_baseline"]:
-            lines += ["Each measure against the parameter norm, over the same members: Kendall tau of the two with "
-                      "each other, and the measure's tau against each gap minus the parameter norm's, with a paired "
+        for key, _, baseline in VERSUS:
+            versus = out[key]
+            if not versus["with_baseline"]:
+                continue
+            lines += [f"Each measure against {baseline}, over the same members: Kendall tau of the two with each "
+                      f"other, and the measure's tau against each gap minus that of {baseline}, with a paired "
                       "bootstrap 95 % interval (the same resampled members for both; an interval above zero says the "
-                      "measure ranks the members by that gap better than the parameter norm does):", "",
-                      "| measure | tau with param_norm | " + " | ".join(gaps) + " |", "|---|---|" + "---|" * len(gaps)]
+                      f"measure ranks the members by that gap better than {baseline} does):", "",
+                      f"| measure | tau with {versus['baseline']} | " + " | ".join(gaps) + " |",
+                      "|---|---|" + "---|" * len(gaps)]
             for col, alike in versus["with_baseline"].items():
                 lines.append(f"| {col} | {_cell(alike)} | " + " | ".join(
                     _cell(versus["differences"][g].get(col), "difference") for g in gaps) + " |")

@@ -155,9 +155,11 @@ def test_smoke_population_runs_every_stage_and_resumes(tmp_path: Path, monkeypat
         for t in rep["taus"][gap].values():
             assert -1 <= t["tau"] <= 1 and 0 <= t["p_value"] <= 1 and t["n"] == 3
         taus = rep["taus"][gap]
-        for col, d in rep["versus_param_norm"]["differences"][gap].items():  # paired: the two taus' difference
-            assert d["difference"] == pytest.approx(taus[col]["tau"] - taus["param_norm"]["tau"])
+        for key, base in (("versus_param_norm", "param_norm"), ("versus_adaptive_clean", "adaptive_clean")):
+            for col, d in rep[key]["differences"][gap].items():  # paired: the two taus' difference
+                assert d["difference"] == pytest.approx(taus[col]["tau"] - taus[base]["tau"])
     assert set(rep["versus_param_norm"]["with_baseline"]) == set(PLAN)
+    assert set(rep["versus_adaptive_clean"]["with_baseline"]) == {"geodesic_inv", "geodesic_mix"}
     for col, count in rep["convergence"].items():  # what the records say, counted
         assert count == {"n": 3, "certified": sum(r["numbers"][col]["converged"] for r in rows)}, col
     assert rep["convergence"]["relative_flatness"]["certified"] == 3  # exact: nothing iterates
@@ -172,6 +174,7 @@ def test_smoke_population_runs_every_stage_and_resumes(tmp_path: Path, monkeypat
     certified = rep["convergence"]["geodesic_inv"]["certified"]
     assert f"| geodesic_inv | 3 | {certified}/3 |" in text and "| geodesic_inv (adversarially hidden) | 3 |" in text
     assert "| geodesic_inv @ rho 0.05 | 3 |" in text and "main/geodesic_inv" in text
+    assert "| measure | tau with param_norm |" in text and "| measure | tau with adaptive_clean |" in text
     # the reading counts the certificates the records hold, and with 3 members no interval excludes 0
     worst = [c for c in rep["convergence"] if not c.endswith(("relative_flatness", "adaptive_as23"))]
     n_worst = sum(rep["convergence"][c]["n"] for c in worst)
@@ -179,6 +182,7 @@ def test_smoke_population_runs_every_stage_and_resumes(tmp_path: Path, monkeypat
     lines = reading(rep)
     assert lines[0].startswith(f"* **Certificates**: {n_certified} of the {n_worst} worst-case numbers")
     assert all("interval above 0: none; below 0: none" in line for line in lines if line.startswith("* **gap_"))
+    assert sum("by an interval that excludes 0" in line for line in lines) == 2  # against both baselines
     assert "What the intervals allow:" in text
     assert "3/3 trained" in status(SMOKE, cache) and remaining(SMOKE, cache)["tasks"] == {}
 
