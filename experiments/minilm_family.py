@@ -64,6 +64,7 @@ import torch
 from examples.minilm_spam import PACKAGE, read_corpus
 from hf_geosharp import NotConvergedWarning, durable
 from hf_geosharp._version import __version__
+from hf_geosharp.engine.solvers.apgd import AUTO_MAX_STEPS
 from hf_geosharp.leaderboard import kendall_taus, tau_differences
 from hf_geosharp.leaderboard.store import ResultStore
 from hf_geosharp.measures import Settings, run_measure
@@ -122,6 +123,10 @@ class Config:
     n_test: int = 384
     rho: float = 0.1
     steps: int | str = "auto"  # geodesic inv and mix, clean adaptive: certified
+    max_steps: int | None = None  # the step budget of ``steps="auto"`` per batch (None: the engine's)
+    #: a ``steps="auto"`` number that ``max_steps`` left uncertified is measured again with this budget; the report
+    #: shows the second measurement, and the first beside it
+    retry_max_steps: int = 2560
     as23_steps: int = 20  # AS23's protocol (auto would spend its whole budget: AS23's stall is never certified)
     sweep_rhos: tuple[float, ...] = (0.05, 0.2)  # with ``rho`` itself, whose numbers are the main stage's
     sweep_measures: tuple[str, ...] = ("geodesic_inv", "adaptive_clean")
@@ -145,6 +150,8 @@ class Config:
             raise ValueError("measure_length cannot exceed max_length (the emails are tokenised to max_length).")
         if self.hide_gap not in GAPS:
             raise ValueError(f"hide_gap must be one of {', '.join(GAPS)}.")
+        if self.retry_max_steps <= (first := self.max_steps or AUTO_MAX_STEPS):
+            raise ValueError(f"retry_max_steps ({self.retry_max_steps}) must exceed the first budget ({first}).")
         if unknown := set(self.sweep_measures) - set(PLAN):
             raise ValueError(f"unknown sweep measures {sorted(unknown)}; use some of {', '.join(PLAN)}.")
 
@@ -153,6 +160,10 @@ class Config:
         _, variant = PLAN[name]
         steps = self.as23_steps if variant == "as23" else self.steps
         return Settings(rho=self.rho if rho is None else rho, steps=steps, seed=0, adaptive_variant=variant)
+
+    def first_budget(self, name: str) -> int | None:
+        """The step budget of measure ``name``'s first measurement (None: the engine's, or a fixed ``steps``)."""
+        return self.max_steps if self.settings(name).steps == "auto" else None
 
     @property
     def measuring(self) -> dict[str, int]:
@@ -424,14 +435,23 @@ def hide_options(config: Config) -> dict[str, Any]:
 
 
 def measure_key(row: dict[str, Any], name: str, settings: Settings, stage: str, config: Config,
-                library: str | None = None) -> str:
+                library: str | None = None, max_steps: int | None = None) -> str:
     """The store key of one number: the member (its folder and its weights' digest), the measure and its settings,
-    the measuring set, the stage (``original``, or ``hidden-<target>`` with the hide options), the protocol and the
-    library version (default the installed one)."""
+    the measuring set, the stage (``original``, or ``hidden-<target>`` with the hide options), the protocol, the
+    library version (default the installed one) and, for a measurement again with a larger step budget, that budget
+    (``max_steps``; None: the engine's default)."""
     hidden = hide_options(config) if stage.startswith("hidden") else None
+    budget = {} if max_steps is None else {"max_steps": max_steps}
     return _digest(member=Path(row["folder"]).name, weights=row["weights_digest"], name=name,
                    settings=settings.as_dict(), stage=stage, hide=hidden,
-                   measuring=config.measuring, protocol=PROTOCOL, library=library or __version__)
+                   measuring=config.measuring, protocol=PROTOCOL, library=library or __version__, **budget)
+
+
+def needs_more_steps(record: dict[str, Any], config: Config) -> bool:
+    """Whether a stored number is one ``steps="auto"`` left uncertified with a smaller budget than
+    ``config.retry_max_steps``: it is measured again with that budget."""
+    return (record["settings"]["steps"] == "auto" and not record["converged"]
+            and record["config"].get("max_steps", config.retry_max_steps) < config.retry_max_steps)
 
 
 def hide_key(row: dict[str, Any], target: str, config: Config, library: str | None = None) -> str:
@@ -483,14 +503,32 @@ class Runner:
 
     def measure(self, row: dict[str, Any], name: str, rho: float, stage: str = "original",
                 model: Any = None) -> dict[str, Any]:
+        """The member's number (stored, or measured and stored); where the engine's step budget left it uncertified,
+        the number measured again with ``config.retry_max_steps``."""
+        record = self._measure(row, name, rho, stage, model, max_steps=self.config.first_budget(name))
+        if needs_more_steps(record, self.config):
+            record = self._measure(row, name, rho, stage, model, max_steps=self.config.retry_max_steps)
+        return record
+
+    def stored(self, row: dict[str, Any], name: str, rho: float, stage: str) -> bool:
+        """Whether :meth:`measure` would measure nothing."""
         settings = self.config.settings(name, rho)
-        key = measure_key(row, name, settings, stage, self.config)
+        first = self.lookup(measure_key(row, name, settings, stage, self.config,
+                                        max_steps=self.config.first_budget(name)))
+        return first is not None and (not needs_more_steps(first, self.config) or self.lookup(
+            measure_key(row, name, settings, stage, self.config, max_steps=self.config.retry_max_steps)) is not None)
+
+    def _measure(self, row: dict[str, Any], name: str, rho: float, stage: str, model: Any,
+                 max_steps: int | None = None) -> dict[str, Any]:
+        settings = self.config.settings(name, rho)
+        key = measure_key(row, name, settings, stage, self.config, max_steps=max_steps)
         if (record := self.lookup(key)) is not None:
             return record
         model = self.model(row) if model is None else model
+        budget = {} if max_steps is None else {"max_steps": max_steps}
         with _clock() as clock, warnings.catch_warnings():
             warnings.simplefilter("ignore", NotConvergedWarning)  # the record says it (converged, convergence_note)
-            res = run_measure(PLAN[name][0], model, self.batches, settings, progress=False)
+            res = run_measure(PLAN[name][0], model, self.batches, settings, progress=False, **budget)
         record = {"key": key, "kind": "minilm_family", "model": row["member"]["name"], "name": name, "rho": rho,
                   "stage": stage, "settings": settings.as_dict(), "measuring": self.config.measuring,
                   "library": __version__, "protocol": PROTOCOL, **clock,
@@ -498,8 +536,9 @@ class Runner:
         self.store.put(record)
         flag = ("exact" if res.steps_used is None else "certified") if res.converged else \
             f"NOT converged ({res.convergence_note})"
-        logger.info("%s %s %s rho=%g: %.5g +- %.2g, %s, %s steps, %.0f s (%.0f CPU s)", row["member"]["name"], stage,
-                    name, rho, res.value, res.stderr, flag, res.steps_used, clock["seconds"], clock["cpu_seconds"])
+        logger.info("%s %s %s rho=%g: %.5g +- %.2g, %s, %s steps (budget %s), %.0f s (%.0f CPU s)",
+                    row["member"]["name"], stage, name, rho, res.value, res.stderr, flag, res.steps_used,
+                    res.config.get("max_steps"), clock["seconds"], clock["cpu_seconds"])
         return record
 
     def hidden(self, row: dict[str, Any], target: str) -> dict[str, Any]:
@@ -508,9 +547,8 @@ class Runner:
 
         stage, c = f"hidden-{target}", self.config
         hkey = hide_key(row, target, c)
-        keys = {n: measure_key(row, n, c.settings(n), stage, c) for n in HIDDEN}
-        if self.lookup(hkey) and all(self.lookup(k) for k in keys.values()):
-            return {"hide": self.store.get(hkey)} | {n: self.store.get(k) for n, k in keys.items()}
+        if self.lookup(hkey) and all(self.stored(row, n, c.rho, stage) for n in HIDDEN):
+            return {"hide": self.store.get(hkey)} | {n: self.measure(row, n, c.rho, stage) for n in HIDDEN}
         self.ensure_trained(row)
         model = load_member(row["folder"])
         with _clock() as clock:
@@ -660,22 +698,32 @@ def _store_path(cache: Path, store: Path | None) -> Path:
 def collect(config: Config, cache: Path, store: Path | None = None,
             library: str | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """What the store holds for a library version (default the installed one) and the settings: one row per trained
-    member (metrics, gaps, and one record per number: ``numbers[column]``), and the population's hide split. Measures
-    nothing."""
+    member (metrics, gaps, and one record per number: ``numbers[column]``, the one measured again with
+    ``config.retry_max_steps`` where there is one, with the first under ``first_try``; ``more_steps``: the columns
+    still waiting for it), and the population's hide split. Measures nothing."""
     records = ResultStore(_store_path(cache, store))
     rows = [r for m in members(config) if (r := trained_metrics(m, config, cache, records)) is not None]
     split = hide_targets(rows, config)
     for row in rows:
         target = None if split is None else split[1][row["member"]["name"]]
         row["hide_target"] = target
-        row["numbers"], row["missing"] = {}, []
+        row["numbers"], row["missing"], row["more_steps"] = {}, [], []
         for stage, name, rho, store_stage in tasks(row, config, target):
-            record = records.get(measure_key(row, name, config.settings(name, rho), store_stage, config, library))
+            settings = config.settings(name, rho)
+            record = records.get(measure_key(row, name, settings, store_stage, config, library,
+                                             config.first_budget(name)))
             column = column_name(stage, name, rho)
             if record is None:
                 row["missing"].append(column)
-            else:
-                row["numbers"][column] = record
+                continue
+            if needs_more_steps(record, config):
+                again = records.get(measure_key(row, name, settings, store_stage, config, library,
+                                                max_steps=config.retry_max_steps))
+                if again is None:
+                    row["more_steps"].append(column)
+                else:
+                    record = again | {"first_try": record}
+            row["numbers"][column] = record
         if target is not None:
             row["hide"] = records.get(hide_key(row, target, config, library))
         clean = next((r["clean_loss"] for n, r in row["numbers"].items() if n in PLAN), None)
@@ -684,6 +732,11 @@ def collect(config: Config, cache: Path, store: Path | None = None,
             row["numbers"]["clean_loss"] = {"value": clean}
     info = {"median_gap": None if split is None else split[0], "store_records": len(records.records)}
     return rows, info
+
+
+def complete(row: dict[str, Any]) -> bool:
+    """Whether a collected member has every number (measured again where needed) and its adversarial record."""
+    return not row["missing"] and not row["more_steps"] and bool(row.get("hide"))
 
 
 def column_name(stage: str, name: str, rho: float) -> str:
@@ -763,7 +816,8 @@ def _versus_baseline(rows: list[dict[str, Any]], config: Config, baseline: str,
 
 
 def _cost(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Seconds per stage and per measure, from the records (wall and CPU), and per member."""
+    """Seconds per stage and per measure, from the records (wall and CPU), and per member; a number measured again
+    with a larger step budget counts under its own task, its first measurement under the measure's."""
     per: dict[str, dict[str, float]] = {}
 
     def add(kind: str, rec: dict[str, Any]) -> None:
@@ -776,8 +830,11 @@ def _cost(rows: list[dict[str, Any]]) -> dict[str, Any]:
         add("train", {"seconds": row["train_seconds"], "cpu_seconds": row["train_cpu_seconds"]})
         for col, rec in row["numbers"].items():
             if "seconds" in rec:
-                stage = "adversarial" if col.startswith("hidden_") else "sweep" if "@" in col else "main"
-                add(f"{stage}/{col.split('@')[0].removeprefix('hidden_')}", rec)
+                kind = _column_kind(col)
+                if "first_try" in rec:
+                    add(kind, rec["first_try"])
+                    kind = _again(kind, rec["config"]["max_steps"])
+                add(kind, rec)
         if row.get("hide"):
             add("adversarial/hide", row["hide"])
     for slot in per.values():
@@ -798,9 +855,20 @@ def _task_kind(stage: str, name: str) -> str:
     return f"{stage}/{name}"
 
 
+def _column_kind(column: str) -> str:
+    """The task kind of a report column (``hidden_adaptive_clean`` -> ``adversarial/adaptive_clean``)."""
+    stage = "adversarial" if column.startswith("hidden_") else "sweep" if "@" in column else "main"
+    return _task_kind(stage, column.split("@")[0].removeprefix("hidden_"))
+
+
+def _again(kind: str, max_steps: int) -> str:
+    return f"{kind} again ({max_steps} steps)"
+
+
 def remaining(config: Config, cache: Path, store: Path | None = None, library: str | None = None) -> dict[str, Any]:
     """What is left to compute, and its estimated CPU seconds (means of the stored records of each kind, else
-    ``DEFAULT_CPU_SECONDS``)."""
+    ``DEFAULT_CPU_SECONDS``; a number measured again with a larger step budget: its first measurement's seconds
+    scaled by the budgets' ratio, as if every batch used the whole budget)."""
     rows, _ = collect(config, cache, store, library)
     cost = _cost(rows)["per_task"]
 
@@ -810,6 +878,7 @@ def remaining(config: Config, cache: Path, store: Path | None = None, library: s
         return DEFAULT_CPU_SECONDS.get(kind, 100.0)
 
     todo: dict[str, int] = {}
+    seconds: dict[str, float] = {}
     by_name = {r["member"]["name"]: r for r in rows}
     for member in members(config):
         row = by_name.get(member.name)
@@ -817,11 +886,15 @@ def remaining(config: Config, cache: Path, store: Path | None = None, library: s
         numbers = {} if row is None else row["numbers"]
         kinds += [_task_kind(s, n) for s, n, rho, _ in tasks({}, config, "flat")
                   if column_name(s, n, rho) not in numbers]
-        if row is None or (kinds and not (Path(row["folder"]) / "metrics.json").exists()):
+        again = [] if row is None else [(_again(_column_kind(c), config.retry_max_steps), numbers[c])
+                                        for c in row["more_steps"]]
+        if row is None or ((kinds or again) and not (Path(row["folder"]) / "metrics.json").exists()):
             kinds.append("train/train")  # trained first, or again on this machine
-        for kind in kinds:
+        for kind, first in [(kind, None) for kind in kinds] + again:
             todo[kind] = todo.get(kind, 0) + 1
-    seconds = {kind: n * each(kind) for kind, n in todo.items()}
+            scaled = None if first is None else (first["cpu_seconds"] * config.retry_max_steps
+                                                 / first["config"]["max_steps"])
+            seconds[kind] = seconds.get(kind, 0.0) + (each(kind) if scaled is None else scaled)
     return {"tasks": todo, "cpu_seconds": seconds, "total_cpu_seconds": sum(seconds.values())}
 
 
@@ -829,15 +902,14 @@ def status(config: Config, cache: Path, store: Path | None = None, library: str 
     """A few lines: members trained and measured, what is left, and its estimated time on one free core."""
     rows, info = collect(config, cache, store, library)
     left = remaining(config, cache, store, library)
-    complete = sum(not r["missing"] and bool(r.get("hide")) for r in rows)
     main = sum(all(n in r["numbers"] for n in PLAN) for r in rows)
     here = sum((Path(r["folder"]) / "metrics.json").exists() for r in rows)
     cost = _cost(rows)
     lines = [f"hf_geosharp {library or __version__}, protocol {PROTOCOL}; cache {cache}, "
              f"store {_store_path(cache, store)}",
              f"members: {len(rows)}/{config.n_models} trained ({here} in the cache), {main} with every main number, "
-             f"{complete} complete (main, adversarial, sweep); {info['store_records']} records in the store (all "
-             "versions)"]
+             f"{sum(complete(r) for r in rows)} complete (main, adversarial, sweep); {info['store_records']} records "
+             "in the store (all versions)"]
     if info["median_gap"] is None:
         lines.append("adversarial targets: not yet (every member must be trained)")
     for stage, agg in cost["per_stage"].items():
@@ -874,7 +946,7 @@ def report(config: Config, cache: Path, out_dir: Path, doc: Path | None = None,
         "gaps": {gap: f"{te} - {tr}" for gap, (te, tr) in GAPS.items()},
         "progress": {"members": config.n_models, "trained": len(rows),
                      "main_complete": sum(all(n in r["numbers"] for n in PLAN) for r in rows),
-                     "complete": sum(not r["missing"] and bool(r.get("hide")) for r in rows)},
+                     "complete": sum(complete(r) for r in rows)},
         "taus": _tau_table(rows, main_cols, config),
         "adversarial": {
             "rule": f"hide(target='flat') on members whose {config.hide_gap} is above the median, 'sharp' otherwise",
@@ -891,6 +963,7 @@ def report(config: Config, cache: Path, out_dir: Path, doc: Path | None = None,
                               "certified": sum(bool(r["numbers"][col].get("converged")) for r in rows
                                                if col in r["numbers"])}
                         for col in list(PLAN) + hidden_cols + [c for cols in sweep_cols.values() for c in cols]},
+        "measured_again": _measured_again(rows, config),
         "cost": _cost(rows),
         "members": [_member_out(r) for r in rows],
     }
@@ -920,12 +993,37 @@ def _member_out(row: dict[str, Any]) -> dict[str, Any]:
     keep = ("member", "train_loss", "train_error", "train_loss_clean", "train_error_clean", "train_error_fitted_labels",
             "test_loss", "test_error", "n_flipped", "flipped", "param_norm", "train_seconds", "train_cpu_seconds",
             "hide_target", *GAPS)
-    numbers = {col: {k: rec[k] for k in NUMBER_FIELDS if k in rec} for col, rec in row["numbers"].items()}
+    def kept(rec: dict[str, Any]) -> dict[str, Any]:
+        """The report's fields of a number, and the step budget of one measured with ``steps="auto"``."""
+        auto = rec.get("settings", {}).get("steps") == "auto" and "max_steps" in rec.get("config", {})
+        return {k: rec[k] for k in NUMBER_FIELDS if k in rec} | ({"max_steps": rec["config"]["max_steps"]} if auto
+                                                                  else {})
+
+    numbers = {col: kept(rec) | ({"first_try": kept(rec["first_try"])} if "first_try" in rec else {})
+               for col, rec in row["numbers"].items()}
     hide = row.get("hide")
     return {k: row.get(k) for k in keep} | {"folder": Path(row["folder"]).name, "numbers": numbers,
                                             "hide": None if hide is None else {k: v for k, v in hide.items()
                                                                                if k not in ("key", "kind")},
                                             "missing": row["missing"]}
+
+
+def _measured_again(rows: list[dict[str, Any]], config: Config) -> dict[str, Any]:
+    """The numbers the engine's step budget left uncertified, each with its first and (where stored) its second
+    measurement, with ``config.retry_max_steps``."""
+    def brief(rec: dict[str, Any]) -> dict[str, Any]:
+        return {"value": rec["value"], "converged": rec["converged"], "convergence_note": rec["convergence_note"],
+                "max_steps": rec["config"]["max_steps"], "steps_used": rec["steps_used"],
+                "cpu_seconds": rec["cpu_seconds"]}
+
+    numbers = []
+    for row in rows:
+        for col, rec in row["numbers"].items():
+            if "first_try" in rec or col in row["more_steps"]:
+                first, again = (rec["first_try"], rec) if "first_try" in rec else (rec, None)
+                numbers.append({"member": row["member"]["name"], "column": col, "first": brief(first),
+                                "again": None if again is None else brief(again)})
+    return {"max_steps": config.retry_max_steps, "numbers": numbers}
 
 
 def _adversarial_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -1047,9 +1145,18 @@ def reading(out: dict[str, Any]) -> list[str]:
     uncertified = {c: n["n"] - n["certified"] for c, n in worst.items() if n["n"] > n["certified"]}
     total = sum(n["n"] for n in worst.values())
     as23 = out["convergence"].get("adaptive_as23", {"n": 0, "certified": 0})
+    again = out["measured_again"]
+    retried = "".join(
+        f" {n['member']} {n['column']}: {n['first']['value']:.4g} ({n['first']['max_steps']} steps) -> "
+        + ("not yet measured again" if n["again"] is None else f"{n['again']['value']:.4g}, " + (
+            "certified" if n["again"]["converged"] else f"not certified: {n['again']['convergence_note']}")) + ";"
+        for n in again["numbers"])
     lines.append(f"* **Certificates**: {total - sum(uncertified.values())} of the {total} worst-case numbers measured "
                  "with `steps=\"auto\"` are certified" + ("" if not uncertified else "; not: " + ", ".join(
                      f"{c} ({k})" for c, k in uncertified.items()))
+                 + (f". {len(again['numbers'])} that the engine's default budget left uncertified are measured again "
+                    f"with {again['max_steps']} steps per batch, and the tables use the second number:"
+                    + retried.rstrip(";") if again["numbers"] else "")
                  + f". AS23's {config['as23_steps']}-step numbers: {as23['certified']} of {as23['n']} certified (its "
                  "fixed points are not stationary).")
     for gap in gaps:

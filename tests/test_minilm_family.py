@@ -94,6 +94,46 @@ def test_hide_targets_split_at_the_median() -> None:
     assert targets == {"m0": "flat", "m1": "sharp", "m2": "flat", "m3": "sharp"}
 
 
+def test_a_number_the_budget_left_uncertified_is_measured_again_with_a_larger_one(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="must exceed the first budget"):
+        dataclasses.replace(SMOKE, max_steps=8, retry_max_steps=8)
+    # 3 steps per batch cannot certify (two starts must agree); 6 measure again, once, certified or not
+    config = dataclasses.replace(SMOKE, n_models=2, steps="auto", max_steps=3, retry_max_steps=6)
+    cache, out = tmp_path / "cache", tmp_path / "out"
+    out.mkdir()
+    run(config, cache, None, tarball=_tarball(tmp_path / "corpus.tgz"), stages=("train", "main"))
+    store = cache / "results.jsonl"
+    records = [json.loads(line) for line in store.read_text().splitlines()]
+    auto = ("geodesic_inv", "geodesic_mix", "adaptive_clean")
+    for name in auto:
+        budgets = sorted(r["config"]["max_steps"] for r in records if r.get("name") == name)
+        assert budgets == [3, 3, 6, 6], name  # each member: the first and the second measurement
+    assert not any(r["config"]["max_steps"] == 3 and r["converged"] for r in records if r.get("name") in auto)
+    assert all(r["config"]["max_steps"] == 640 for r in records if r.get("name") == "adaptive_as23")  # not "auto"
+    for row in collect(config, cache)[0]:
+        assert row["more_steps"] == []
+        for name in auto:
+            number = row["numbers"][name]
+            assert number["config"]["max_steps"] == 6 and number["first_try"]["config"]["max_steps"] == 3
+            assert number["first_try"]["key"] != number["key"]
+    rep = report(config, cache, out)
+    again = rep["measured_again"]
+    assert again["max_steps"] == 6 and len(again["numbers"]) == 2 * len(auto)
+    for entry in again["numbers"]:
+        member = next(m for m in rep["members"] if m["member"]["name"] == entry["member"])
+        number = member["numbers"][entry["column"]]
+        assert entry["again"]["value"] == number["value"] and entry["first"]["value"] == number["first_try"]["value"]
+        assert (entry["first"]["max_steps"], entry["again"]["max_steps"]) == (3, 6)
+    assert rep["cost"]["per_task"]["main/geodesic_inv again (6 steps)"]["n"] == 2
+    assert "are measured again with 6 steps per batch, and the tables use the second number" in reading(rep)[0]
+    lines = store.read_text().splitlines()
+    run(config, cache, None, tarball=tmp_path / "corpus.tgz", stages=("train", "main"))
+    assert store.read_text().splitlines() == lines  # measured again once: a rerun measures nothing
+    assert remaining(config, cache)["tasks"].keys() == {"adversarial/hide", "adversarial/adaptive_clean",
+                                                        "adversarial/geodesic_inv", "sweep/geodesic_inv",
+                                                        "sweep/adaptive_clean"}
+
+
 def test_smoke_population_runs_every_stage_and_resumes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     tarball, cache, out = _tarball(tmp_path / "corpus.tgz"), tmp_path / "cache", tmp_path / "out"
     doc = tmp_path / "doc.md"
