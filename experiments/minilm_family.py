@@ -946,6 +946,7 @@ def report(config: Config, cache: Path, out_dir: Path, doc: Path | None = None,
         "gaps": {gap: f"{te} - {tr}" for gap, (te, tr) in GAPS.items()},
         "progress": {"members": config.n_models, "trained": len(rows),
                      "main_complete": sum(all(n in r["numbers"] for n in PLAN) for r in rows),
+                     "measured": sum(not r["missing"] and bool(r.get("hide")) for r in rows),
                      "complete": sum(complete(r) for r in rows)},
         "taus": _tau_table(rows, main_cols, config),
         "adversarial": {
@@ -1155,7 +1156,7 @@ def reading(out: dict[str, Any]) -> list[str]:
                  "with `steps=\"auto\"` are certified" + ("" if not uncertified else "; not: " + ", ".join(
                      f"{c} ({k})" for c, k in uncertified.items()))
                  + (f". {len(again['numbers'])} that the engine's default budget left uncertified are measured again "
-                    f"with {again['max_steps']} steps per batch, and the tables use the second number:"
+                    f"with {again['max_steps']} steps per batch, and the tables use the second number once it exists:"
                     + retried.rstrip(";") if again["numbers"] else "")
                  + f". AS23's {config['as23_steps']}-step numbers: {as23['certified']} of {as23['n']} certified (its "
                  "fixed points are not stationary).")
@@ -1205,8 +1206,14 @@ def tables_markdown(out: dict[str, Any], figure_link: bool = True) -> str:
         lines += ["**The run at honest settings is under way; no tau is reported yet.** The tables appear here when "
                   "the store holds the numbers.", ""]
     else:
-        if p["complete"] < p["members"]:
+        if p["measured"] < p["members"]:
             lines += ["**Partial**: the run is not finished; each tau is over the `n` members measured so far.", ""]
+        elif p["complete"] < p["members"]:
+            waiting = sum(n["again"] is None for n in out["measured_again"]["numbers"])
+            lines += [f"**Partial**: every member has every number, but {waiting} that the engine's default budget "
+                      f"left uncertified are still to be measured again with {out['measured_again']['max_steps']} "
+                      "steps per batch (\"Certificates\" below); the tables use their first measurement until then.",
+                      ""]
         header = "| predictor | n | certified | " + " | ".join(gaps) + " |"
         rule = "|---|---:|---:|" + "---|" * len(gaps)
         lines += ["Kendall tau [bootstrap 95 % CI], p-value, against each gap:", "", header, rule]
