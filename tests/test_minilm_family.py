@@ -40,6 +40,7 @@ from experiments.minilm_family import (  # noqa: E402
     run,
     status,
     tables_markdown,
+    tau_if_raised,
 )
 from hf_geosharp import __version__  # noqa: E402
 from hf_geosharp.leaderboard.store import ResultStore  # noqa: E402
@@ -92,6 +93,30 @@ def test_hide_targets_split_at_the_median() -> None:
     median, targets = family.hide_targets(rows, config)
     assert median == pytest.approx(0.1)
     assert targets == {"m0": "flat", "m1": "sharp", "m2": "flat", "m3": "sharp"}
+
+
+def test_tau_if_raised_is_the_range_over_every_raise_of_the_lower_bounds() -> None:
+    """Against a slow reference: tau at many random raises of the flagged values, and at raises to each value above
+    them, stays in the range and reaches both ends."""
+    from scipy import stats
+
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        x, gap = rng.normal(size=12), rng.normal(size=12)
+        flags = [False] * 12
+        for i in rng.choice(12, size=2, replace=False):
+            flags[i] = True
+        low, high = tau_if_raised(list(x), list(gap), flags)
+        raised = np.flatnonzero(flags)
+        seen = {stats.kendalltau(x, gap).statistic}
+        for _ in range(3000):
+            y = x.copy()
+            y[raised] += rng.exponential(scale=rng.choice([0.1, 1.0, 5.0]), size=2)
+            seen.add(stats.kendalltau(y, gap).statistic)
+        assert low - 1e-12 <= min(seen) and max(seen) <= high + 1e-12
+        assert math.isclose(min(seen), low) and math.isclose(max(seen), high)
+    assert tau_if_raised([1.0, 2.0, 3.0], [1.0, 2.0, 3.0], [False, False, True]) == [1.0, 1.0]  # already the top
+    assert tau_if_raised([1.0, 2.0, 3.0], [1.0, 2.0, 3.0], [True, False, False]) == pytest.approx([-1 / 3, 1.0])
 
 
 def test_a_number_the_budget_left_uncertified_is_measured_again_with_a_larger_one(tmp_path: Path) -> None:
