@@ -1246,8 +1246,9 @@ def tables_markdown(out: dict[str, Any], figure_link: bool = True) -> str:
         elif p["complete"] < p["members"]:
             waiting = sum(n["again"] is None for n in out["measured_again"]["numbers"])
             lines += [f"**Partial**: every member has every number, but {waiting} that the engine's default budget "
-                      f"left uncertified are still to be measured again with {out['measured_again']['max_steps']} "
-                      "steps per batch (\"Certificates\" below); the tables use their first measurement until then.",
+                      f"left uncertified {'is' if waiting == 1 else 'are'} still to be measured again with "
+                      f"{out['measured_again']['max_steps']} steps per batch (\"Certificates\" below); the tables "
+                      "use their first measurement until then.",
                       ""]
         header = "| predictor | n | certified | " + " | ".join(gaps) + " |"
         rule = "|---|---:|---:|" + "---|" * len(gaps)
