@@ -55,6 +55,7 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from itertools import product
 from pathlib import Path
 from typing import Any
 
@@ -784,15 +785,15 @@ def _tau_table(rows: list[dict[str, Any]], columns: list[str], config: Config) -
                     and math.isfinite(r[gap])]
             if len(have) < 3:
                 continue
-            values, gaps = [r["numbers"][col]["value"] for r in have], [r[gap] for r in have]
-            tau = kendall_taus([{"x": x, "gap": g} for x, g in zip(values, gaps, strict=True)], ["x"],
+            values, gap_values = [r["numbers"][col]["value"] for r in have], [r[gap] for r in have]
+            tau = kendall_taus([{"x": x, "gap": g} for x, g in zip(values, gap_values, strict=True)], ["x"],
                                n_resamples=config.n_resamples)["x"]
             numbers = [r["numbers"][col] for r in have]
             tau["n_certified"] = sum(bool(n.get("converged", True)) for n in numbers)
             # a fixed-step number (AS23) is what its steps reach; an uncertified steps="auto" one is a lower bound
             lower_bounds = [not n.get("converged", True) and n["settings"].get("steps") == "auto" for n in numbers]
             if any(lower_bounds):
-                tau["tau_if_raised"] = tau_if_raised(values, gaps, lower_bounds)
+                tau["tau_if_raised"] = tau_if_raised(values, gap_values, lower_bounds)
             out[gap][col] = tau
     return out
 
@@ -800,9 +801,8 @@ def _tau_table(rows: list[dict[str, Any]], columns: list[str], config: Config) -
 def tau_if_raised(values: list[float], gap: list[float], lower_bounds: list[bool]) -> list[float]:
     """The smallest and largest Kendall tau against ``gap`` when each value flagged in ``lower_bounds`` is raised
     anywhere above itself. An uncertified worst-case number is the largest value found, so the maximum is at least
-    it; tau depends only on ranks, so trying every gap between the larger values (and above them all) is exact."""
-    from itertools import product
-
+    it; tau depends only on ranks, so trying every gap between the larger values (and above them all) is exact. The
+    tries grow as (members)^(flagged values): meant for the few numbers a population leaves uncertified."""
     from scipy import stats
 
     x = np.asarray(values, dtype=float)

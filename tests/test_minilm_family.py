@@ -96,8 +96,8 @@ def test_hide_targets_split_at_the_median() -> None:
 
 
 def test_tau_if_raised_is_the_range_over_every_raise_of_the_lower_bounds() -> None:
-    """Against a slow reference: tau at many random raises of the flagged values, and at raises to each value above
-    them, stays in the range and reaches both ends."""
+    """Against a slow reference: tau at many random raises of the flagged values stays in the range and reaches both
+    ends."""
     from scipy import stats
 
     rng = np.random.default_rng(0)
