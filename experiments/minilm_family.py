@@ -1318,7 +1318,8 @@ def tables_markdown(out: dict[str, Any], figure_link: bool = True) -> str:
         lines.append("")
     cost = out["cost"]
     if cost["per_task"]:
-        lines += ["Cost so far (seconds per task: wall, and CPU on one thread):", "",
+        so_far = " so far" if p["complete"] < p["members"] else ""
+        lines += [f"Cost{so_far} (seconds per task: wall, and CPU on one thread):", "",
                   "| task | n | wall s each | CPU s each |", "|---|---:|---:|---:|"]
         for kind, slot in cost["per_task"].items():
             lines.append(f"| {kind} | {slot['n']} | {slot['seconds_each']:.0f} | {slot['cpu_seconds_each']:.0f} |")
