@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+import hf_geosharp as gs
 from hf_geosharp import __version__
 
 
@@ -79,6 +80,15 @@ def forward_backward(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> 
     loss.backward()
     model.zero_grad(set_to_none=True)
     return float(loss.detach())
+
+
+def solve(measure: str, model: torch.nn.Module, batches: list, smap: Any, steps: int | str,
+          rho: float) -> gs.SharpnessResult:
+    """One worst-case solve of ``measure`` (``adaptive_clean``, ``geodesic_inv``, ``geodesic_mix``), no progress bar."""
+    kw = dict(rho=rho, steps=steps, progress=False)
+    if measure == "adaptive_clean":
+        return gs.adaptive_sharpness(model, batches, variant="clean", **kw)
+    return gs.geodesic_sharpness(model, batches, metric=measure.split("_")[1], symmetry_map=smap, **kw)
 
 
 def machine(device: str) -> dict[str, Any]:

@@ -10,7 +10,6 @@ difference between the devices and whether the model's state is bit-equal after 
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -18,18 +17,13 @@ from typing import Any
 import torch
 
 import hf_geosharp as gs
+from hf_geosharp.durable import write_json
 from hf_geosharp.symmetry import map_symmetries
 
+from .common import solve
 from .models import MINILM, bert_batches, bert_classifier
 
 MEASURES = ("adaptive_clean", "geodesic_inv", "geodesic_mix")
-
-
-def _measure(name: str, model: torch.nn.Module, batches: list, smap: Any, steps: int | str) -> gs.SharpnessResult:
-    kw = dict(rho=0.1, steps=steps, progress=False)
-    if name == "adaptive_clean":
-        return gs.adaptive_sharpness(model, batches, variant="clean", **kw)
-    return gs.geodesic_sharpness(model, batches, metric=name.split("_")[1], symmetry_map=smap, **kw)
 
 
 def run() -> dict[str, Any]:
@@ -42,7 +36,7 @@ def run() -> dict[str, Any]:
             before = {k: v.clone() for k, v in model.state_dict().items()}
             for name in MEASURES:
                 start = time.perf_counter()
-                r = _measure(name, model, batches, smap, steps)
+                r = solve(name, model, batches, smap, steps, rho=0.1)
                 if device == "cuda":
                     torch.cuda.synchronize()
                 out.setdefault(f"{name} steps={steps}", {})[device] = {
@@ -64,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("torch sees no CUDA device: this check compares the CPU with one")
-    args.out.write_text(json.dumps(run(), indent=1, default=str))
+    write_json(args.out, run(), indent=1)  # durable: an interrupted write keeps the previous results
 
 
 if __name__ == "__main__":

@@ -34,7 +34,6 @@ from typing import Any
 
 import torch
 
-import hf_geosharp as gs
 from hf_geosharp.engine.geometry import elementwise, gl_quotient
 from hf_geosharp.engine.model_function import objective as objective_module
 from hf_geosharp.engine.placement import single
@@ -42,7 +41,7 @@ from hf_geosharp.engine.solvers import apgd as solver
 from hf_geosharp.engine.space import pair_group
 from hf_geosharp.engine.space import perturbation_space as space
 
-from .common import forward_backward
+from .common import forward_backward, solve
 from .config import RunConfig, Workload
 from .models import SIZES, workload_inputs
 
@@ -136,17 +135,10 @@ def workloads(cfg: RunConfig) -> list[Workload]:
     )
 
 
-def _solve(measure: str, model: torch.nn.Module, batches: list, smap: Any, steps: int, rho: float) -> float:
-    kw = dict(rho=rho, steps=steps, progress=False)
-    if measure == "adaptive_clean":
-        return gs.adaptive_sharpness(model, batches, variant="clean", **kw).value
-    return gs.geodesic_sharpness(model, batches, metric=measure.split("_")[1], symmetry_map=smap, **kw).value
-
-
 def _profile(measure: str, model: torch.nn.Module, batches: list, smap: Any, steps: int, rho: float) -> StageClock:
     clock = StageClock()
     with profiled(clock), clock.stage("solver"):
-        _solve(measure, model, batches, smap, steps, rho)
+        solve(measure, model, batches, smap, steps, rho)
     return clock
 
 

@@ -27,11 +27,11 @@ def test_stages_partition_the_solve_and_the_engine_is_restored(measure):
     clock = step_profile.StageClock()
     start = time.perf_counter()
     with step_profile.profiled(clock), clock.stage("outer"):
-        value = step_profile._solve(measure, model, batches, smap, steps=3, rho=0.05)
+        value = step_profile.solve(measure, model, batches, smap, steps=3, rho=0.05).value
     measured = time.perf_counter() - start
     assert [getattr(owner, attr) for owner, attr, _, _ in step_profile.PATCHES] == originals
     assert step_profile.solver.keeps_best_gradient is rule and len(clock.kept_best_gradient) == 2  # one per batch
-    assert value == step_profile._solve(measure, model, batches, smap, steps=3, rho=0.05)  # timing changes nothing
+    assert value == step_profile.solve(measure, model, batches, smap, steps=3, rho=0.05).value  # timing changes nothing
     assert set(clock.cpu) - {"outer"} <= set(step_profile.STAGES)
     assert clock.calls["substitution"] >= 2 * (3 + 1)  # (steps + 1) model calls per batch at least
     assert clock.calls["forward"] == clock.calls["substitution"] and clock.calls["backward"] >= 2 * 3
