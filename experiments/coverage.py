@@ -602,7 +602,8 @@ def headline(rows: list[dict[str, Any]]) -> dict[str, int]:
 
 def _cell(text: str, width: int = 90) -> str:
     text = text.replace("|", "/").replace("\n", " ")
-    return text if len(text) <= width else text[: width - 3] + "..."
+    text = text if len(text) <= width else text[: width - 3] + "..."
+    return text.replace("][", "]\\[")  # `x["a"]["b"]` in an error is text, not a Markdown reference link
 
 
 def markdown(payload: dict[str, Any]) -> str:

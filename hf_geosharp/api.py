@@ -94,13 +94,19 @@ def geodesic_sharpness(
         symmetry_map: where the pairs are; default ``gs.map_symmetries(model)``.
         params: ``"all"`` (default, as in AS23) or ``"trainable"`` (e.g. only LoRA adapters).
         n_samples: directions per batch (average case).
-        second_order, riemannian_norm, horizontal_projection: ablation switches (paper App. G).
+        second_order: ablation switch (paper App. G): the geodesic's second-order term (``False``: a straight step).
+        riemannian_norm: ablation switch (paper App. G): the ball in the Riemannian norm (``False``: Euclidean).
+        horizontal_projection: ablation switch (paper App. G): project onto the horizontal space (``False``: do not).
         elementwise_curvature: geodesic for non-attention parameters (``"none"``: first order, as the paper).
         step_normalization: ``"riemannian"`` (invariant, default), ``"euclidean"`` or ``"none"``.
         tol: relative tolerance of the convergence certificate: the Frank-Wolfe gap at the best point, and the
             agreement of two starts under ``steps="auto"``; a ``NotConvergedWarning`` says when it does not hold
             (``res.converged``, ``res.stationarity_gap``, ``res.convergence_note``).
         max_steps: step budget of ``steps="auto"``.
+
+    Returns:
+        The mean over batches with its standard error, the per-batch values, the clean loss and the convergence
+        certificate (``converged``, ``stationarity_gap``, ``convergence_note``, ``steps_used``).
     """
     options = SpaceOptions(metric, epsilon, second_order, riemannian_norm, horizontal_projection, elementwise_curvature)
     settings = RunSettings(rho, mode, steps, seed, params, n_samples, tol, max_steps, options, step_normalization)
@@ -131,8 +137,27 @@ def adaptive_sharpness(
     ``variant="clean"`` (default) runs the same solver as :func:`geodesic_sharpness` on the elementwise metric (one
     forward per step) and reaches the maximum of the definition. ``"as23"`` reproduces the reference code
     (``m_apgd_l2``, adaptive) quirks included, for comparison with published numbers; its fixed points are not the
-    maximiser's, so it can stall several percent below the maximum (docs/method.md). Arguments as in
-    :func:`geodesic_sharpness`.
+    maximiser's, so it can stall several percent below the maximum (docs/method.md).
+
+    Args:
+        model: any ``nn.Module``; restored exactly afterwards, as in :func:`geodesic_sharpness`.
+        batches: iterable of dicts accepted by ``model(**batch)`` with labels, or anything ``loss_fn`` accepts.
+        rho: radius of the ball ``||delta / |w| || <= rho``.
+        mode: ``"worst"`` or ``"average"`` (``n_samples`` Gaussian directions).
+        steps: solver iterations per batch (worst case), or ``"auto"``: until certified, within ``max_steps``.
+        seed: seeds the average-case samples.
+        variant: ``"clean"`` (default) or ``"as23"`` (the reference code's solver).
+        loss_fn: ``loss_fn(model, batch) -> scalar tensor`` when the model's own loss is not the one wanted.
+        accelerator: an ``accelerate.Accelerator``: batches are sharded over its processes and gathered.
+        progress: show a progress bar.
+        params: ``"all"`` (default, as in AS23) or ``"trainable"`` (e.g. only LoRA adapters).
+        n_samples: directions per batch (average case).
+        tol: relative tolerance of the convergence certificate, as in :func:`geodesic_sharpness`.
+        max_steps: step budget of ``steps="auto"``.
+
+    Returns:
+        The mean over batches with its standard error, the per-batch values, the clean loss and the convergence
+        certificate, as :func:`geodesic_sharpness` returns them.
     """
     settings = RunSettings(rho, mode, steps, seed, params, n_samples, tol, max_steps, variant=variant)
     return run(model, batches, settings, loss_fn=loss_fn, accelerator=accelerator, progress=progress)

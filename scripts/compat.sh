@@ -16,7 +16,8 @@ case "$kind" in
 esac
 # The subset: import and optional imports, the CLI (help and runs), the evaluate module, cards, the Trainer callback,
 # the README's example (not its versions block: the newest releases change it), the Space (exported with setuptools,
-# installed into a fresh venv, driven through gradio_client and Debian's chromium via playwright) and PEFT LoRA.
+# installed into a fresh venv, driven through gradio_client and Debian's chromium via playwright), PEFT LoRA, and
+# the documentation site's strict build.
 TESTS=(
     tests/test_optional_imports.py
     tests/test_readme.py::test_the_python_example_runs_as_written
@@ -46,3 +47,4 @@ export HF_HUB_OFFLINE=1 HF_EVALUATE_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS
 "$venv/bin/geosharp" register >/dev/null
 "$venv/bin/ruff" check .  # the test extra's ruff
 "$venv/bin/python" -m pytest -q -p no:cacheprovider "${TESTS[@]}"
+"$venv/bin/mkdocs" build --strict --quiet --site-dir "$venv/site"  # the documentation site with the test extra's mkdocs

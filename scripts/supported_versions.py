@@ -1,7 +1,7 @@
-"""The versions CI runs hf_geosharp at, and the README's "Supported versions" block built from them.
+"""The versions CI runs hf_geosharp at, and the "Supported versions" block of docs/install.md built from them.
 
     python scripts/supported_versions.py record floors|newest   # with the job's python: write .ci/versions/KIND.txt
-    python scripts/supported_versions.py readme                 # rewrite the README block from those files
+    python scripts/supported_versions.py readme                 # rewrite the block in docs/install.md
 
 The dependencies are the core ones and those of every extra (``space``, ``test``): CI installs ``.[space,test]``.
 ``record floors`` also fails unless every one was installed at exactly the lower bound pyproject.toml declares (what
@@ -74,7 +74,7 @@ def record(kind: str) -> int:
 
 
 def block() -> str:
-    """The README block: the declared floors and the newest releases CI last ran, both recorded by CI."""
+    """The supported-versions block of docs/install.md: the declared floors and the newest releases CI last ran."""
     low, new = read_record("floors"), read_record("newest")
 
     def listed(versions: dict[str, str]) -> str:
@@ -87,8 +87,8 @@ def block() -> str:
     return "\n".join([BEGIN, *textwrap.wrap(sentence, 120, break_on_hyphens=False), END])
 
 
-def readme(path: Path = ROOT / "README.md") -> None:
-    """Replace the block between the markers in the README."""
+def readme(path: Path = ROOT / "docs" / "install.md") -> None:
+    """Replace the block between the markers in docs/install.md."""
     text = path.read_text()
     pattern = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END), re.S)
     if not pattern.search(text):

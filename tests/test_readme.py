@@ -1,4 +1,5 @@
-"""The README's Python example runs as written, and its "Supported versions" block is the one CI's records give."""
+"""The README runs as written: every Python block executes in order, its set-up commands are the ones CI runs, its
+links resolve, and the numbers moved to docs/ (supported versions, the demo's table) are the recorded ones."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from .fixtures.hf_models import one_thread  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
+INSTALL = (REPO / "docs" / "install.md").read_text()
+DEMO = (REPO / "docs" / "demo.md").read_text()
 
 
 def _versions_script():
@@ -24,17 +27,54 @@ def _versions_script():
     return module
 
 
-def test_the_python_example_runs_as_written(capsys):
-    section = README.split("\n### Python\n", 1)[1]
-    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    exec(compile(code, "README.md (### Python)", "exec"), {"__name__": "readme_example"})
-    printed = capsys.readouterr().out.split()
-    assert printed[0] == "8" and float(printed[1]) > 0  # 8 QK pairs; a positive geodesic sharpness
+def _blocks(text: str, language: str) -> list[str]:
+    return re.findall(rf"^```{language}\n(.*?)^```", text, re.S | re.M)
+
+
+def test_the_python_example_runs_as_written(capsys, tmp_path, monkeypatch):
+    """Every ```python block of the README, in order and in one namespace (later sections continue the example), run
+    from an empty directory: what it prints is what its comments promise."""
+    monkeypatch.chdir(tmp_path)
+    blocks = _blocks(README, "python")
+    assert len(blocks) >= 3, "the README's example, evaluate and Trainer blocks"
+    namespace = {"__name__": "readme_example"}
+    printed = []
+    for i, code in enumerate(blocks):
+        exec(compile(code, f"README.md (python block {i + 1})", "exec"), namespace)
+        printed.append(capsys.readouterr().out.split("\n"))
+    example = printed[0]
+    assert example[0] == "8"  # 8 QK pairs
+    value, stderr, converged, adaptive = example[1].split()
+    assert float(value) > 0 and float(stderr) >= 0 and converged in ("True", "False") and float(adaptive) > 0
+    moved = float(example[2])
+    assert abs(moved - float(adaptive)) > 1e-3 * float(adaptive), "the example says adaptive sharpness moved"
+    for i, lines in enumerate(printed[1:], start=2):
+        assert "nan" not in " ".join(lines).lower() and lines[0].strip(), f"block {i} printed {lines}"
+    logged = json.loads([line for line in printed[-1] if line.strip()][-1])  # the Trainer block's measurements
+    assert len(logged) == 2 and all(v > 0 for v in logged)
+
+
+def test_the_set_up_commands_are_the_ones_ci_runs():
+    setup = README.split("\n## Set-up: two commands\n", 1)[1].split("\n## ", 1)[0]
+    commands = [line for line in _blocks(setup, "bash")[0].splitlines() if line and not line.startswith("#")]
+    assert commands == ["bash scripts/install.sh && .venv/bin/geosharp demo",
+                        "bash scripts/install.sh test && .venv/bin/python -m pytest -q"]
+    ci = (REPO / ".ci" / "run").read_text()
+    assert "bash scripts/install.sh test\n" in ci and "\n.venv/bin/python -m pytest -q\n" in ci
+
+
+def test_the_readme_is_short_and_its_links_resolve():
+    assert len(README.splitlines()) <= 200
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", README)
+    local = [link for link in links if "://" not in link]
+    assert local and not [link for link in local if not (REPO / link).exists()]
+    assert "docs/results/hide_and_seek.png" in local  # the point, in one picture
+    assert 'pip install "hf_geosharp[space]"' in README  # the Space's extra, beside the Space
 
 
 def test_supported_versions_block_is_generated_from_the_records_and_the_floors():
     versions = _versions_script()
-    assert versions.block() in README, "README is stale: python scripts/supported_versions.py readme"
+    assert versions.block() in INSTALL, "docs/install.md is stale: python scripts/supported_versions.py readme"
     recorded = versions.read_record("floors")
     for name, floor in versions.floors().items():
         assert Version(Version(recorded[name]).base_version) == Version(floor), (
@@ -43,14 +83,14 @@ def test_supported_versions_block_is_generated_from_the_records_and_the_floors()
 
 
 def test_the_demo_table_is_the_recorded_demo_run():
-    """The README's leaderboard table is docs/results/demo_taus.json (the taus.json of a fresh geosharp demo),
+    """docs/demo.md's leaderboard table is docs/results/demo_taus.json (the taus.json of a fresh geosharp demo),
     rounded as printed: editing one without the other fails here."""
     recorded = json.loads((REPO / "docs" / "results" / "demo_taus.json").read_text())
     labels = {"geodesic inv (worst)": "geodesic_inv_worst", "geodesic mix (worst)": "geodesic_mix_worst",
               "adaptive (clean solver, worst)": "adaptive_clean_worst",
               "relative flatness (Petzka et al., exact)": "relative_flatness", "parameter norm (trivial)": "param_norm",
               "clean training loss (trivial)": "clean_loss"}
-    section = README.split("\n### The embedded demo\n", 1)[1]
+    section = DEMO.split("\n## The leaderboard\n", 1)[1]
     for label, key in labels.items():
         t = recorded["taus"][key]
         count = recorded["certified"].get(key)

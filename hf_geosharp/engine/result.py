@@ -49,7 +49,11 @@ class SharpnessResult:
     steps_used: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """The result as plain data (JSON-ready apart from NaN)."""
+        """The result as plain data.
+
+        Returns:
+            Every field by name (JSON-ready apart from NaN).
+        """
         return asdict(self)
 
     def __str__(self) -> str:

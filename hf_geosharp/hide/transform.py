@@ -76,7 +76,11 @@ class HideResult:
         return self.value_after / self.value_before
 
     def to_dict(self) -> dict[str, Any]:
-        """Everything but the tensors, for JSON."""
+        """The result as plain data.
+
+        Returns:
+            Everything but the group elements' tensors, with ``factor``, JSON-ready.
+        """
         return {k: v for k, v in self.__dict__.items() if k != "elements"} | {"factor": self.factor}
 
 

@@ -148,7 +148,14 @@ class GeodesicSharpnessCallback(TrainerCallback):
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        """Draw the measuring subset and refuse, before any training, what the first measurement would refuse."""
+        """Draw the measuring subset and refuse, before any training, what the first measurement would refuse.
+
+        Args:
+            args: the Trainer's arguments.
+            state: the Trainer's state (``global_step``).
+            control: the Trainer's control flags.
+            **kwargs: the Trainer's other callback keywords (model, optimizer, ...).
+        """
         if self._handler is None:
             self._handler = _calling_handler(self)
             if self._handler is None:
@@ -167,7 +174,14 @@ class GeodesicSharpnessCallback(TrainerCallback):
         self._last_step = None
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
-        """Measure every ``every_n_steps`` steps and at the last one."""
+        """Measure every ``every_n_steps`` steps and at the last one.
+
+        Args:
+            args: the Trainer's arguments.
+            state: the Trainer's state (``global_step``).
+            control: the Trainer's control flags.
+            **kwargs: the Trainer's other callback keywords (model, optimizer, ...).
+        """
         due = self.every_n_steps is not None and state.global_step % self.every_n_steps == 0
         if due or control.should_training_stop:  # DefaultFlowCallback has already flagged the last step
             self._measure(args, state, control, kwargs["model"])
@@ -175,7 +189,14 @@ class GeodesicSharpnessCallback(TrainerCallback):
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        """Measure once more if training stopped at a step that was not measured (e.g. early stopping)."""
+        """Measure once more if training stopped at a step that was not measured (e.g. early stopping).
+
+        Args:
+            args: the Trainer's arguments.
+            state: the Trainer's state (``global_step``).
+            control: the Trainer's control flags.
+            **kwargs: the Trainer's other callback keywords (model, optimizer, ...).
+        """
         if self._last_step != state.global_step:  # training stopped early (e.g. EarlyStoppingCallback)
             self._measure(args, state, control, kwargs["model"])
 
@@ -216,7 +237,20 @@ def measure_trainer(
     """Measure ``trainer.model`` (e.g. after ``trainer.train()``) on ``n_examples`` rows drawn with ``seed`` from
     ``dataset`` (default: the trainer's eval dataset, else its train dataset), collated by its data collator.
 
-    Returns ``{measure key: SharpnessResult}``. The model, the trainer and the global random streams are untouched.
+    The model, the trainer and the global random streams are untouched.
+
+    Args:
+        trainer: a ``transformers.Trainer``; its model is measured.
+        n_examples: rows to draw (a cap: a smaller dataset is used whole, with a warning).
+        dataset: rows to draw from (default: the trainer's eval dataset, else its train dataset).
+        measures: measure keys or short forms (``"inv,mix,adaptive"``); default the bundle's defaults.
+        settings: the measures' shared settings (radius, steps, ...); default the bundle's defaults.
+        batch_size: examples per batch (default: the trainer's ``per_device_eval_batch_size``).
+        seed: draws the rows; also the solver's seed unless ``settings`` is given.
+        progress: show a progress bar.
+
+    Returns:
+        ``{measure key: SharpnessResult}``, e.g. ``{"geodesic_sharpness_inv": ...}``.
     """
     if dataset is None:
         dataset = trainer.eval_dataset if trainer.eval_dataset is not None else trainer.train_dataset

@@ -129,7 +129,14 @@ class SymmetryMap:
         return cls([n for n, _ in named], [p.shape for _, p in named])
 
     def index_of(self, name: str) -> torch.Tensor:
-        """``offset + arange(numel).view(shape)`` for parameter ``name``: slice it like the weight itself."""
+        """``offset + arange(numel).view(shape)`` for parameter ``name``: slice it like the weight itself.
+
+        Args:
+            name: a name of ``model.named_parameters()``.
+
+        Returns:
+            The parameter's indices into the flat parameter vector, shaped like the parameter.
+        """
         i = self.param_names.index(name)
         shape = torch.Size(self.param_shapes[i])
         return self.offsets[i] + torch.arange(shape.numel()).view(shape)
@@ -137,6 +144,10 @@ class SymmetryMap:
     def summary(self, model: torch.nn.Module | None = None) -> dict:
         """The symmetry report as a JSON-ready dict; pass ``model`` to add per-head conditioning of G and H.
 
-        See :func:`hf_geosharp.symmetry.report.symmetry_report`.
+        Args:
+            model: the mapped model, for the per-head conditioning (optional).
+
+        Returns:
+            The report of :func:`hf_geosharp.symmetry.report.symmetry_report` (pairs, coverage, warnings).
         """
         return symmetry_report(self, model)

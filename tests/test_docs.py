@@ -1,0 +1,66 @@
+"""The documentation site: every guide in docs/ is in mkdocs.yml's navigation, the API reference documents every
+public name, and every public function and method says what it takes (Args) and what it gives (Returns)."""
+
+from __future__ import annotations
+
+import inspect
+import re
+from pathlib import Path
+
+import hf_geosharp as gs
+
+REPO = Path(__file__).resolve().parents[1]
+MKDOCS = (REPO / "mkdocs.yml").read_text()
+API = (REPO / "docs" / "api.md").read_text()
+#: Public names that are not functions or classes (documented in docs/api.md's prose).
+DATA = {"__version__", "EVALUATE_MODULE_DIR", "EVALUATE_MODULE_SCRIPT"}
+#: Public names outside ``__all__``: imported with transformers on first use (``hf_geosharp.__getattr__``).
+LAZY = ("GeodesicSharpnessCallback", "measure_trainer")
+
+
+def _public_objects() -> dict[str, object]:
+    return {name: getattr(gs, name) for name in [*gs.__all__, *LAZY] if name not in DATA}
+
+
+def test_every_guide_is_in_the_navigation():
+    nav = set(re.findall(r":\s*([\w/]+\.md)\s*$", MKDOCS, re.M))
+    pages = {p.name for p in (REPO / "docs").glob("*.md")}
+    assert pages == nav, f"in docs/ but not in mkdocs.yml's nav: {pages - nav}; in nav, missing: {nav - pages}"
+
+
+def test_the_api_reference_documents_every_public_name():
+    documented = {line.rsplit(".", 1)[1] for line in re.findall(r"^::: ([\w.]+)$", API, re.M)}
+    assert set(_public_objects()) <= documented, set(_public_objects()) - documented
+    for path in re.findall(r"^::: ([\w.]+)$", API, re.M):  # the documented object is the one users import
+        module, name = path.rsplit(".", 1)
+        assert getattr(__import__(module, fromlist=[name]), name) is getattr(gs, name)
+    assert all(f"gs.{name}" in API for name in DATA - {"__version__"})
+
+
+def _callables() -> dict[str, object]:
+    found = {}
+    for name, obj in _public_objects().items():
+        if inspect.isclass(obj):
+            found.update({f"{name}.{m}": f for m, f in vars(obj).items()
+                          if inspect.isfunction(f) and not m.startswith("_")})
+        else:
+            found[name] = obj
+    return found
+
+
+def test_every_public_function_has_args_and_returns():
+    missing = []
+    for name, fn in _callables().items():
+        doc = inspect.getdoc(fn) or ""
+        signature = inspect.signature(fn)
+        params = [p for p in signature.parameters if p not in ("self", "cls")]
+        if params and "Args:" not in doc:
+            missing.append(f"{name}: Args")
+        for param in params:  # each argument by its own name, so the reference can check it against the signature
+            star = {"VAR_KEYWORD": "**", "VAR_POSITIONAL": "*"}.get(signature.parameters[param].kind.name, "")
+            if params and not re.search(rf"^\s+{re.escape(star + param)}( \(.*\))?:", doc, re.M):
+                missing.append(f"{name}: {param}")
+        returns = signature.return_annotation
+        if returns not in (None, "None", inspect.Signature.empty) and "Returns:" not in doc:
+            missing.append(f"{name}: Returns")
+    assert not missing, missing
