@@ -1,4 +1,4 @@
-"""Invariance on a real attention model (issue 2).
+"""Invariance on a real attention model.
 
 On a small BERT built from a config (fp64, ``epsilon=0``), a random GL(h) element applied to every QK and VO head pair
 (condition number 100; function unchanged to 1e-10) leaves geodesic sharpness (inv and mix, worst and average case,

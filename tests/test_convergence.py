@@ -56,7 +56,7 @@ def test_auto_is_converged_only_at_the_maximum(noisy, measure, rho):
 
 
 def test_a_short_window_or_a_plateau_at_the_budget_is_not_converged(noisy):
-    """5 steps at rho 1.0 are far from the maximum (the old last-quarter window called them converged); an auto run
+    """5 steps at rho 1.0 are far from the maximum and not converged, however flat their last steps look; an auto run
     that ends on its budget is not converged and says that the budget ran out."""
     model, batches = noisy
     short = _measure(model, batches, "mix", rho=1.0, steps=5)

@@ -1,4 +1,4 @@
-"""The numbers users get at the default settings (issue 10): invariant relaxation, true adaptive maximum,
+"""The numbers users get at the default settings: invariant relaxation, true adaptive maximum,
 convergence diagnostics and error bars, on fp64 tiny BERTs built from configs."""
 
 from __future__ import annotations

@@ -256,7 +256,7 @@ class ConnectError(Exception):
 
 @pytest.mark.parametrize("where", ["size lookup", "download"])
 def test_an_unreachable_hub_is_a_readable_message(app, monkeypatch, tmp_path, where):
-    """Offline without HF_HUB_OFFLINE: the transport's errors used to escape as an empty red "Error" badge."""
+    """Offline without HF_HUB_OFFLINE: the transport's errors become a readable message, not an empty "Error" badge."""
     import gradio as gr
     from huggingface_hub import HfApi
 
@@ -286,7 +286,7 @@ def test_zoo_is_described_by_settings_and_plot_axes_are_labelled(app):
     FigureCanvasAgg(fig).draw()
     ax = fig.axes[0]
     labelled = [t.get_position()[1] for t in ax.get_yticklabels() if t.get_text()]
-    assert len([y for y in labelled if 0.18 <= y <= 0.58]) >= 3  # the old symlog axis had none in this range
+    assert len([y for y in labelled if 0.18 <= y <= 0.58]) >= 3  # a symlog axis would label none in this range
     assert ax.get_yscale() == "linear" and ax.get_xlabel() and ax.get_ylabel()
     assert app.sig(0.123456) == 0.1235 and math.isnan(app.sig(math.nan))
 
@@ -337,7 +337,7 @@ def test_browser_click_compute_shows_the_result_table(url):
                     "apt-get install -y --no-install-recommends chromium fonts-dejavu-core")
 def test_browser_a_bad_input_keeps_the_last_results_on_screen(url):
     """A bad rho after a finished run: its message is shown, the run is not started, and the previous results
-    stay readable (an error in the measuring step used to cover every output with an error badge)."""
+    stay readable (the check runs before the measuring step, whose error would cover every output with a badge)."""
     playwright = pytest.importorskip("playwright.sync_api", reason="needs the playwright package (pip)")
 
     with _browser_page(playwright, url) as page:

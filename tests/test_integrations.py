@@ -176,8 +176,8 @@ def test_fixed_batches_with_the_trainer_given_are_measured_once_at_the_end(tmp_p
 
 @pytest.mark.parametrize("case", ["no labels", "token ids beyond the vocabulary"])
 def test_what_the_first_measurement_would_refuse_stops_training_before_its_first_step(tmp_path, data, case):
-    """An eval dataset without labels used to fail at the first measurement (step 500 of a real run, after the
-    training time was spent); now ``on_train_begin`` refuses it, and so anything else the engine would refuse."""
+    """An eval dataset without labels is refused by ``on_train_begin``, before any training time is spent, not at the
+    first measurement (step 500 of a real run); and so is anything else the engine would refuse."""
     from transformers import Trainer, TrainingArguments
 
     tokenizer, ds = data

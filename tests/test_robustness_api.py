@@ -83,8 +83,8 @@ def _inference_model() -> nn.Module:
 
 @pytest.mark.parametrize("measure", ["geodesic", "adaptive", "relative_flatness", "evaluate"])
 def test_a_model_made_in_inference_mode_is_refused_before_the_work_and_left_as_it_was(measure, measurement):
-    """It used to run to the end and then fail to restore the model (torch's "Inplace update to inference tensor
-    outside InferenceMode"), leaving config.problem_type set by the forward."""
+    """Refused before any forward: a run to the end could not restore the model (torch's "Inplace update to inference
+    tensor outside InferenceMode") and would leave config.problem_type set by the forward."""
     model = _inference_model()
     snap, config = snapshot(model), config_state(model)
     assert config["problem_type"] is None

@@ -80,8 +80,8 @@ def test_json_paths_are_checked_before_the_measurement(files, tmp_path, capsys, 
 
 def test_an_unwritable_folder_is_refused_alike_by_json_and_output_path(files, tmp_path, capsys):
     """A folder marked read-only (mode 550; also when running as root, who could write it): --json and
-    --output-path both refuse it before the measurement, and nothing is created in it (the results would go into a
-    sub-folder that --output-path used to create first)."""
+    --output-path both refuse it before the measurement, and nothing is created in it (not even the sub-folder the
+    results would go into)."""
     locked = tmp_path / "locked"
     locked.mkdir()
     locked.chmod(0o550)
@@ -174,7 +174,7 @@ def _no_hub(monkeypatch) -> None:
 ])
 def test_a_mistyped_local_path_is_said_at_once_without_the_hub(files, monkeypatch, capsys, flag, value):
     """A path that can only be local and does not exist: exit 2 and one line saying so, before anything is loaded
-    (it used to be a Hub id-format error, or five HTTP retries and 35 s for a data file)."""
+    (not a Hub id-format error, nor HTTP retries for a data file)."""
     _no_hub(monkeypatch)
     argv = run_argv(files)
     argv[argv.index(flag) + 1] = value
@@ -209,7 +209,7 @@ def test_a_dataset_loading_script_is_exit_2_and_one_line(files, tmp_path, monkey
 
 def test_a_model_without_attention_says_geodesic_equals_adaptive(files, tmp_path, capsys):
     """A ResNet has no attention head pairs: nothing to quotient, so the three numbers are equal by construction,
-    and the output says so once (they used to come without a word)."""
+    and the output says so once (equal numbers without a word would look like a fault)."""
     from transformers import ResNetConfig, ResNetForImageClassification
 
     from .fixtures.hf_models import tiny_image_processor, write_imagefolder

@@ -316,7 +316,7 @@ def test_auto_certifies_within_tol_of_the_maximum_where_the_loss_rises_steeply_o
     assert res.certificate(1e-3, starts=2) is None, res.certificate(1e-3, starts=2)
     assert res.sharpness == pytest.approx(bowl.maximum(), rel=1e-3)
     assert max(res.start_gaps) <= 1e-3 * START_STOP_FRACTION
-    # the old stop, at a gap of 1e-3: the climb from zero ends well below the maximum
+    # a start stopped at a gap of tol itself (1e-3) ends well below the maximum: why starts stop at a fraction of it
     early = apgd(bowl, bowl.objective, rho=bowl.rho, steps=20, max_steps=640, keep_best_gradient=False,
                  tol=1e-3 / START_STOP_FRACTION, generator=torch.Generator().manual_seed(0))
     assert early.start_gaps[0] <= 1e-3
