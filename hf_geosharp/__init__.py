@@ -4,17 +4,33 @@ Importing the package writes nothing and starts nothing: the evaluate module is 
 ``geosharp register`` (which ``scripts/install.sh`` runs), never as a side effect of ``import hf_geosharp``.
 """
 
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING
+
 from ._version import __version__
-from .api import NotConvergedWarning, SharpnessResult, adaptive_sharpness, geodesic_sharpness
-from .engine.relative_flatness import relative_flatness
-from .hide import HideResult, hide
-from .symmetry import SymmetryMap, map_symmetries, reparametrize
+from .evaluate_module import register as _register
+
+#: The public names and the modules that define them, imported on first use: ``import hf_geosharp`` (and so the
+#: ``geosharp`` command's parser) does not import torch or transformers.
+_PUBLIC = {
+    "NotConvergedWarning": ".api", "SharpnessResult": ".api", "adaptive_sharpness": ".api",
+    "geodesic_sharpness": ".api", "relative_flatness": ".engine.relative_flatness", "HideResult": ".hide",
+    "hide": ".hide", "SymmetryMap": ".symmetry", "map_symmetries": ".symmetry", "reparametrize": ".symmetry",
+    "measure_trainer": ".integrations", "GeodesicSharpnessCallback": ".integrations",
+}
 
 __all__ = ["HideResult", "NotConvergedWarning", "SharpnessResult", "SymmetryMap", "adaptive_sharpness",
            "geodesic_sharpness", "hide", "map_symmetries", "relative_flatness", "reparametrize",
            "EVALUATE_MODULE_DIR", "EVALUATE_MODULE_SCRIPT", "__version__"]
 
-from .evaluate_module import register as _register
+if TYPE_CHECKING:
+    from .api import NotConvergedWarning, SharpnessResult, adaptive_sharpness, geodesic_sharpness
+    from .engine.relative_flatness import relative_flatness
+    from .hide import HideResult, hide
+    from .symmetry import SymmetryMap, map_symmetries, reparametrize
+
 
 EVALUATE_MODULE_DIR = str(_register.MODULE_DIR)
 """The evaluate module's one folder as published (loading script and measurement card): ``metric_card/``."""
@@ -25,9 +41,35 @@ _register.quiet_cache_notice()  # evaluate's "using the latest cached version" n
 
 
 def __getattr__(name: str) -> object:
-    """``gs.measure_trainer`` and ``gs.GeodesicSharpnessCallback``, imported with transformers only when used."""
-    if name in ("measure_trainer", "GeodesicSharpnessCallback"):
-        from . import integrations
+    """A public name, imported from its module on first use and kept (see ``_PUBLIC``)."""
+    if name not in _PUBLIC:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_PUBLIC[name], __name__), name)
+    if name != "hide":  # ``hide`` is also a sub-package's name: _Package keeps the function in front of it
+        globals()[name] = value
+    return value
 
-        return getattr(integrations, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    """The module's names, the lazily imported public ones included."""
+    return sorted({*globals(), *_PUBLIC})
+
+
+class _Package(types.ModuleType):
+    """The package's module type: ``gs.hide`` is the function, also after the sub-package ``hf_geosharp.hide`` was
+    imported (the import system then sets the package's ``hide`` attribute to the sub-package; that setter keeps it
+    in ``sys.modules`` only, where ``import hf_geosharp.hide.seek`` finds it)."""
+
+    @property
+    def hide(self) -> object:
+        """:func:`hf_geosharp.hide.transform.hide`."""
+        from .hide.transform import hide
+
+        return hide
+
+    @hide.setter
+    def hide(self, _subpackage: object) -> None:
+        pass
+
+
+sys.modules[__name__].__class__ = _Package

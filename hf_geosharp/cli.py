@@ -20,7 +20,25 @@ import warnings
 from ._version import __version__
 from .commands.common import invoke, quiet_libraries
 
-COMMANDS = ("run", "symmetry", "register", "leaderboard", "card", "demo", "export_space", "reparametrize")
+#: Every sub-command: its name, the module of :mod:`hf_geosharp.commands` that defines it, and its one-line help (the
+#: same as the module's ``add_parser`` gives it, tested). ``geosharp --help`` lists them from here, so that it imports
+#: no command module, nor torch; a command's module is imported only when the command is on the command line.
+SUBCOMMANDS = {
+    "run": ("run", "measure geodesic (and adaptive) sharpness of a model on a dataset"),
+    "symmetry": ("symmetry",
+                 "show the attention symmetries of a model (GL(h) pairs, orbit and quotient dimensions, conditioning)"),
+    "register": ("register", "register the 'geodesic_sharpness' evaluate module in evaluate's module cache"),
+    "leaderboard": ("leaderboard",
+                    "rank many models by sharpness; Kendall tau of each measure against the generalisation gap"),
+    "card": ("card",
+             "publish sharpness results in a model card (model-index) and/or .eval_results, optionally as a Hub PR"),
+    "demo": ("demo", "train the embedded zoo of small ViTs on digits and rank them (offline, a few minutes)"),
+    "export-space": ("export_space", "write a self-contained Hugging Face Space folder (Gradio app, evaluate "
+                                     "module, wheel, requirements)"),
+    "reparametrize": ("reparametrize", "save a copy of a model moved along its attention symmetries (same "
+                                       "function), optionally adversarially"),
+}
+COMMANDS = tuple(module for module, _ in SUBCOMMANDS.values())
 LEVELS = ("error", "warning", "info", "debug")
 
 
@@ -55,8 +73,16 @@ def _add_verbosity(parser: argparse.ArgumentParser, default: object) -> None:
                         help="log level of hf_geosharp's own messages (default: warning)")  # fmt: skip
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``geosharp`` parser with one sub-command per module of :mod:`hf_geosharp.commands`."""
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The ``geosharp`` parser with one sub-command per module of :mod:`hf_geosharp.commands`.
+
+    Args:
+        argv: the command line it will parse: only the command named there gets its full parser (its module is
+            imported), the others are listed by name and help. ``None``: every command's full parser.
+
+    Returns:
+        The parser; ``parse_args`` sets ``func`` to the named command's ``run``.
+    """
     parser = argparse.ArgumentParser(
         prog="geosharp",
         description="Geodesic sharpness: symmetry-invariant sharpness for Hugging Face models.",
@@ -64,8 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"hf_geosharp {__version__}")
     _add_verbosity(parser, None)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in COMMANDS:
-        importlib.import_module(f"hf_geosharp.commands.{name}").add_parser(subparsers)
+    named = next((arg for arg in argv if arg in SUBCOMMANDS), None) if argv is not None else None
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        if argv is None or name == named:
+            importlib.import_module(f"hf_geosharp.commands.{module}").add_parser(subparsers)
+        else:
+            subparsers.add_parser(name, help=help_text)
     for sub in subparsers.choices.values():  # also after the command: `geosharp run ... -v`
         _add_verbosity(sub, argparse.SUPPRESS)
     return parser
@@ -84,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
