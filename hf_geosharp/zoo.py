@@ -23,7 +23,7 @@ the machine's kernels: AVX2 or AVX-512, MKL's instruction set, one or two thread
 Across machines: with the kernels of zoo version 2 an Intel Xeon and an AMD EPYC trained different zoos; version 3
 also turns oneDNN off (its convolution picks its blocking from the CPU's cache sizes, whatever its instruction set),
 and every member records a digest of its weights, which the demo prints, so that a run on another CPU shows at once
-whether it trained the same zoo (README, "The embedded demo").
+whether it trained the same zoo (docs/demo.md, "Across machines: check the digest").
 """
 
 from __future__ import annotations
