@@ -56,12 +56,62 @@ def test_a_damaged_store_is_reported_and_the_rest_is_used(setup, caplog):
     caplog.clear()
     assert setup["board"]() == 0
     err = caplog.text  # a warning of hf_geosharp.leaderboard.store: the command line prints it on stderr
-    assert "skipped 4 damaged line(s) (line 2, 3, 4, 5; the first: not UTF-8)" in err and "recomputed" in err
+    assert ("skipped 4 damaged line(s) (line 2: not UTF-8; line 3: not JSON; line 4: no 'value'; line 5: no 'key')"
+            in err and "recomputed" in err)
     after = [json.loads(line) for line in lines(setup["store"]) if _usable(line)]
     assert after[:1] == [stats]  # kept, not recomputed, and nothing was rewritten in place
     recomputed = after[-1]
     assert recomputed["kind"] == "measure" and recomputed["value"] == measure["value"]
     assert len(lines(setup["store"])) == 6  # five old lines (the damaged ones left for the user) + one new
+
+
+@pytest.mark.parametrize("value", [float("nan"), None, "0.5", [0.5], {"v": 0.5}, True, float("inf")],
+                         ids=["NaN", "null", "string", "list", "object", "true", "inf"])
+def test_a_wrongly_typed_record_is_named_by_line_never_ranked_and_a_rerun_succeeds(setup, caplog, capsys, value):
+    """A record whose ranked number is not a finite number (NaN would drop the model to last place; null, a string or
+    a list used to fail every run at its end with "rerun to resume") is reported with file, line and reason, never
+    ranked, and measured again; the next run reports the superseded line and which line to delete."""
+    assert setup["board"]() == 0
+    good = records(setup["store"])
+    measure = next(r for r in good if r["kind"] == "measure")
+    stats = next(r for r in good if r["kind"] == "stats")
+    bad = {**measure, "value": value}
+    setup["store"].write_text(json.dumps(stats) + "\n" + json.dumps(bad, allow_nan=True) + "\n")
+    caplog.clear()
+    assert setup["board"]("--quiet") == 0
+    err = caplog.text
+    assert str(setup["store"]) in err and "line 2: 'value' is " in err and "not a finite number" in err
+    assert "recomputed" in err and "never ranked" in err
+    table = (setup["out"] / "leaderboard.csv").read_text()
+    assert repr(measure["value"]) in table  # the re-measured value is what is ranked, not the damaged one
+    assert records(setup["store"])[-1]["value"] == measure["value"]
+    caplog.clear()
+    assert setup["board"]() == 0  # and every later run succeeds, naming the one line left to delete
+    assert "line 2 already has a good record with the same key (delete that line" in caplog.text
+    assert "rerun" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("kind", "field", "value", "reason"), [
+    ("measure", "converged", None, "'converged' is null, not true or false"),
+    ("measure", "stderr", "n/a", "'stderr' is a string \"n/a\", not a number"),
+    ("stats", "param_norm", float("nan"), "'param_norm' is NaN, not a finite number"),
+    ("stats", "clean_loss", [1.0], "'clean_loss' is a list [1.0], not a finite number"),
+    ("splits", "test_loss", None, "'test_loss' is null, not a finite number"),
+])
+def test_every_field_read_from_a_record_is_type_checked(tmp_path, kind, field, value, reason, caplog):
+    from hf_geosharp.leaderboard.store import REQUIRED, ResultStore
+
+    record = {"key": "k", "kind": kind, **{name: 1.0 for name in REQUIRED[kind]}}
+    ok = {**record, "key": "ok"}
+    path = tmp_path / STORE_FILE
+    path.write_text(json.dumps(ok) + "\n" + json.dumps({**record, field: value}, allow_nan=True) + "\n")
+    store = ResultStore(path)
+    assert store.get("k") is None and store.get("ok") == ok
+    assert [(d.number, d.reason) for d in store.damaged] == [(2, reason)]
+    assert f"line 2: {reason}" in caplog.text
+    nan_error = {**record, "key": "regression", **({"test_error": float("nan")} if kind == "splits" else {})}
+    path.write_text(json.dumps(nan_error, allow_nan=True) + "\n")  # NaN where it is meaningful is kept
+    assert ResultStore(path).get("regression") is not None
 
 
 def _usable(line: bytes) -> bool:
