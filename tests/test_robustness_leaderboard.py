@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from hf_geosharp import cli
 from hf_geosharp.data import DataSpec
@@ -273,3 +274,84 @@ def test_ctrl_c_keeps_finished_results_and_says_where(setup, monkeypatch, capsys
     measures = [r.get("measure") for r in records(setup["store"])]
     assert measures[0] == "geodesic_inv_worst" and measures[1].startswith("adaptive_")
     assert measures.count("geodesic_inv_worst") == 1
+
+
+# ------------------------------------------------------------------------------------- errors name their model
+def _nan_weights(folder: Path) -> None:
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(folder)
+    with torch.no_grad():
+        model.bert.encoder.layer[0].attention.self.query.weight[0, 0] = float("nan")
+    model.save_pretrained(folder)
+
+
+def test_a_model_that_cannot_be_measured_is_named_and_no_rerun_is_advised(setup, tmp_path, capsys):
+    """One model of the list with a NaN weight: exit 2, the message names the model and the parameter, says the
+    other models' results are kept and does not advise the rerun that would fail again; without that model the rerun
+    succeeds and reuses what was measured."""
+    bad = save_text_model(tmp_path / "broken-bert", seed=1)
+    _nan_weights(bad)
+    argv = ["leaderboard", str(setup["model"]), str(bad), "--dataset", str(setup["data"]), *FAST,
+            "--measures", "adaptive", "--out", str(setup["out"])]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "model 'broken-bert'" in err and "bert.encoder.layer.0.attention.self.query.weight" in err
+    assert "NaN" in err and "remove it from the model list" in err and "rerun the same command" not in err
+    assert "kept in" in err
+    measured = records(setup["store"])
+    assert {r["model"] for r in measured} == {"model"}  # the good model's results, none of the broken one
+    assert cli.main([a for a in argv if a != str(bad)]) == 0
+    assert records(setup["store"]) == measured  # reused, not measured again
+
+
+def _meta_position_ids(model):
+    model.bert.embeddings.register_buffer(
+        "position_ids", torch.empty_like(model.bert.embeddings.position_ids, device="meta"), persistent=False)
+    return model
+
+
+def test_a_buffer_on_the_meta_device_is_named_before_the_work(setup, monkeypatch, capsys):
+    from hf_geosharp.leaderboard import run as board_run
+
+    load = board_run.load_model
+    monkeypatch.setattr(board_run, "load_model", lambda *a, **k: _meta_position_ids(load(*a, **k)))
+    assert setup["board"]() == 2
+    err = capsys.readouterr().err
+    assert "model 'model'" in err and "'bert.embeddings.position_ids' is on the meta device" in err
+    assert "index out of range" not in err and "rerun the same command" not in err
+    assert not setup["store"].exists() or records(setup["store"]) == []
+
+
+def test_meta_and_nan_buffers_are_refused_by_the_api_before_the_work():
+    """The engine's own check: a meta buffer and a NaN BatchNorm running variance are blamed on the buffer, by name,
+    before any work (not "index out of range in self", not "check the inputs and labels"); the model untouched."""
+    import hf_geosharp as gs
+
+    from .fixtures.hf_models import tiny_bert
+
+    model = _meta_position_ids(tiny_bert())
+    batch = {"input_ids": torch.randint(0, 100, (2, 6)), "labels": torch.tensor([0, 1])}
+    with pytest.raises(ValueError, match=r"buffer 'bert.embeddings.position_ids' is on the meta device"):
+        gs.geodesic_sharpness(model, [batch], steps=1, progress=False)
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear, self.bn = torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.bn(self.linear(x))
+
+    net = Net().eval()
+    net.bn.running_var[1] = float("nan")
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+
+    def loss_fn(model, batch):
+        return torch.nn.functional.cross_entropy(model(batch[0]), batch[1])
+
+    data = [(torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1]))]
+    with pytest.raises(ValueError, match=r"buffer 'bn.running_var' holds NaN") as info:
+        gs.adaptive_sharpness(net, data, loss_fn=loss_fn, steps=1, progress=False)
+    assert "inputs and labels" not in str(info.value) and "reset_running_stats" in str(info.value)
+    torch.testing.assert_close(dict(net.state_dict()), before, rtol=0, atol=0, equal_nan=True)
