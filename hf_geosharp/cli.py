@@ -18,7 +18,7 @@ import sys
 import warnings
 
 from ._version import __version__
-from .commands.common import invoke, quiet_libraries
+from .commands.common import Parser, exit_process, invoke, quiet_libraries
 
 COMMANDS = ("run", "symmetry", "register", "leaderboard", "card", "demo", "export_space", "reparametrize")
 LEVELS = ("error", "warning", "info", "debug")
@@ -57,7 +57,7 @@ def _add_verbosity(parser: argparse.ArgumentParser, default: object) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``geosharp`` parser with one sub-command per module of :mod:`hf_geosharp.commands`."""
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="geosharp",
         description="Geodesic sharpness: symmetry-invariant sharpness for Hugging Face models.",
     )
@@ -80,7 +80,10 @@ def level_of(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``geosharp`` with ``argv`` (default: the command line) and return its exit code."""
-    return invoke(_main, argv)  # Ctrl-C, also while the libraries import: exit 130, one line, no traceback
+    code = invoke(_main, argv)  # Ctrl-C, also while the libraries import: exit 130, one line, no traceback
+    if argv is None:  # the process's own command line (the geosharp script, python -m hf_geosharp): exit now
+        exit_process(code)
+    return code
 
 
 def _main(argv: list[str] | None) -> int:
