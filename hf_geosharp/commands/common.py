@@ -193,8 +193,8 @@ def _on_sigint(signum: int, frame: Any) -> None:
 
 def _handle_sigint(handler: Any) -> Any:
     """Install ``handler`` for SIGINT where Python allows it (the main thread); the previous one, or None."""
-    if threading.current_thread() is not threading.main_thread():
-        return None
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        return None  # a background job started with Ctrl-C ignored keeps ignoring it
     return signal.signal(signal.SIGINT, handler)
 
 
