@@ -530,3 +530,29 @@ def test_the_training_child_dies_with_a_killed_demo_and_a_rerun_removes_stale_st
     (stale / "sub").mkdir(parents=True)
     build_zoo("mini", cache, progress=False, names=["mini-00"])
     assert not stale.exists()
+
+
+@pytest.mark.usefixtures("ctrl_c_raises")
+def test_ctrl_c_while_the_process_exits_says_the_command_had_finished(files, tmp_path):
+    """A Ctrl-C after ``reparametrize`` wrote OUT and printed its result, while the process exits (held open here by
+    a slow exit handler), ends with one line saying the work is complete, exit 130: it used to kill the process
+    without a word (Python's signal handling is off while modules are torn down, which ``geosharp`` now skips)."""
+    out = tmp_path / "moved"
+    code = ("import atexit, sys, time; atexit.register(time.sleep, 30); "
+            f"sys.argv = ['geosharp', 'reparametrize', {str(files['model'])!r}, {str(out)!r}]; "
+            "from hf_geosharp.cli import main; main()")
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env(tmp_path), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    seen = b""
+    deadline = time.monotonic() + 300
+    while b"reparametrized" not in seen and time.monotonic() < deadline and proc.poll() is None:
+        seen += os.read(proc.stdout.fileno(), 4096)
+    time.sleep(0.5)  # the command has returned; the process is in its exit handlers
+    start = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    err = err.decode()
+    assert proc.returncode == 130 and time.monotonic() - start < 10, err[-3000:]
+    assert err.strip().splitlines()[-1] == (f"interrupted (Ctrl-C) while exiting, after the command had finished; the "
+                                            f"new copy in {out} is complete.")
+    assert (out / "config.json").exists() and "Traceback" not in err
