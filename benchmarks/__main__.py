@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 from pathlib import Path
 
 import torch
 
+from hf_geosharp.commands.common import Parser, folder_path, non_negative, positive
 from hf_geosharp.durable import write_json
 
 from . import default_call, floor, fsdp_memory, memory, overhead, peer, scaling, step_profile
@@ -21,13 +21,15 @@ RESULTS = Path(__file__).parent / "results"
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
+    parser = Parser(prog="python -m benchmarks", description=__doc__)
     parser.add_argument("--suite", default=",".join(SUITES), help=f"comma-separated, from {','.join(SUITES)}")
     parser.add_argument("--quick", action="store_true", help="smaller batches, fewer steps (~10 min on 2 CPU cores)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N)")
-    parser.add_argument("--repeats", type=int, default=None, help="timed repeats per case (default 2, quick 1)")
-    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON results")
+    parser.add_argument("--repeats", type=positive(int), default=None,
+                        help="timed repeats per case (default 2, quick 1)")
+    parser.add_argument("--threads", type=non_negative(int), default=0,
+                        help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--out", type=folder_path, default=RESULTS, help="folder for the JSON results")
     args = parser.parse_args(argv)
     suites = [s.strip() for s in args.suite.split(",") if s.strip()]
     unknown = [s for s in suites if s not in SUITES]

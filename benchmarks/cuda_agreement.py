@@ -9,7 +9,6 @@ difference between the devices and whether the model's state is bit-equal after 
 
 from __future__ import annotations
 
-import argparse
 import time
 from pathlib import Path
 from typing import Any
@@ -53,8 +52,10 @@ def run() -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.cuda_agreement", description=__doc__)
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "cuda_agreement.json")
+    from hf_geosharp.commands.common import Parser, file_path
+
+    parser = Parser(prog="python -m benchmarks.cuda_agreement", description=__doc__)
+    parser.add_argument("--out", type=file_path, default=Path(__file__).parent / "results" / "cuda_agreement.json")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("torch sees no CUDA device: this check compares the CPU with one")

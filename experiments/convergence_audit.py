@@ -100,7 +100,11 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """The command line takes no options (only --help); anything else is a usage error (one line, exit 2)."""
+    from hf_geosharp.commands.common import Parser
+
+    Parser(prog="python -m experiments.convergence_audit", description=__doc__.splitlines()[0]).parse_args(argv)
     start = time.time()
     torch.set_num_threads(1)
     model, data = tiny_bert(0.2), [batch()]

@@ -662,21 +662,29 @@ def all_types() -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from hf_geosharp.commands.common import Parser, file_path, positive
+    from hf_geosharp.durable import OutputPathError, check_writable, write_json, write_text
+
+    parser = Parser(prog="python -m experiments.coverage", description=__doc__.splitlines()[0])
     parser.add_argument("--types", help="comma-separated model types (default: all of the installed transformers)")
-    parser.add_argument("--timeout", type=int, default=TYPE_TIMEOUT_S, help="seconds per model type")
-    parser.add_argument("--json", type=Path, default=DOCS / "results" / "coverage.json")
-    parser.add_argument("--markdown", type=Path, default=DOCS / "coverage.md")
+    parser.add_argument("--timeout", type=positive(int), default=TYPE_TIMEOUT_S, help="seconds per model type")
+    parser.add_argument("--json", type=file_path, default=DOCS / "results" / "coverage.json")
+    parser.add_argument("--markdown", type=file_path, default=DOCS / "coverage.md")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    types = args.types.split(",") if args.types else all_types()
+    types = [t.strip() for t in args.types.split(",") if t.strip()] if args.types else all_types()
+    if unknown := [t for t in types if t not in all_types()]:
+        parser.error(f"--types: unknown model type(s) {', '.join(unknown)} (not in the installed transformers)")
+    if not types:
+        parser.error("--types: name at least one model type")
     if args.worker:
         worker(types, args.timeout)
         return 0
-    from hf_geosharp.durable import check_writable, write_json, write_text
-
-    check_writable(args.json)
-    check_writable(args.markdown)
+    try:
+        check_writable(args.json)
+        check_writable(args.markdown)
+    except OutputPathError as err:
+        parser.error(str(err))
     logger.addHandler(logging.StreamHandler())
     logger.setLevel(logging.INFO)
     import transformers

@@ -44,6 +44,8 @@ import torch
 from torch import Tensor, nn
 
 import hf_geosharp as gs
+from hf_geosharp.commands.common import Parser, folder_path, positive
+from hf_geosharp.commands.common import seed as seed_arg
 from hf_geosharp.durable import atomic_path, write_json
 from hf_geosharp.engine.solvers.apgd import apgd
 
@@ -613,40 +615,57 @@ def format_table(main: dict[str, Any], sweep: dict[str, Any] | None) -> str:
 
 # ------------------------------------------------------------------------------------------------ command line
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="python -m experiments.diagonal_networks",
         description="Diagonal-network reproduction (paper §5.1.1, Fig. 3): sharpness vs test loss, Kendall tau.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--out", type=Path, default=Path("artifacts/diagonal_networks"), help="output folder")
-    p.add_argument("--n-nets", type=int, default=50)
-    p.add_argument("--dim", type=int, default=200, help="number of features d")
-    p.add_argument("--n-train", type=int, default=100, help="training points n (< d: every net interpolates)")
-    p.add_argument("--nonzeros", type=int, default=20, help="non-zeros of beta* (20 of 200: 90%% sparse)")
+    p.add_argument("--out", type=folder_path, default=Path("artifacts/diagonal_networks"), help="output folder")
+    p.add_argument("--n-nets", type=positive(int), default=50)
+    p.add_argument("--dim", type=positive(int), default=200, help="number of features d")
+    p.add_argument("--n-train", type=positive(int), default=100, help="training points n (< d: every net interpolates)")
+    p.add_argument("--nonzeros", type=positive(int), default=20, help="non-zeros of beta* (20 of 200: 90%% sparse)")
     p.add_argument("--truth", choices=("signed", "nonnegative"), default="signed", help="sign of beta*'s non-zeros")
     p.add_argument("--init", choices=("reference", "balanced"), default="reference",
                    help="reference: u0 = alpha, v0 = 0; balanced: u0 = v0 = alpha (forces beta >= 0)")
-    p.add_argument("--alpha-range", type=float, nargs=2, default=(0.01, 1.0), help="log-uniform init scales")
-    p.add_argument("--lr-range", type=float, nargs=2, default=(0.01, 0.25), help="log-uniform learning rates")
-    p.add_argument("--target-loss", type=float, default=1e-5, help="GD stops at this training MSE")
-    p.add_argument("--max-steps", type=int, default=200_000, help="GD step cap (nets that hit it are flagged)")
-    p.add_argument("--rho", type=float, default=0.1, help="radius of every sharpness ball")
+    p.add_argument("--alpha-range", type=positive(float), nargs=2, default=(0.01, 1.0), help="log-uniform init scales")
+    p.add_argument("--lr-range", type=positive(float), nargs=2, default=(0.01, 0.25), help="log-uniform learning rates")
+    p.add_argument("--target-loss", type=positive(float), default=1e-5, help="GD stops at this training MSE")
+    p.add_argument("--max-steps", type=positive(int), default=200_000,
+                   help="GD step cap (nets that hit it are flagged)")
+    p.add_argument("--rho", type=positive(float), default=0.1, help="radius of every sharpness ball")
     p.add_argument("--mix-constraint", choices=("metric", "loose"), default="metric",
                    help="mix ball shown in the figure: metric sqrt(2)||b*beta0|| <= rho or loose ||b|| <= rho")
-    p.add_argument("--adaptive-steps", type=int, default=AS23_STEPS, help="adaptive solver iterations (AS23 uses 20)")
+    p.add_argument("--adaptive-steps", type=positive(int), default=AS23_STEPS,
+                   help="adaptive solver iterations (AS23 uses 20)")
     p.add_argument("--adaptive-variant", choices=("clean", "as23"), default="clean",
                    help="adaptive solver: the library's default 'clean' (reaches the maximum) or AS23's 'as23'")
-    p.add_argument("--geodesic-steps", type=int, default=AS23_STEPS, help="geodesic APGD iterations")
-    p.add_argument("--converged-steps", type=int, default=200, help="iterations of the 'converged' sweep rows")
-    p.add_argument("--bootstrap", type=int, default=2000, help="bootstrap resamples for the tau intervals")
-    p.add_argument("--data-seed", type=int, default=0, help="seed of X and beta*")
-    p.add_argument("--seed", type=int, default=0, help="seed of the hyperparameters and of the bootstrap")
+    p.add_argument("--geodesic-steps", type=positive(int), default=AS23_STEPS,
+                   help="geodesic APGD iterations")
+    p.add_argument("--converged-steps", type=positive(int), default=200,
+                   help="iterations of the 'converged' sweep rows")
+    p.add_argument("--bootstrap", type=positive(int), default=2000, help="bootstrap resamples for the tau intervals")
+    p.add_argument("--data-seed", type=seed_arg, default=0, help="seed of X and beta*")
+    p.add_argument("--seed", type=seed_arg, default=0, help="seed of the hyperparameters and of the bootstrap")
     p.add_argument("--no-sweeps", action="store_true", help="only the main setting (no switch/rho/seed tables)")
-    p.add_argument("--rho-grid", type=float, nargs="*", default=(0.01, 0.03, 0.3, 1.0), help="rho sweep")
-    p.add_argument("--data-seeds", type=int, nargs="*", default=(1, 2, 3, 4), help="further data seeds")
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--rho-grid", type=positive(float), nargs="*", default=(0.01, 0.03, 0.3, 1.0), help="rho sweep")
+    p.add_argument("--data-seeds", type=seed_arg, nargs="*", default=(1, 2, 3, 4), help="further data seeds")
+    p.add_argument("--threads", type=positive(int), default=1,
                    help="torch threads (the problems are tiny; more threads mostly add contention)")
     return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The arguments, with what relates two of them checked before any work (usage errors: one line, exit 2)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.nonzeros > args.dim:
+        parser.error(f"--nonzeros {args.nonzeros} exceeds --dim {args.dim}")
+    for name in ("alpha_range", "lr_range"):
+        low, high = getattr(args, name)
+        if low > high:
+            parser.error(f"--{name.replace('_', '-')} {low} {high}: give the low end first")
+    return args
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -680,7 +699,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Command-line entry: configure logging and threads (process-wide), run, print the tau table."""
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("hf_geosharp").setLevel(logging.WARNING)  # one INFO line per adaptive call is noise here
     torch.set_num_threads(args.threads)

@@ -76,7 +76,11 @@ def value(model: torch.nn.Module, data: list, metric: str, epsilon: float) -> gs
                                      progress=False)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """The command line takes no options (only --help); anything else is a usage error (one line, exit 2)."""
+    from hf_geosharp.commands.common import Parser
+
+    Parser(prog="python -m experiments.epsilon_conditioning", description=__doc__.splitlines()[0]).parse_args(argv)
     start = time.time()
     data = batches()
     rows: list[dict[str, Any]] = []

@@ -47,7 +47,6 @@ import platform
 import re
 import statistics
 import subprocess
-import sys
 import tempfile
 import textwrap
 import time
@@ -65,6 +64,7 @@ import torch
 from examples.minilm_spam import PACKAGE, read_corpus
 from hf_geosharp import NotConvergedWarning, durable
 from hf_geosharp._version import __version__
+from hf_geosharp.commands.common import Parser, file_path, folder_path, positive
 from hf_geosharp.engine.solvers.apgd import AUTO_MAX_STEPS
 from hf_geosharp.leaderboard import kendall_taus, tau_differences
 from hf_geosharp.leaderboard.store import ResultStore
@@ -1340,12 +1340,13 @@ def write_generated(doc: Path, text: str) -> None:
     durable.write_text(doc, current[: start + len(BEGIN)] + "\n" + text + current[end:])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cache", type=Path, default=None,
+def build_parser() -> argparse.ArgumentParser:
+    """The command line; every argument is checked by its type (usage errors: one line, exit 2)."""
+    parser = Parser(prog="python -m experiments.minilm_family", description=__doc__.splitlines()[0])
+    parser.add_argument("--cache", type=folder_path, default=None,
                         help="members, corpus and result store (default $HF_GEOSHARP_CACHE/minilm_family)")
-    parser.add_argument("--n-models", type=int, default=Config.n_models)
-    parser.add_argument("--store", type=Path, default=STORE,
+    parser.add_argument("--n-models", type=positive(int), default=Config.n_models)
+    parser.add_argument("--store", type=file_path, default=STORE,
                         help=f"the result store, appended to as numbers are measured (default {STORE}: committed, so "
                              "that a sitting on a fresh machine measures only what is missing)")
     parser.add_argument("--library", default=None, metavar="VERSION",
@@ -1356,17 +1357,61 @@ def main() -> None:
     parser.add_argument("--spot-check", default=None, metavar="MEMBER",
                         help="measure MEMBER's main numbers again with the installed library and compare them with "
                              "those of --library (writes minilm_family_spot_check.json into --out)")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="where the JSON and PNG go (default docs/results)")
-    parser.add_argument("--doc", type=Path, default=DOC, help="the doc whose generated section is rewritten")
+    parser.add_argument("--out", type=folder_path, default=RESULTS,
+                        help="where the JSON and PNG go (default docs/results)")
+    parser.add_argument("--doc", type=file_path, default=DOC, help="the doc whose generated section is rewritten")
     parser.add_argument("--status", action="store_true", help="print progress and the remaining time; compute nothing")
     parser.add_argument("--report", action="store_true", help="write the JSON, figure and doc tables from the store")
     parser.add_argument("--stages", default="train,main,adversarial,sweep",
                         help="comma-separated stages to run (default all, in this order)")
     parser.add_argument("--shard", type=_shard, default=(0, 1),
                         help="K/N: this process does the members whose index is K mod N (N processes share the store)")
-    parser.add_argument("--no-report", action="store_true", help="do not write the report at the end of a run")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: reproducible, cheapest)")
-    args = parser.parse_args()
+    parser.add_argument("--no-report", action="store_true",
+                        help="do not write the report at the end of a run")
+    parser.add_argument("--threads", type=positive(int), default=1,
+                        help="torch threads (default 1: reproducible, cheapest)")
+    return parser
+
+
+STAGES = ("train", "main", "adversarial", "sweep")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The arguments, with what depends on several of them checked before any work: the member ``--spot-check``
+    names, the stages, ``--library`` only where numbers are read, and the doc a report rewrites."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    config = dataclasses.replace(Config(), n_models=args.n_models)
+    names = [m.name for m in members(config)]
+    if args.spot_check is not None and args.spot_check not in names:
+        parser.error(f"--spot-check {args.spot_check!r} is not a member of the {len(names)}-model family "
+                     f"({names[0]} .. {names[-1]})")
+    args.stages = tuple(s.strip() for s in args.stages.split(",") if s.strip())
+    if not args.stages or set(args.stages) - set(STAGES):
+        parser.error(f"--stages {','.join(args.stages) or repr('')}: use some of {','.join(STAGES)}")
+    reads = args.status or args.report or args.spot_check
+    if not reads and args.library not in (None, __version__):
+        parser.error(f"--library {args.library}: a run measures with the installed hf_geosharp {__version__}; use "
+                     "--library with --status, --report or --spot-check")
+    if (args.report or not (reads or args.no_report)) and not args.status:
+        problem = _doc_problem(args.doc)
+        if problem:
+            parser.error(f"--doc {str(args.doc)!r} {problem}; pass the doc to rewrite, or --no-report")
+    return args
+
+
+def _doc_problem(doc: Path) -> str | None:
+    """Why ``doc`` cannot take the generated report, or None."""
+    if not doc.is_file():
+        return "does not exist"
+    text = doc.read_text(errors="replace")
+    start, end = text.find(BEGIN), text.find(END)
+    return None if 0 <= start < end else f"has no generated section (the lines {BEGIN!r} ... {END!r})"
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m experiments.minilm_family``: train, measure, report (see the module docstring)."""
+    args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     config = dataclasses.replace(Config(), n_models=args.n_models)
@@ -1384,15 +1429,9 @@ def main() -> None:
                      previous=args.previous)
         print(tables_markdown(out, figure_link=False))
         return
-    if args.library not in (None, __version__):
-        sys.exit(f"--library {args.library}: a run measures with the installed hf_geosharp {__version__}; use "
-                 "--library with --status, --report or --spot-check")
-    stages = tuple(s.strip() for s in args.stages.split(",") if s.strip())
-    if unknown := set(stages) - {"train", "main", "adversarial", "sweep"}:
-        sys.exit(f"unknown stages {sorted(unknown)}")
     with torch_threads(args.threads):
         run(config, cache, None if args.no_report else args.out, doc=None if args.no_report else args.doc,
-            shard=args.shard, stages=stages, store=args.store)
+            shard=args.shard, stages=args.stages, store=args.store)
     print(status(config, cache, args.store))
 
 

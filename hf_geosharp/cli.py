@@ -18,7 +18,7 @@ import sys
 import warnings
 
 from ._version import __version__
-from .commands.common import invoke, quiet_libraries
+from .commands.common import Parser, exit_process, invoke, quiet_libraries
 
 #: Every sub-command: its name, the module of :mod:`hf_geosharp.commands` that defines it, and its one-line help (the
 #: same as the module's ``add_parser`` gives it, tested). ``geosharp --help`` lists them from here, so that it imports
@@ -83,7 +83,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     Returns:
         The parser; ``parse_args`` sets ``func`` to the named command's ``run``.
     """
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="geosharp",
         description="Geodesic sharpness: symmetry-invariant sharpness for Hugging Face models.",
     )
@@ -110,7 +110,10 @@ def level_of(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``geosharp`` with ``argv`` (default: the command line) and return its exit code."""
-    return invoke(_main, argv)  # Ctrl-C, also while the libraries import: exit 130, one line, no traceback
+    code = invoke(_main, argv)  # Ctrl-C, also while the libraries import: exit 130, one line, no traceback
+    if argv is None:  # the process's own command line (the geosharp script, python -m hf_geosharp): exit now
+        exit_process(code)
+    return code
 
 
 def _main(argv: list[str] | None) -> int:

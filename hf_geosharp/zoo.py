@@ -33,6 +33,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -332,16 +333,61 @@ def build_zoo(
         if unknown:
             raise ValueError(f"no zoo members named {unknown}; the {size!r} zoo has {[m.name for m in members]}.")
         members = [m for m in members if m.name in names]
-    export_digits(root / DIGITS_DIR)
-    todo = [m for m in members if not _cached(root / m.name, m)]
-    if todo:
-        logger.info("training %d of %d zoo models into %s (cached ones are reused)", len(todo), len(members), root)
-        with tqdm(total=len(todo), desc="training zoo", unit="model", disable=not progress) as bar:
-            for metrics in train_portably(todo, root):
-                bar.update()
-                logger.debug("%s: train error %.3f, test error %.3f", metrics["member"]["name"],
-                             metrics["train_error"], metrics["test_error"])
+    with _building(root):
+        export_digits(root / DIGITS_DIR)
+        todo = [m for m in members if not _cached(root / m.name, m)]
+        if todo:
+            logger.info("training %d of %d zoo models into %s (cached ones are reused)", len(todo), len(members), root)
+            with tqdm(total=len(todo), desc="training zoo", unit="model", disable=not progress) as bar:
+                results = train_portably(todo, root)
+                try:
+                    for metrics in results:
+                        bar.update()
+                        logger.debug("%s: train error %.3f, test error %.3f", metrics["member"]["name"],
+                                     metrics["train_error"], metrics["test_error"])
+                finally:
+                    results.close()  # an error or Ctrl-C: the child is stopped before its staging folder is removed
     return Zoo(root, members)
+
+
+def cached_members(size: ZooSize | int = "full", cache_dir: str | Path | None = None) -> list[str]:
+    """The names of the members of the ``size`` zoo that are trained and cached (reused by the next build)."""
+    root = Path(cache_dir) if cache_dir is not None else cache_root() / "zoo"
+    return [m.name for m in zoo_members(size) if _cached(root / m.name, m)]
+
+
+STAGING = ".*-new-*"  # durable.staged_dir's folders: a member (or the digits) being written
+LOCK_FILE = ".zoo.lock"
+
+
+@contextlib.contextmanager
+def _building(root: Path) -> Iterator[None]:
+    """Hold the zoo folder's lock while building into it (a second build waits, then finds the members cached), and
+    remove the staging folders of an interrupted or killed build, before and after: while the lock is held, no
+    other build is writing one."""
+    from filelock import FileLock, Timeout
+
+    lock = FileLock(str(root / LOCK_FILE))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        logger.warning("another process is building the zoo in %s; waiting for it to finish", root)
+        lock.acquire()
+    try:
+        _remove_staging(root)
+        yield
+    finally:
+        try:
+            _remove_staging(root)
+        finally:
+            lock.release()
+
+
+def _remove_staging(root: Path) -> None:
+    for stale in root.glob(STAGING):
+        if stale.is_dir():
+            logger.debug("removing %s, left by an interrupted zoo build", stale)
+            shutil.rmtree(stale, ignore_errors=True)
 
 
 def train_portably(members: list[ZooMember], root: Path) -> Iterator[dict]:
@@ -360,6 +406,7 @@ def run_portably(target: str, payload: Any, *, path: tuple[str, ...] = ()) -> It
     roots = list(dict.fromkeys([str(Path(__file__).resolve().parents[1]), *path]))
     child_code = (f"import json, sys; sys.path[:0] = {roots!r}; import torch; torch.set_num_threads(1); "
                   "torch.backends.mkldnn.enabled = False; "  # oneDNN blocks by the CPU's cache sizes: other sums
+                  f"from hf_geosharp.zoo import _follow_parent; _follow_parent({os.getpid()}); "
                   f"from {module} import {function}; {function}(json.loads(sys.stdin.read()))")
     env = {**os.environ, **PORTABLE_KERNELS}
     with tempfile.TemporaryFile("w+") as errors, subprocess.Popen(
@@ -376,12 +423,49 @@ def run_portably(target: str, payload: Any, *, path: tuple[str, ...] = ()) -> It
                 elif line.strip():
                     logger.debug("%s: %s", target, line.rstrip())
         except BaseException:  # the consumer stopped early (an error, Ctrl-C, a closed generator): no orphan
-            child.kill()
+            _stop(child)
             raise
         if child.wait() != 0:
             errors.seek(0)
             raise RuntimeError(f"{target} failed in its portable child process (exit {child.returncode}):\n"
                                f"{errors.read().strip()[-4000:]}")
+
+
+CHILD_GRACE_S = 10.0  # how long a child may take to clean up after SIGTERM before it is killed
+_PARENT_POLL_S = 0.2
+
+
+def _stop(child: subprocess.Popen) -> None:
+    """End ``child``: SIGTERM (it exits through its ``finally`` blocks, removing its staging folder), SIGKILL after
+    :data:`CHILD_GRACE_S`."""
+    child.terminate()
+    try:
+        child.wait(CHILD_GRACE_S)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
+
+
+def _follow_parent(parent: int) -> None:
+    """The child's side of :func:`run_portably`: SIGTERM exits through the ``finally`` blocks (``SystemExit``), and
+    a watcher thread sends it when the parent is gone (killed, even with SIGKILL: the child is then re-parented), so
+    the child never outlives the process that waits for its results; if the exit hangs, it is forced."""
+    import signal
+    import threading
+    import time
+
+    def exit_cleanly(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(_PARENT_POLL_S)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(CHILD_GRACE_S)
+        os._exit(128 + signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, exit_cleanly)
+    threading.Thread(target=watch, name="follow-parent", daemon=True).start()
 
 
 _RESULT_LINE = "portable-result "  # marks the child's result lines among anything a library prints

@@ -408,6 +408,24 @@ def test_same_seed_same_bits_on_fresh_models(measure):
         assert other.per_batch != first.per_batch
 
 
+@pytest.mark.parametrize("metric", ["mix"])
+def test_same_bits_for_the_same_seed_and_thread_count(metric):
+    """What docs/method.md promises bit for bit: the same seed, inputs, torch build and kernels, and the same torch
+    thread count (part of what determines a float sum: torch splits large reductions by thread). Each thread count
+    repeats its own bits, also after a run at the other count; across counts only closeness is promised."""
+    threads = torch.get_num_threads()
+    runs: dict[int, list[list[float]]] = {1: [], 2: []}
+    try:
+        for n in (1, 2, 1, 2):
+            torch.set_num_threads(n)
+            runs[n].append(gs.geodesic_sharpness(tiny_bert(torch.float32), tiny_batches(), metric=metric, seed=3,
+                                                 **FAST).per_batch)
+    finally:
+        torch.set_num_threads(threads)
+    assert runs[1][0] == runs[1][1] and runs[2][0] == runs[2][1]
+    assert runs[1][0] == pytest.approx(runs[2][0], rel=1e-3)
+
+
 # ---------------------------------------------------------------------------------------------------- fast paths
 # ---------------------------------------------------------------------------------------------------- CLI
 def _digest(folder: Path) -> dict[str, str]:

@@ -446,3 +446,113 @@ def test_torch_is_untouched_by_the_cli(files):
     state = torch.get_rng_state()
     assert cli.main(run_argv(files, "--metric", "inv", "--no-baseline")) == 0
     assert torch.is_grad_enabled() and torch.equal(torch.get_rng_state(), state)
+
+
+# ------------------------------------------------------------------------------- Ctrl-C and kills of the demo
+def _processes_following(pid: int) -> list[int]:
+    """The training children started by process ``pid`` (they name it in their command line), still alive."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if f"_follow_parent({pid})".encode() in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+def _demo(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
+    cache = tmp_path / "zoo"
+    argv = ["demo", "--size", "mini", "--cache-dir", str(cache), "--out", str(tmp_path / "out"), "--quiet",
+            "--no-hide-seek", "--n-examples", "16", "--batch-size", "8", "--steps", "2"]
+    proc = subprocess.Popen([sys.executable, "-m", "hf_geosharp", *argv], env=env(tmp_path), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True)  # its own group: a terminal's Ctrl-C
+    return proc, cache
+
+
+def _wait_for(condition, proc: subprocess.Popen, what: str, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert proc.poll() is None, f"the demo ended before {what}: {proc.communicate()[1].decode()[-3000:]}"
+        assert time.monotonic() < deadline, f"no {what} after {timeout} s"
+        time.sleep(0.05)
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads the process table from /proc")
+@pytest.mark.usefixtures("ctrl_c_raises")
+@pytest.mark.parametrize("presses", [1, 2], ids=["once", "twice"])
+def test_ctrl_c_while_the_zoo_trains_keeps_finished_members_and_leaves_nothing_half_done(tmp_path, presses):
+    """Ctrl-C (to the whole process group, as a terminal sends it; twice in quick succession too) once the first
+    member is saved: exit 130, one line saying exactly which members stay cached, no hidden staging folder, no
+    training child left, no traceback (a second Ctrl-C used to surface as torch's "trying to pop from empty mode
+    stack"); a rerun reuses the finished members."""
+    from hf_geosharp.zoo import METRICS_FILE, build_zoo, cached_members
+
+    proc, cache = _demo(tmp_path)
+    _wait_for(lambda: (cache / "mini-00" / METRICS_FILE).exists() and _processes_following(proc.pid), proc,
+              "first trained member")
+    for _ in range(presses):
+        os.killpg(proc.pid, signal.SIGINT)
+        time.sleep(0.05)
+    _, err = proc.communicate(timeout=120)
+    err = err.decode()
+    kept = cached_members("mini", cache)
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "mode stack" not in err and "nothing was written" not in err, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("interrupted (Ctrl-C); ") and f"{len(kept)} of the 4 zoo models are trained" in last
+    assert f"({', '.join(kept)})" in last and str(cache) in last and "mini-00" in kept
+    assert not list(cache.glob(".*-new-*")), list(cache.iterdir())
+    assert not _processes_following(proc.pid)
+    mtimes = {name: (cache / name / METRICS_FILE).stat().st_mtime_ns for name in kept}
+    build_zoo("mini", cache, progress=False, names=kept)  # the finished members are reused as they are
+    assert {name: (cache / name / METRICS_FILE).stat().st_mtime_ns for name in kept} == mtimes
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads the process table from /proc")
+def test_the_training_child_dies_with_a_killed_demo_and_a_rerun_removes_stale_staging(tmp_path):
+    """SIGKILL of the demo (nothing of it runs any more): its training child notices within a second, removes its
+    staging folder and exits; a staging folder left anyway (a kill of both) is removed by the next build."""
+    from hf_geosharp.zoo import build_zoo
+
+    proc, cache = _demo(tmp_path)
+    _wait_for(lambda: _processes_following(proc.pid) and list(cache.glob(".mini-*-new-*")), proc, "training child")
+    children = _processes_following(proc.pid)
+    proc.kill()
+    proc.communicate(timeout=60)
+    deadline = time.monotonic() + 30
+    while _processes_following(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _processes_following(proc.pid), f"training child {children} outlived the killed demo"
+    assert not list(cache.glob(".mini-*-new-*"))
+    stale = cache / ".mini-02-new-x1y2z3"
+    (stale / "sub").mkdir(parents=True)
+    build_zoo("mini", cache, progress=False, names=["mini-00"])
+    assert not stale.exists()
+
+
+@pytest.mark.usefixtures("ctrl_c_raises")
+def test_ctrl_c_while_the_process_exits_says_the_command_had_finished(files, tmp_path):
+    """A Ctrl-C after ``reparametrize`` wrote OUT and printed its result, while the process exits (held open here by
+    a slow exit handler), ends with one line saying the work is complete, exit 130: it used to kill the process
+    without a word (Python's signal handling is off while modules are torn down, which ``geosharp`` now skips)."""
+    out = tmp_path / "moved"
+    code = ("import atexit, sys, time; atexit.register(time.sleep, 30); "
+            f"sys.argv = ['geosharp', 'reparametrize', {str(files['model'])!r}, {str(out)!r}]; "
+            "from hf_geosharp.cli import main; main()")
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env(tmp_path), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    seen = b""
+    deadline = time.monotonic() + 300
+    while b"reparametrized" not in seen and time.monotonic() < deadline and proc.poll() is None:
+        seen += os.read(proc.stdout.fileno(), 4096)
+    time.sleep(0.5)  # the command has returned; the process is in its exit handlers
+    start = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    err = err.decode()
+    assert proc.returncode == 130 and time.monotonic() - start < 10, err[-3000:]
+    assert err.strip().splitlines()[-1] == (f"interrupted (Ctrl-C) while exiting, after the command had finished; the "
+                                            f"new copy in {out} is complete.")
+    assert (out / "config.json").exists() and "Traceback" not in err

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from hf_geosharp import cli
 from hf_geosharp.data import DataSpec
@@ -56,12 +57,62 @@ def test_a_damaged_store_is_reported_and_the_rest_is_used(setup, caplog):
     caplog.clear()
     assert setup["board"]() == 0
     err = caplog.text  # a warning of hf_geosharp.leaderboard.store: the command line prints it on stderr
-    assert "skipped 4 damaged line(s) (line 2, 3, 4, 5; the first: not UTF-8)" in err and "recomputed" in err
+    assert ("skipped 4 damaged line(s) (line 2: not UTF-8; line 3: not JSON; line 4: no 'value'; line 5: no 'key')"
+            in err and "recomputed" in err)
     after = [json.loads(line) for line in lines(setup["store"]) if _usable(line)]
     assert after[:1] == [stats]  # kept, not recomputed, and nothing was rewritten in place
     recomputed = after[-1]
     assert recomputed["kind"] == "measure" and recomputed["value"] == measure["value"]
     assert len(lines(setup["store"])) == 6  # five old lines (the damaged ones left for the user) + one new
+
+
+@pytest.mark.parametrize("value", [float("nan"), None, "0.5", [0.5], {"v": 0.5}, True, float("inf")],
+                         ids=["NaN", "null", "string", "list", "object", "true", "inf"])
+def test_a_wrongly_typed_record_is_named_by_line_never_ranked_and_a_rerun_succeeds(setup, caplog, capsys, value):
+    """A record whose ranked number is not a finite number (NaN would drop the model to last place; null, a string or
+    a list used to fail every run at its end with "rerun to resume") is reported with file, line and reason, never
+    ranked, and measured again; the next run reports the superseded line and which line to delete."""
+    assert setup["board"]() == 0
+    good = records(setup["store"])
+    measure = next(r for r in good if r["kind"] == "measure")
+    stats = next(r for r in good if r["kind"] == "stats")
+    bad = {**measure, "value": value}
+    setup["store"].write_text(json.dumps(stats) + "\n" + json.dumps(bad, allow_nan=True) + "\n")
+    caplog.clear()
+    assert setup["board"]("--quiet") == 0
+    err = caplog.text
+    assert str(setup["store"]) in err and "line 2: 'value' is " in err and "not a finite number" in err
+    assert "recomputed" in err and "never ranked" in err
+    table = (setup["out"] / "leaderboard.csv").read_text()
+    assert repr(measure["value"]) in table  # the re-measured value is what is ranked, not the damaged one
+    assert records(setup["store"])[-1]["value"] == measure["value"]
+    caplog.clear()
+    assert setup["board"]() == 0  # and every later run succeeds, naming the one line left to delete
+    assert "line 2 already has a good record with the same key (delete that line" in caplog.text
+    assert "rerun" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("kind", "field", "value", "reason"), [
+    ("measure", "converged", None, "'converged' is null, not true or false"),
+    ("measure", "stderr", "n/a", "'stderr' is a string \"n/a\", not a number"),
+    ("stats", "param_norm", float("nan"), "'param_norm' is NaN, not a finite number"),
+    ("stats", "clean_loss", [1.0], "'clean_loss' is a list [1.0], not a finite number"),
+    ("splits", "test_loss", None, "'test_loss' is null, not a finite number"),
+])
+def test_every_field_read_from_a_record_is_type_checked(tmp_path, kind, field, value, reason, caplog):
+    from hf_geosharp.leaderboard.store import REQUIRED, ResultStore
+
+    record = {"key": "k", "kind": kind, **{name: 1.0 for name in REQUIRED[kind]}}
+    ok = {**record, "key": "ok"}
+    path = tmp_path / STORE_FILE
+    path.write_text(json.dumps(ok) + "\n" + json.dumps({**record, field: value}, allow_nan=True) + "\n")
+    store = ResultStore(path)
+    assert store.get("k") is None and store.get("ok") == ok
+    assert [(d.number, d.reason) for d in store.damaged] == [(2, reason)]
+    assert f"line 2: {reason}" in caplog.text
+    nan_error = {**record, "key": "regression", **({"test_error": float("nan")} if kind == "splits" else {})}
+    path.write_text(json.dumps(nan_error, allow_nan=True) + "\n")  # NaN where it is meaningful is kept
+    assert ResultStore(path).get("regression") is not None
 
 
 def _usable(line: bytes) -> bool:
@@ -223,3 +274,84 @@ def test_ctrl_c_keeps_finished_results_and_says_where(setup, monkeypatch, capsys
     measures = [r.get("measure") for r in records(setup["store"])]
     assert measures[0] == "geodesic_inv_worst" and measures[1].startswith("adaptive_")
     assert measures.count("geodesic_inv_worst") == 1
+
+
+# ------------------------------------------------------------------------------------- errors name their model
+def _nan_weights(folder: Path) -> None:
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(folder)
+    with torch.no_grad():
+        model.bert.encoder.layer[0].attention.self.query.weight[0, 0] = float("nan")
+    model.save_pretrained(folder)
+
+
+def test_a_model_that_cannot_be_measured_is_named_and_no_rerun_is_advised(setup, tmp_path, capsys):
+    """One model of the list with a NaN weight: exit 2, the message names the model and the parameter, says the
+    other models' results are kept and does not advise the rerun that would fail again; without that model the rerun
+    succeeds and reuses what was measured."""
+    bad = save_text_model(tmp_path / "broken-bert", seed=1)
+    _nan_weights(bad)
+    argv = ["leaderboard", str(setup["model"]), str(bad), "--dataset", str(setup["data"]), *FAST,
+            "--measures", "adaptive", "--out", str(setup["out"])]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "model 'broken-bert'" in err and "bert.encoder.layer.0.attention.self.query.weight" in err
+    assert "NaN" in err and "remove it from the model list" in err and "rerun the same command" not in err
+    assert "kept in" in err
+    measured = records(setup["store"])
+    assert {r["model"] for r in measured} == {"model"}  # the good model's results, none of the broken one
+    assert cli.main([a for a in argv if a != str(bad)]) == 0
+    assert records(setup["store"]) == measured  # reused, not measured again
+
+
+def _meta_position_ids(model):
+    model.bert.embeddings.register_buffer(
+        "position_ids", torch.empty_like(model.bert.embeddings.position_ids, device="meta"), persistent=False)
+    return model
+
+
+def test_a_buffer_on_the_meta_device_is_named_before_the_work(setup, monkeypatch, capsys):
+    from hf_geosharp.leaderboard import run as board_run
+
+    load = board_run.load_model
+    monkeypatch.setattr(board_run, "load_model", lambda *a, **k: _meta_position_ids(load(*a, **k)))
+    assert setup["board"]() == 2
+    err = capsys.readouterr().err
+    assert "model 'model'" in err and "'bert.embeddings.position_ids' is on the meta device" in err
+    assert "index out of range" not in err and "rerun the same command" not in err
+    assert not setup["store"].exists() or records(setup["store"]) == []
+
+
+def test_meta_and_nan_buffers_are_refused_by_the_api_before_the_work():
+    """The engine's own check: a meta buffer and a NaN BatchNorm running variance are blamed on the buffer, by name,
+    before any work (not "index out of range in self", not "check the inputs and labels"); the model untouched."""
+    import hf_geosharp as gs
+
+    from .fixtures.hf_models import tiny_bert
+
+    model = _meta_position_ids(tiny_bert())
+    batch = {"input_ids": torch.randint(0, 100, (2, 6)), "labels": torch.tensor([0, 1])}
+    with pytest.raises(ValueError, match=r"buffer 'bert.embeddings.position_ids' is on the meta device"):
+        gs.geodesic_sharpness(model, [batch], steps=1, progress=False)
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear, self.bn = torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.bn(self.linear(x))
+
+    net = Net().eval()
+    net.bn.running_var[1] = float("nan")
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+
+    def loss_fn(model, batch):
+        return torch.nn.functional.cross_entropy(model(batch[0]), batch[1])
+
+    data = [(torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1]))]
+    with pytest.raises(ValueError, match=r"buffer 'bn.running_var' holds NaN") as info:
+        gs.adaptive_sharpness(net, data, loss_fn=loss_fn, steps=1, progress=False)
+    assert "inputs and labels" not in str(info.value) and "reset_running_stats" in str(info.value)
+    torch.testing.assert_close(dict(net.state_dict()), before, rtol=0, atol=0, equal_nan=True)

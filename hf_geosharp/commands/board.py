@@ -19,6 +19,7 @@ from ..leaderboard import (
     run_leaderboard,
     write_outputs,
 )
+from ..leaderboard.run import ModelError, ModelFailed
 from ..leaderboard.store import STORE_FILE, ResultStore, StoreLockedError, output_lock
 from ..measures import MEASURES, Settings
 from .common import (
@@ -99,6 +100,9 @@ def execute(
             board = run_leaderboard(models, data, columns_of(args), store, settings=settings_of(args), gap=gap,
                                     progress=not args.quiet, trust_remote_code=trust)
             paths = write_outputs(board, args.out)
+    except ModelError as err:  # one model cannot be measured as it is: a rerun with it would fail again
+        error(f"{err}\nThe other models' finished results are kept in {store_path} and reused by the next run.")
+        return EXIT_BAD_INPUT, None
     except (DataError, OutputPathError, StoreLockedError) as err:
         error(str(err))
         return EXIT_BAD_INPUT, None
@@ -108,7 +112,8 @@ def execute(
         return EXIT_FAILED, None
     except Exception as err:  # noqa: BLE001 - a failed run keeps its finished results: say so, exit 1
         logger.debug("leaderboard failed", exc_info=True)
-        error(f"{type(err).__name__}: {err}\nfinished results are kept in {store_path}; rerun the same command to "
+        what = str(err) if isinstance(err, ModelFailed) else f"{type(err).__name__}: {err}"
+        error(f"{what}\nfinished results are kept in {store_path}; rerun the same command to "
               "resume.")
         return EXIT_FAILED, None
     if not args.quiet:

@@ -8,10 +8,16 @@ expensive work; 130 interrupted with Ctrl-C (what had finished is kept, and the 
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
 import logging
+import os
+import signal
 import sys
+import threading
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
+from typing import Any, NoReturn
 
 logger = logging.getLogger(__name__)
 
@@ -22,6 +28,40 @@ TRUST_HELP = (
     "allow running the Python code a model folder or Hub repo ships for its classes (config.json auto_map); "
     "off by default, and never asked interactively"
 )
+
+
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are one line on stderr (what is wrong, and where the options are listed)
+    and exit code 2; the sub-command parsers it makes are of the same kind."""
+
+    def error(self, message: str) -> NoReturn:
+        """Print ``PROG: error: MESSAGE (PROG --help lists the options)`` and exit 2."""
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} ({self.prog} --help lists the options)\n")
+
+
+def file_path(text: str) -> Path:
+    """An argparse type: a path to a file (it may not exist yet), never an existing folder."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a folder; pass a file path")
+    return path
+
+
+def folder_path(text: str) -> Path:
+    """An argparse type: a path to a folder (it may not exist yet), never an existing file."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a file; pass a folder path")
+    return path
+
+
+def existing_file(text: str) -> Path:
+    """An argparse type: a file that exists."""
+    path = Path(text)
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"{text!r} {'is a folder' if path.is_dir() else 'does not exist'}; "
+                                         "pass an existing file")
+    return path
 
 
 def _number(kind: type, text: str) -> Any:
@@ -116,19 +156,82 @@ def error(message: str) -> None:
     print(f"error: {message}", file=sys.stderr)
 
 
-_kept: list[str] = []  # what the running command has saved so far, for the Ctrl-C message
+_kept: list[str | Callable[[], str]] = []  # what the running command has saved so far, for the Ctrl-C message
+_interrupts = [0]  # Ctrl-Cs seen by the running command
 
 
-def keep_on_interrupt(sentence: str) -> None:
-    """Tell the Ctrl-C handler where the running command's finished work is (e.g. its result store)."""
+def keep_on_interrupt(sentence: str | Callable[[], str]) -> None:
+    """Tell the Ctrl-C handler where the running command's finished work is (e.g. its result store); a callable is
+    asked at the moment of the Ctrl-C (e.g. how many members of a zoo are trained by then)."""
     _kept[:] = [sentence]
 
 
+def _kept_sentence(default: str) -> str:
+    if not _kept:
+        return default
+    try:
+        return _kept[0]() if callable(_kept[0]) else _kept[0]
+    except Exception:  # noqa: BLE001 - the Ctrl-C line is printed whatever the callable does
+        logger.debug("the Ctrl-C sentence failed", exc_info=True)
+        return default
+
+
+def _on_sigint(signum: int, frame: Any) -> None:
+    """The first Ctrl-C interrupts the command (KeyboardInterrupt); a second one, while the first is still being
+    cleaned up after (a child process stopped, a staging folder removed), is noted and does not interrupt the clean-up
+    (which could leave torch's or a context manager's state half undone); a third quits at once."""
+    _interrupts[0] += 1
+    if _interrupts[0] == 1:
+        raise KeyboardInterrupt
+    if _interrupts[0] == 2:
+        print("\n(Ctrl-C again: finishing the clean-up, a moment; a third Ctrl-C quits at once)", file=sys.stderr)
+        return
+    print(f"\ninterrupted (Ctrl-C, three times: quit without cleaning up); {_kept_sentence('nothing was written')}.",
+          file=sys.stderr, flush=True)
+    os._exit(EXIT_INTERRUPTED)
+
+
+def _handle_sigint(handler: Any) -> Any:
+    """Install ``handler`` for SIGINT where Python allows it (the main thread); the previous one, or None."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        return None  # a background job started with Ctrl-C ignored keeps ignoring it
+    return signal.signal(signal.SIGINT, handler)
+
+
 def invoke(func: Callable[..., int | None], *args: Any) -> int:
-    """Run a command; Ctrl-C becomes exit code 130 and one line saying what was kept, never a traceback."""
+    """Run a command; Ctrl-C becomes exit code 130 and one line saying what was kept, never a traceback (also after
+    a second Ctrl-C during the clean-up)."""
     _kept.clear()
+    _interrupts[0] = 0
+    previous = _handle_sigint(_on_sigint)
     try:
         return int(func(*args) or 0)
     except KeyboardInterrupt:
-        print(f"\ninterrupted (Ctrl-C); {_kept[0] if _kept else 'nothing was written'}.", file=sys.stderr)
+        print(f"\ninterrupted (Ctrl-C); {_kept_sentence('nothing was written')}.", file=sys.stderr)
         return EXIT_INTERRUPTED
+    finally:
+        if previous is not None:
+            _handle_sigint(previous)
+
+
+def exit_process(code: int) -> NoReturn:
+    """End the command's own process with ``code`` at once, after the exit handlers (logging, temporary files) but
+    without tearing down every module: that teardown (torch's, up to seconds) runs with Python's signal handling
+    already off, where a Ctrl-C killed the process without a word. A Ctrl-C while exiting says the command had
+    finished, and what it kept. Only for a process of its own (the ``geosharp`` script); with other (non-daemon)
+    threads still running, the normal exit, which waits for them."""
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        print(f"\ninterrupted (Ctrl-C) while exiting, after the command had finished; "
+              f"{_kept_sentence('its output is complete')}.", file=sys.stderr, flush=True)
+        os._exit(EXIT_INTERRUPTED)
+
+    _handle_sigint(on_sigint)
+    main = threading.main_thread()
+    if any(t is not main and not t.daemon and t.is_alive() for t in threading.enumerate()):
+        sys.exit(code)  # Python's own exit joins them
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)

@@ -25,9 +25,9 @@ from ..hub.cards import card_yaml, dataset_info, eval_result
 from ..leaderboard import GapSpec, Leaderboard, convergence_fix, ranked
 from ..leaderboard.store import ResultStore, fingerprint, model_identity
 from ..measures import Settings
-from ..zoo import build_zoo, cache_root, torch_threads
+from ..zoo import build_zoo, cache_root, cached_members, torch_threads, zoo_members
 from .board import add_data_arguments, execute
-from .common import EXIT_BAD_INPUT, EXIT_OK
+from .common import EXIT_BAD_INPUT, EXIT_OK, folder_path, keep_on_interrupt, positive
 
 
 def _size(text: str) -> str | int:
@@ -48,12 +48,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "generalisation gap, with the trivial predictors beside them. Offline.",
     )
     p.add_argument("--size", type=_size, default="full", help="zoo size: full (20 models), mini (4) or a number")
-    p.add_argument("--cache-dir", type=Path, help=f"zoo cache (default: $HF_GEOSHARP_CACHE/zoo or {cache_root()}/zoo)")
-    p.add_argument("--out", type=Path, default=Path("outputs/demo"), help="output folder (default: outputs/demo)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (default: 1; tiny models gain nothing more)")
+    p.add_argument("--cache-dir", type=folder_path,
+                   help=f"zoo cache (default: $HF_GEOSHARP_CACHE/zoo or {cache_root()}/zoo)")
+    p.add_argument("--out", type=folder_path, default=Path("outputs/demo"),
+                   help="output folder (default: outputs/demo)")
+    p.add_argument("--threads", type=positive(int), default=1,
+                   help="torch threads (default: 1; tiny models gain nothing more)")
     add_data_arguments(p, n_examples=256, batch_size=64)
     p.add_argument("--no-hide-seek", action="store_true", help="skip the hide & seek section")
-    p.add_argument("--hide-steps", type=int, default=HIDE_STEPS,
+    p.add_argument("--hide-steps", type=positive(int), default=HIDE_STEPS,
                    help=f"solver steps of the hide & seek measurements (default: {HIDE_STEPS})")
     p.add_argument("--hide-condition", type=float, default=HIDE_CONDITION,
                    help=f"largest condition number of the group elements (default: {HIDE_CONDITION:g})")
@@ -126,8 +129,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {problem}", file=sys.stderr)
         return EXIT_BAD_INPUT
     start = time.perf_counter()
+    root = args.cache_dir if args.cache_dir is not None else cache_root() / "zoo"
+    keep_on_interrupt(lambda: zoo_kept(args.size, root))
     with torch_threads(args.threads):
-        zoo = build_zoo(args.size, args.cache_dir, progress=not args.quiet)
+        zoo = build_zoo(args.size, root, progress=not args.quiet)
         trained = time.perf_counter()
         data = DataSpec(dataset=str(zoo.data_dir), split="train", n_examples=args.n_examples,
                         batch_size=args.batch_size, seed=args.seed)
@@ -151,6 +156,18 @@ def run(args: argparse.Namespace) -> int:
               f"leaderboard: {ranked_at - trained:.0f} s; hide & seek: {time.perf_counter() - ranked_at:.0f} s")
         print(convergence_summary(board, args.steps))
     return EXIT_OK
+
+
+def zoo_kept(size: str | int, root: Path) -> str:
+    """What an interrupted zoo build kept: the members trained so far stay cached (a rerun trains only the rest);
+    no half-trained member is left (its staging folder is removed)."""
+    total, kept = len(zoo_members(size)), cached_members(size, root)
+    if not kept:
+        return f"no zoo model had finished training, and no partial one is left in {root}; nothing was written"
+    names = ", ".join(kept) if len(kept) <= 5 else f"{kept[0]} ... {kept[-1]}"
+    rest = f"; a rerun trains only the other {total - len(kept)}" if len(kept) < total else ""
+    return (f"{len(kept)} of the {total} zoo models are trained and stay cached in {root} ({names}){rest}; no partial "
+            "model is left")
 
 
 def convergence_summary(board: Leaderboard, steps: int | str) -> str:

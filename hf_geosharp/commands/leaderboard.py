@@ -14,7 +14,7 @@ from pathlib import Path
 from ..data import DataSpec
 from ..leaderboard import GapSpec
 from .board import add_data_arguments, execute
-from .common import add_trust_remote_code, positive
+from .common import add_trust_remote_code, existing_file, folder_path, positive
 
 EPILOG = """\
 models: model folders, folders of checkpoint folders, text files listing models (one per line) or Hub ids.
@@ -49,15 +49,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--label-column", help="label column (default: found by name)")
     p.add_argument("--text-column", help="text column (default: found by name)")
     p.add_argument("--image-column", help="image column (default: found by name)")
-    p.add_argument("--max-length", type=int, default=128, help="tokenizer truncation length")
+    p.add_argument("--max-length", type=positive(int), default=128, help="tokenizer truncation length")
     add_data_arguments(p, n_examples=1024, batch_size=128)
     gap = p.add_mutually_exclusive_group()
-    gap.add_argument("--gap", type=Path, help="file with each model's generalisation gap")
+    gap.add_argument("--gap", type=existing_file, help="file with each model's generalisation gap")
     gap.add_argument("--gap-splits", type=_splits, help="TRAIN,TEST: compute the gap on these splits")
     p.add_argument("--gap-metric", choices=("error", "loss"), default="error",
                    help="with --gap-splits: test minus train error or loss (default: error)")
     p.add_argument("--gap-n-examples", type=positive(int), help="examples per split for the gap (default: whole split)")
-    p.add_argument("--out", type=Path, default=Path("outputs/leaderboard"), help="output folder and result store")
+    p.add_argument("--out", type=folder_path, default=Path("outputs/leaderboard"),
+                   help="output folder and result store")
     add_trust_remote_code(p)
     p.set_defaults(func=run)
 

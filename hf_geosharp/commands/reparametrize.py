@@ -22,7 +22,16 @@ from .. import durable
 from ..data import DataError, DataSpec, load_batches, load_model, load_processor
 from ..hide import DEFAULT_CONDITION, FunctionChangedError, hide, reparametrize_checked
 from ..measures import Settings
-from .common import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, add_trust_remote_code, keep_on_interrupt, quiet_libraries
+from .common import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    EXIT_OK,
+    add_trust_remote_code,
+    keep_on_interrupt,
+    positive,
+    quiet_libraries,
+    seed,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -47,13 +56,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    "look flat or sharp (needs --dataset: the search uses the loss's gradients)")
     p.add_argument("--condition", type=float, default=DEFAULT_CONDITION, help="largest condition number of each "
                    "head's group element (default: %(default)g)")
-    p.add_argument("--seed", type=int, default=DEFAULTS.seed,
+    p.add_argument("--seed", type=seed, default=DEFAULTS.seed,
                    help="seed of the group element or of the search (default: %(default)s)")
     p.add_argument("--dataset", help="dataset for the probe and --hide (default without --hide: random inputs)")
     p.add_argument("--split", default="train", help="split of --dataset (default: train)")
-    p.add_argument("--n-examples", type=int, default=32, help="examples of --dataset (default: 32)")
-    p.add_argument("--batch-size", type=int, default=16, help="examples per batch (default: 16)")
-    p.add_argument("--rho", type=float, default=DEFAULTS.rho,
+    p.add_argument("--n-examples", type=positive(int), default=32, help="examples of --dataset (default: 32)")
+    p.add_argument("--batch-size", type=positive(int), default=16, help="examples per batch (default: 16)")
+    p.add_argument("--rho", type=positive(float), default=DEFAULTS.rho,
                    help="with --hide: the radius of adaptive sharpness (default: %(default)s)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
     add_trust_remote_code(p)

@@ -18,7 +18,10 @@ _TOKEN_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "position_ids"
 def check_model(model: nn.Module) -> None:
     """Refuse a model whose weights or buffers were made inside ``torch.inference_mode()`` (inference tensors):
     autograd cannot differentiate through them, and they cannot be written back in place afterwards, so the
-    measurement would run to the end and then fail to restore the model. Checked before anything touches it."""
+    measurement would run to the end and then fail to restore the model. Also buffers no forward can use: on the meta
+    device (no data: a lookup in them fails as a bare "index out of range in self") or holding NaN (e.g. a BatchNorm
+    running variance from a diverged training run, which makes every loss NaN). Checked before anything touches it."""
+    check_buffers(model)
     inference = [name for name, t in itertools.chain(model.named_parameters(), model.named_buffers())
                  if t.is_inference()]
     if inference:
@@ -28,6 +31,25 @@ def check_model(model: nn.Module) -> None:
             "inference tensors; build or load the model outside torch.inference_mode() (torch.no_grad() is fine), "
             "or pass a copy made outside it (copy.deepcopy(model))."
         )
+
+
+def check_buffers(model: nn.Module) -> None:
+    """Refuse buffers on the meta device and floating-point buffers holding NaN (inf is left alone: masks hold it)."""
+    for name, buffer in model.named_buffers():
+        if buffer.is_meta:
+            raise ValueError(
+                f"The model's buffer {name!r} is on the meta device (no data), so the forward cannot use it; the model "
+                "was not fully loaded (a buffer the checkpoint does not hold, left empty by device_map='meta' or "
+                "init_empty_weights). Load the model again without them, or fill the buffer (e.g. "
+                "model.to_empty(device='cpu') and load a state dict that holds it)."
+            )
+        local = buffer.to_local() if hasattr(buffer, "to_local") else buffer
+        if local.is_floating_point() and local.numel() and bool(local.detach().isnan().any()):
+            raise ValueError(
+                f"The model's buffer {name!r} holds NaN (e.g. BatchNorm running statistics from a diverged training "
+                "run), so every loss would be NaN whatever the inputs; recompute it on data or reset it "
+                "(BatchNorm: module.reset_running_stats()), or fix the checkpoint."
+            )
 
 
 def check_batch(model: nn.Module, batch: Any, i: int) -> None:

@@ -3,9 +3,11 @@ split metrics, storing each number the moment it exists so that a rerun computes
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +24,19 @@ from .statistics import kendall_taus, tau_differences
 from .store import ResultStore, data_identity, fingerprint, model_identity
 
 logger = logging.getLogger(__name__)
+
+class ModelError(DataError):
+    """One model of the list cannot be measured as it is (NaN weights, a buffer without data, ...): the message names
+    the model and the fix; a rerun of the same list would fail the same way."""
+
+
+class ModelFailed(RuntimeError):
+    """Measuring one model failed for a reason that may pass (out of memory, a killed worker): names the model."""
+
+
+#: What a model that cannot be measured as it is raises (checks before the work, a NaN loss): not worth a rerun.
+MODEL_FAULTS = (ValueError, TypeError, FloatingPointError, IndexError)
+
 
 TRIVIAL = ("param_norm", "clean_loss")  # the baselines every measure must beat
 #: ``{column name: (measure key, the settings it runs with)}``, in column order.
@@ -129,7 +144,7 @@ def run_leaderboard(
         missing = [k for k, key in keys.items() if store.get(key) is None]
         bar.update(len(keys) - len(missing))
         if missing:
-            with collected_convergence_notes():  # one summary line below, not a warning per result
+            with collected_convergence_notes(), _naming(ref):  # one summary line below, not a warning per result
                 _compute_missing(ref, data, runs, gap, store, keys, missing, bar, trust_remote_code)
         rows.append(_row(ref, list(runs), store, keys, gap, gap_table))
         results[ref.name] = [store.get(keys[name]) for name in runs]
@@ -143,6 +158,24 @@ def run_leaderboard(
         board.taus = kendall_taus(rows, board.predictors, seed=settings.seed)
         board.versus_param_norm = tau_differences(rows, board.measures, "param_norm", seed=settings.seed)
     return board
+
+
+@contextlib.contextmanager
+def _naming(ref: ModelRef) -> Iterator[None]:
+    """Errors while one model is measured name that model: :class:`ModelError` for what a rerun would meet again,
+    :class:`ModelFailed` for the rest (Ctrl-C passes through)."""
+    name = repr(ref.name) if ref.name == ref.source else f"{ref.name!r} ({ref.source})"
+    try:
+        yield
+    except DataError as err:
+        if str(err).startswith(f"model {name}"):
+            raise
+        raise ModelError(f"model {name}: {err}") from err
+    except MODEL_FAULTS as err:
+        raise ModelError(f"model {name} cannot be measured as it is: {err} Fix that model or remove it from the "
+                         "model list; a rerun with it unchanged fails the same way.") from err
+    except Exception as err:
+        raise ModelFailed(f"model {name}: {type(err).__name__}: {err}") from err
 
 
 def convergence_fix(steps: int | str) -> str:

@@ -17,6 +17,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -37,6 +38,17 @@ REQUIRED = {
     "stats": ("param_norm", "clean_loss"),
     "splits": ("train_loss", "train_error", "test_loss", "test_error"),
 }
+FINITE, NUMBER, FLAG = "a finite number", "a number", "true or false"  # what a field's value must be
+#: The type of every field a leaderboard record's numbers are read from (where present; :data:`REQUIRED` says which
+#: must be). A value of another type (``NaN`` where a number is ranked, ``null``, a string, a list) makes the line
+#: damage like a missing field: ranking it would put the model in a wrong place or fail at the end of every run.
+#: NUMBER allows NaN: a standard error of one batch, the error rate of a regression head.
+FIELDS = {
+    "measure": {"value": FINITE, "clean_loss": FINITE, "stderr": NUMBER, "converged": FLAG,
+                "stationarity_gap": NUMBER},
+    "stats": {"param_norm": FINITE, "clean_loss": FINITE},
+    "splits": {"train_loss": FINITE, "test_loss": FINITE, "train_error": NUMBER, "test_error": NUMBER},
+}
 MODEL_FILE_SUFFIXES = (".safetensors", ".bin", ".json", ".txt", ".model", ".tiktoken")  # what from_pretrained reads
 NOT_MODEL_FILES = ("training_args.bin", "trainer_state.json")  # written by Trainer next to a model; never read
 DATASETS_CACHE_FILES = "cache-*.arrow"  # datasets' name for the results of map/filter/shuffle on disk
@@ -53,6 +65,7 @@ class DamagedLine:
 
     number: int
     reason: str
+    key: str | None = None  # the record's key, where the line has one
 
 
 class ResultStore:
@@ -60,8 +73,10 @@ class ResultStore:
 
     Appends are one ``os.write`` of a whole line on an ``O_APPEND`` descriptor followed by ``fsync``, so a record is
     either entirely on disk or (if the process dies inside the write) a torn last line, which :meth:`__init__` cuts
-    off. Any other damaged line (bad bytes, not JSON, a record without its key or values) is skipped, listed in
-    :attr:`damaged` and left in the file; the rest of the store is used.
+    off. Any other damaged line (bad bytes, not JSON, a record without its key or values, a value of the wrong type:
+    see :data:`FIELDS`) is skipped, listed in :attr:`damaged` with its line number and left in the file; the rest of
+    the store is used, and the damaged results are computed again (a good line with the same key supersedes the
+    damaged one).
     """
 
     def __init__(self, path: str | Path) -> None:
@@ -81,13 +96,26 @@ class ResultStore:
         for number, line in enumerate(complete.split(b"\n")[:-1], 1):
             record, reason = _parse(line)
             if record is None:
-                self.damaged.append(DamagedLine(number, reason))
+                self.damaged.append(DamagedLine(number, reason, _key_of(line)))
             else:
                 self.records[record["key"]] = record
         if self.damaged:
-            lines = ", ".join(str(d.number) for d in self.damaged[:10]) + (" ..." if len(self.damaged) > 10 else "")
-            logger.warning("%s: skipped %d damaged line(s) (line %s; the first: %s); they stay in the file, and their "
-                           "results will be recomputed", self.path, len(self.damaged), lines, self.damaged[0].reason)
+            logger.warning("%s", self.damage_report())
+
+    def damage_report(self) -> str:
+        """One paragraph naming the file, each damaged line (the first ten) and why, and what happens to them."""
+        shown = "; ".join(f"line {d.number}: {d.reason}" for d in self.damaged[:10])
+        more = f"; and {len(self.damaged) - 10} more" if len(self.damaged) > 10 else ""
+        superseded = [d.number for d in self.damaged if d.key is not None and d.key in self.records]
+        todo = len(self.damaged) - len(superseded)
+        what = []
+        if todo:
+            what.append(f"{'its result' if todo == 1 else 'their results'} will be recomputed")
+        if superseded:
+            what.append(f"line {', '.join(map(str, superseded[:10]))}{' ...' if len(superseded) > 10 else ''} "
+                        "already has a good record with the same key (delete that line to silence this)")
+        return (f"{self.path}: skipped {len(self.damaged)} damaged line(s) ({shown}{more}); they stay in the file "
+                f"and are never ranked; {'; '.join(what)}")
 
     def get(self, key: str) -> dict[str, Any] | None:
         """The stored record of ``key`` (the fingerprint of a model and its settings), or None."""
@@ -119,7 +147,36 @@ def _parse(line: bytes) -> tuple[dict[str, Any] | None, str]:
     missing = [k for k in REQUIRED.get(record.get("kind"), ()) if k not in record]  # other users store other kinds
     if missing:
         return None, f"no {', '.join(repr(k) for k in missing)}"
+    for name, kind in FIELDS.get(record.get("kind"), {}).items():
+        if name in record and not _is(record[name], kind):
+            return None, f"{name!r} is {_shown(record[name])}, not {kind}"
     return record, ""
+
+
+def _is(value: Any, kind: str) -> bool:
+    if kind == FLAG:
+        return isinstance(value, bool)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return kind == NUMBER or math.isfinite(value)
+
+
+def _shown(value: Any) -> str:
+    """A JSON value as the store's line spells it (``null``, ``NaN``, a string in quotes)."""
+    text = json.dumps(value, allow_nan=True)
+    text = text if len(text) <= 40 else text[:37] + "..."
+    kind = {str: "a string ", list: "a list ", dict: "an object "}.get(type(value), "")
+    return f"{kind}{text}"
+
+
+def _key_of(line: bytes) -> str | None:
+    """The key of a line that is JSON with a string key (also a damaged one), else None."""
+    try:
+        record = json.loads(line.decode("utf-8"))
+    except ValueError:  # UnicodeDecodeError is a ValueError
+        return None
+    key = record.get("key") if isinstance(record, dict) else None
+    return key if isinstance(key, str) else None
 
 
 @contextlib.contextmanager

@@ -192,7 +192,8 @@ class Objective:
     def _check_finite(self, value: float, xi: Tensor) -> None:
         if not math.isfinite(value):
             where = "the unperturbed weights" if not bool(xi.any()) else f"a perturbed point (rho={self.rho})"
-            hint = "check the inputs and labels" if "unperturbed" in where else "lower rho"
+            hint = ("check the inputs, the labels and the model's buffers (e.g. BatchNorm statistics)"
+                    if "unperturbed" in where else "lower rho")
             raise FloatingPointError(f"The loss is {value} at {where}; {hint}.")
 
     def _check_graph(self, loss: Tensor) -> None:
