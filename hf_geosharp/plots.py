@@ -4,6 +4,7 @@ registry), imported inside the functions (importing it writes its font cache). E
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -83,7 +84,7 @@ def heatmap_matrix(breakdown: Any, what: str = "norm_share") -> tuple[list[str],
     for h in heads:
         i, j = layers.index(h.layer), columns.index(h.head)
         value = getattr(h, what)
-        matrix[i][j] = value if matrix[i][j] != matrix[i][j] else matrix[i][j] + value
+        matrix[i][j] = value if math.isnan(matrix[i][j]) else matrix[i][j] + value
     return [names.get(layer, str(layer)) for layer in layers], columns, matrix
 
 
@@ -108,8 +109,12 @@ def breakdown_heatmap(breakdown: Any, title: str) -> Figure:
         if not matrix:
             raise ValueError("the breakdown has no attention heads (adaptive sharpness has none; use a geodesic "
                              "measure).")
-        image = ax.imshow(matrix, aspect="auto", cmap="viridis" if what == "norm_share" else "coolwarm",
-                          interpolation="nearest")
+        values = [v for row in matrix for v in row if not math.isnan(v)]
+        if min(values, default=0.0) < 0:  # parts pointing downhill: a diverging map centred on 0
+            limit = max(abs(v) for v in values)
+            image = ax.imshow(matrix, aspect="auto", cmap="coolwarm", vmin=-limit, vmax=limit, interpolation="nearest")
+        else:
+            image = ax.imshow(matrix, aspect="auto", cmap="viridis", vmin=0.0, interpolation="nearest")
         ax.set_xticks(range(len(columns)), [str(c) for c in columns], fontsize=7)
         ax.set_yticks(range(len(names)), [str(i) for i in range(len(names))], fontsize=7)
         ax.set_xlabel("head")
