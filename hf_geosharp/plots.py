@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from .durable import atomic_path
+from .engine.result import BlockShare, Breakdown
 from .measures import MEASURES, key_of
 
 if TYPE_CHECKING:
@@ -72,10 +73,19 @@ def profile_figure(results: Mapping[str, Any], title: str) -> Figure:
     return fig
 
 
+def as_breakdown(breakdown: Any) -> Breakdown:
+    """A :class:`~hf_geosharp.engine.result.Breakdown`, also from its plain-data form (a results file, a store)."""
+    if isinstance(breakdown, Breakdown):
+        return breakdown
+    return Breakdown([BlockShare(**b) for b in breakdown["layers"]], [BlockShare(**b) for b in breakdown["heads"]],
+                     BlockShare(**breakdown["outside_pairs"]), breakdown["norm_sq"], breakdown["first_order"])
+
+
 def heatmap_matrix(breakdown: Any, what: str = "norm_share") -> tuple[list[str], list[int], list[list[float]]]:
     """The breakdown's heads as a layers x heads matrix of ``what`` (``"norm_share"`` or ``"first_order_share"``),
     the pairs of one head (QK and VO) added together: ``(layer names, head numbers, rows)``; NaN where a layer has no
-    such head. Pairs outside the layers are left out."""
+    such head. Pairs outside the layers are left out. ``breakdown``: a ``Breakdown`` or its plain-data form."""
+    breakdown = as_breakdown(breakdown)
     heads = [h for h in breakdown.heads if h.layer is not None and h.head is not None]
     layers = sorted({h.layer for h in heads})
     columns = sorted({h.head for h in heads})
@@ -93,7 +103,8 @@ def breakdown_heatmap(breakdown: Any, title: str) -> Figure:
     measure's metric) and of the loss increase's first-order term (QK and VO pairs of a head added).
 
     Args:
-        breakdown: a :class:`~hf_geosharp.engine.result.Breakdown` with heads (a geodesic measure's).
+        breakdown: a :class:`~hf_geosharp.engine.result.Breakdown` with heads (a geodesic measure's), or its
+            plain-data form.
         title: what it shows (model and measure).
 
     Returns:
@@ -101,6 +112,7 @@ def breakdown_heatmap(breakdown: Any, title: str) -> Figure:
     """
     from matplotlib.figure import Figure
 
+    breakdown = as_breakdown(breakdown)
     fig = Figure(figsize=SIZE)
     axes = fig.subplots(1, 2)
     for ax, what, label in zip(axes, ("norm_share", "first_order_share"),

@@ -248,3 +248,18 @@ def test_the_perturbation_is_the_best_point_of_every_solver(kwargs, model):
         loss = float(model(**batches[0]).loss)
     assert loss - p.clean_loss == pytest.approx(res.value, abs=1e-10)
     assert sum(x.norm_share for x in res.breakdown.layers) == pytest.approx(1.0, abs=1e-12)
+
+
+def test_the_leaderboard_draws_where_each_geodesic_worst_case_sits(geodesic, adaptive, tmp_path):
+    """From stored records (plain data, as a results store holds them): one heat map per model and geodesic measure;
+    none for a measure without heads (adaptive) or a record from before breakdowns."""
+    from hf_geosharp.leaderboard.report import heatmaps
+    from hf_geosharp.leaderboard.run import Leaderboard
+
+    stored = json.loads(json.dumps({"inv": geodesic.to_dict(), "adaptive": adaptive.to_dict()}))
+    records = [{"breakdown": stored["inv"]["breakdown"]}, {"breakdown": stored["adaptive"]["breakdown"]}]
+    board = Leaderboard([], ["geodesic_sharpness_inv", "adaptive_sharpness"], None,
+                        {"org/tiny": records, "old": [{"value": 1.0}, None]})
+    written = heatmaps(board, tmp_path)
+    assert written == [tmp_path / "where" / "org_tiny__geodesic_sharpness_inv.png"]
+    assert written[0].read_bytes()[:4] == b"\x89PNG"
