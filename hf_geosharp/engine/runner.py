@@ -142,7 +142,11 @@ def _solve_batches(space: PerturbationSpace, objective: Objective, settings: Run
 
         with measuring(settings.measure, index, batches[index]):
             out = solve(settings, space, objective, generator, on_step, keep_best_point=reader is not None)
-            reading = None if reader is None else reader.read(out.best_point, index, out.clean_loss, out.max_loss)
+            reading = None
+            if reader is not None:  # the best point alone, the solver's other vectors freed: the reading's
+                best, out.best_point = out.best_point.clone(), None  # own vectors then fit in their place
+                reading = reader.read(best, index, out.clean_loss, out.max_loss)
+                del best
         samples = [loss - out.clean_loss for loss in out.losses[1:]] if settings.mode == "average" else None
         note = out.certificate(settings.tol, settings.starts) if settings.mode == "worst" else None
         results[index] = (out.sharpness, out.clean_loss, samples, out.gap, out.steps_used, note, reading)
