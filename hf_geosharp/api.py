@@ -63,6 +63,8 @@ def geodesic_sharpness(
     step_normalization: StepNormalization = STEP_NORMALIZATION,
     tol: float = CONVERGENCE_TOL,
     max_steps: int = AUTO_MAX_STEPS,
+    return_perturbation: bool = False,
+    profile_points: int = 0,
 ) -> SharpnessResult:
     """Geodesic sharpness (da Silva, Dangel & Oore, ICML 2025): sharpness on the quotient by the attention symmetries.
 
@@ -103,6 +105,11 @@ def geodesic_sharpness(
             agreement of two starts under ``steps="auto"``; a ``NotConvergedWarning`` says when it does not hold
             (``res.converged``, ``res.stationarity_gap``, ``res.convergence_note``).
         max_steps: step budget of ``steps="auto"``.
+        return_perturbation: also return each batch's worst-case perturbation (``res.perturbations``: a
+            state-dict-shaped delta and ``with p.applied(model):``); a parameter-sized copy per batch. Worst case
+            only. Every worst case carries its breakdown by layer and head (``res.breakdown``; docs/where.md).
+        profile_points: with an odd ``n >= 3``, the loss along each batch's worst direction at ``n`` points of
+            ``[0, 2 rho]`` (``res.profile``); two forwards per point. Worst case only.
 
     Returns:
         The mean over batches with its standard error, the per-batch values, the clean loss and the convergence
@@ -111,7 +118,7 @@ def geodesic_sharpness(
     options = SpaceOptions(metric, epsilon, second_order, riemannian_norm, horizontal_projection, elementwise_curvature)
     settings = RunSettings(rho, mode, steps, seed, params, n_samples, tol, max_steps, options, step_normalization)
     return run(model, batches, settings, loss_fn=loss_fn, accelerator=accelerator, progress=progress,
-               symmetry_map=symmetry_map)
+               symmetry_map=symmetry_map, return_perturbation=return_perturbation, profile_points=profile_points)
 
 
 def adaptive_sharpness(
@@ -130,6 +137,8 @@ def adaptive_sharpness(
     n_samples: int = N_SAMPLES,
     tol: float = CONVERGENCE_TOL,
     max_steps: int = AUTO_MAX_STEPS,
+    return_perturbation: bool = False,
+    profile_points: int = 0,
 ) -> SharpnessResult:
     """Adaptive sharpness (Kwon et al. 2021; Andriushchenko et al. 2023):
     ``max_{||delta / |w| || <= rho} L(w + delta) - L(w)``.
@@ -160,4 +169,5 @@ def adaptive_sharpness(
         certificate, as :func:`geodesic_sharpness` returns them.
     """
     settings = RunSettings(rho, mode, steps, seed, params, n_samples, tol, max_steps, variant=variant)
-    return run(model, batches, settings, loss_fn=loss_fn, accelerator=accelerator, progress=progress)
+    return run(model, batches, settings, loss_fn=loss_fn, accelerator=accelerator, progress=progress,
+               return_perturbation=return_perturbation, profile_points=profile_points)

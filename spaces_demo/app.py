@@ -218,7 +218,7 @@ class Space:
             with torch_threads(1 if digits else torch.get_num_threads()):  # zoo models are tiny: one thread is fastest
                 results = run_measures(keys, model, batches, Settings(rho=float(rho), steps=steps),
                                        on_result=lambda k, r, s: seconds.__setitem__(k, s), symmetry_map=smap,
-                                       progress=True)
+                                       progress=True, profile_points=PROFILE_POINTS)
         except (ValueError, TypeError, FloatingPointError) as err:  # the engine's refusals name the fix
             raise gr.Error(f"The measurement failed: {err}") from None
         table = pd.DataFrame([_row(k, r, seconds[k]) for k, r in results.items()], columns=RESULT_COLUMNS)
@@ -229,7 +229,7 @@ class Space:
         note = no_symmetry_note(smap, name) if any(MEASURES[k].family == "geodesic" for k in keys) else None
         status += f"\n\nNote: {note}" if note else ""
         return (table, format_report(smap.summary(model)), _per_batch_plot(results), card_yaml(entries, name),
-                status)
+                status, *_where_plots(results, name))
 
     # ------------------------------------------------------------------------------------------ zoo ranking
     def rank_zoo(self, rho: float, steps: float, progress=gr.Progress(track_tqdm=True)):  # noqa: B008
@@ -330,6 +330,21 @@ def _per_batch_plot(results: dict) -> Figure:
     return fig
 
 
+#: Points of the loss profile along each worst direction, on [0, 2 rho] (two forwards each per batch).
+PROFILE_POINTS = 11
+
+
+def _where_plots(results: dict, name: str) -> tuple[Figure | None, Figure | None]:
+    """Where the first geodesic worst case sits (heat map, layers x heads) and the loss along every worst
+    direction; None for a figure with nothing to show (no attention heads, no worst case)."""
+    from hf_geosharp.plots import breakdown_heatmap, profile_figure
+
+    heads = next(((k, r) for k, r in results.items() if getattr(r, "breakdown", None) and r.breakdown.heads), None)
+    where = breakdown_heatmap(heads[1].breakdown, f"{name}, {MEASURES[heads[0]].title}") if heads else None
+    profiled = {k: r for k, r in results.items() if getattr(r, "profile", None) is not None}
+    return where, profile_figure(profiled, name) if profiled else None
+
+
 HIDE_HOW = {"random symmetry element": None, "adversarial: make it look sharp": "sharp",
             "adversarial: make it look flat": "flat"}
 
@@ -418,8 +433,11 @@ def _measure_tab(space: Space) -> None:
     plot_out = gr.Plot(label="sharpness per batch")
     report_out = gr.Textbox(label="symmetry report", lines=8, max_lines=400, elem_id="report-out")
     card_out = gr.Code(language="yaml", label="model-card YAML (paste into the README front matter)")
+    with gr.Row():
+        where_out = gr.Plot(label="where the sharpness is (layers x heads)", elem_id="where-plot")
+        profile_out = gr.Plot(label="the loss along the worst direction", elem_id="profile-plot")
     inputs = [model_in, hub_in, data_in, dataset_in, split_in, n_in, rho_in, measures_in, steps_in]
-    outputs = [table_out, report_out, plot_out, card_out, status_out]
+    outputs = [table_out, report_out, plot_out, card_out, status_out, where_out, profile_out]
     checked = [model_in, hub_in, rho_in, measures_in]  # a bad input stops here: the last results stay on screen
     go.click(space.check_inputs, checked, None, api_visibility="private").success(
         space.measure, inputs, outputs, api_name="measure")

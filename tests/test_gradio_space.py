@@ -201,7 +201,7 @@ def test_measure_through_gradio_client(app, url, zoo_cache):
 
     client = Client(url, verbose=False)
     job = client.submit("mini-01", "", app.BUNDLED, "", "train", 64, 0.1, [MIX, ADAPTIVE], 2, api_name="/measure")
-    table, report, plot, card_yaml, status = job.result(timeout=180)
+    table, report, plot, card_yaml, status, where, profile = job.result(timeout=180)
     rows = {row[0]: row for row in table["data"]}
     assert set(rows) == {MEASURES[MIX].title, MEASURES[ADAPTIVE].title}
     for row in rows.values():
@@ -216,6 +216,7 @@ def test_measure_through_gradio_client(app, url, zoo_cache):
     assert {e.dataset_type for e in entries} == {"local:digits"}
     assert next(e for e in entries if e.metric_type == MIX).metric_args["steps"] == 2
     assert "mini-01" in status and "rho=0.1" in status
+    assert where["type"] == "matplotlib" and profile["type"] == "matplotlib"  # the mix worst case's heads, 2 curves
 
 
 def test_bounds_and_offline_hub_give_clear_messages(app, url):

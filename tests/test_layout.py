@@ -12,7 +12,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "hf_geosharp"
 FACES = ("api", "measures", "cli", "zoo", "commands", "data", "evaluate_module", "hub", "leaderboard", "hide",
-         "integrations")
+         "integrations", "plots")
 #: The engine's lowest layers: torch (numpy) and the defaults at most.
 LOWEST = ("engine/defaults.py", "engine/geometry/elementwise.py", "engine/geometry/gl_quotient.py",
           "engine/geometry/lie.py", "engine/space/workspace.py", "engine/model_function/embedding_rows.py",

@@ -62,13 +62,15 @@ from .common import (
     steps_arg,
 )
 from .launch import FSDP_LAUNCH, Launch, start
-from .run_results import estimate_seconds, model_folder_name, payload, print_header, write_results
+from .run_results import estimate_seconds, model_folder_name, payload, print_header, profile_path, write_results
 
 logger = logging.getLogger(__name__)
 
 DEFAULTS = Settings()
 METRICS = tuple(m.metric for m in MEASURES.values() if m.metric)  # the geodesic metrics: inv, mix
 DTYPES = ("float32", "float64", "bfloat16", "float16")
+#: Points of ``--profile``'s curves on ``[0, 2 rho]`` (odd: ``rho`` itself is one of them).
+PROFILE_POINTS = 21
 
 EPILOG = """\
 examples are the first --n-examples rows of the split after a shuffle seeded by --seed (--no-shuffle: file order);
@@ -167,6 +169,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--fsdp", action="store_true",
                    help="shard the model with FSDP2 over the ranks of a distributed launch, each holding its share "
                    f"of the weights and of the solver state ({FSDP_LAUNCH})")  # fmt: skip
+    p.add_argument("--by-layer", action="store_true",
+                   help="print where each worst case's perturbation sits: per layer its share of the norm and of "
+                   "the loss increase's first-order term, and the top heads (docs/where.md)")  # fmt: skip
+    p.add_argument("--profile", type=Path, nargs="?", const=Path("."), metavar="DIR",
+                   help="draw the loss along each worst direction from 0 to 2 rho (geodesic, straight segment, "
+                   "adaptive worst case) into DIR/<model>_profile.png (default DIR: .)")  # fmt: skip
     add_trust_remote_code(p)
     p.set_defaults(func=run)
 
@@ -260,6 +268,9 @@ def _cast_inputs(batches: list[dict], dtype: Any) -> list[dict]:
 def run(args: argparse.Namespace) -> int:
     """Measure a model on a dataset, print the table and write the results; the exit code."""
     quiet_libraries()
+    if getattr(args, "profile", None) is not None and (args.mode != "worst" or args.fsdp):
+        print("error: --profile draws the worst case's direction: use --mode worst, without --fsdp.", file=sys.stderr)
+        return EXIT_BAD_INPUT
     try:
         launch = start(args.fsdp)
     except DataError as err:
@@ -343,6 +354,8 @@ def _outputs(args: argparse.Namespace, started: datetime.datetime, *, check: boo
     if check:
         for path in outputs:
             check_writable(path, what="--json" if path == args.json else "--output-path file")
+        if args.profile is not None:
+            check_writable(profile_path(args.profile, args.model), what="--profile figure")
     return outputs
 
 
@@ -385,8 +398,9 @@ def _measure(c: dict, launch: Launch, show: bool, timed: list, outputs: list[Pat
             bound = "at least " if settings.steps == "auto" else ""
             if show:
                 print(f"estimated {bound}{shown} s (from a timed first solver step per measure)\n", flush=True)
+        extra = {"profile_points": PROFILE_POINTS} if c["args"].profile is not None else {}
         run_measures(keys, model, batches, settings, symmetry_map=smap, accelerator=launch.accelerator,
-                     progress=show, on_result=lambda key, res, seconds: timed.append((key, res, seconds)))
+                     progress=show, on_result=lambda key, res, seconds: timed.append((key, res, seconds)), **extra)
     except KeyboardInterrupt:
         if timed and outputs:
             for path in outputs:

@@ -73,6 +73,29 @@ def results_table(timed: list[tuple[str, Any, float]]) -> str:
     return _table(rows)
 
 
+def breakdown_table(key: str, res: Any, top: int = 5) -> str:
+    """Where a worst case's perturbation sits: per layer (and group of parameters outside the layers) its share of
+    ``||xi||_g^2`` and of the first-order term ``<grad, xi>_g``, then the ``top`` heads by norm share."""
+    b = getattr(res, "breakdown", None)
+    if b is None:
+        return f"{key}: no breakdown (only a worst case in one process has one)"
+    rows = [["layer", "norm share", "first-order share"]]
+    rows += [[name, f"{norm:.1%}", f"{first:.1%}"] for name, norm, first in b.layer_table()]
+    lines = [f"{key} ({res.measure}): shares of ||xi||^2 in its metric and of <grad, xi>, mean over "
+             f"{count(len(res.per_batch), 'batch')}", _table(rows)]
+    if b.heads:
+        heads = [["top heads", "pair", "norm share", "first-order share"]]
+        heads += [[h.name, h.kind, f"{h.norm_share:.2%}", f"{h.first_order_share:.2%}"] for h in b.top_heads(top)]
+        lines += [f"the {count(len(b.heads), 'attention pair')} hold {1 - b.outside_pairs.norm_share:.1%} of the norm "
+                  f"and {1 - b.outside_pairs.first_order_share:.1%} of the first-order term", _table(heads)]
+    return "\n".join(lines)
+
+
+def profile_path(folder: Path, model: str) -> Path:
+    """Where ``--profile DIR`` draws a model's figure: ``DIR/<model>_profile.png``."""
+    return folder / f"{model_folder_name(model)}_profile.png"
+
+
 def estimate_seconds(model: Any, batches: list, keys: list[str], settings: Settings, smap: Any, ranks: int) -> float:
     """Seconds the run will take: each measure solves the first batch with one solver step (timed: its set-up, the
     clean loss and one step, so two passes), scaled to the passes of the run (``steps + 1`` per batch, or
@@ -198,6 +221,22 @@ def write_results(c: dict, timed: list[tuple[str, Any, float]], outputs: list[Pa
         )
     if show or not outputs:  # --quiet without a results file still says what it measured
         print(results_table(timed))
+    args = c["args"]
+    if getattr(args, "by_layer", False):
+        for key, res, _ in timed:
+            print("\n" + breakdown_table(key, res))
+    if getattr(args, "profile", None) is not None:
+        from ..plots import profile_figure, save_figure
+
+        path = profile_path(args.profile, args.model)
+        try:
+            save_figure(profile_figure({key: res for key, res, _ in timed}, args.model), path)
+        except ValueError as err:
+            return f"--profile: {err}"
+        except OSError as err:
+            return f"could not write {path} ({err.strerror or err}); choose another --profile folder."
+        if show:
+            print(f"wrote {path}")
     content = payload(c, timed)
     for path in outputs:
         try:

@@ -3,11 +3,93 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import warnings
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
+
+
+@dataclass
+class BlockShare:
+    """One block of a :class:`Breakdown`: a transformer layer, a group of parameters outside the layers, or one
+    attention pair (a head, or a KV group of heads).
+
+    Attributes:
+        name: the layer's module path (``"bert.encoder.layer.3"``), or the module path of parameters outside the
+            layers (``"bert.embeddings"``, ``"classifier"``), or a pair's label (``"... head 3"``).
+        layer: the layer's position among the model's layers (0, 1, ...), or None outside the layers.
+        head: a pair's head (or KV group) within its attention module; None for a layer or a parameter group.
+        kind: a pair's kind (``"qk"``, ``"vo"``, ``"lora"``, ...); None for a layer or a parameter group.
+        norm_sq: the block's part of ``||xi||_g^2`` (mean over batches).
+        first_order: the block's part of ``<grad L(w), xi>_g`` (mean over batches).
+        norm_share: ``norm_sq`` over the total: the blocks of one list sum to 1 (``Breakdown.heads`` together with
+            the parameters outside the pairs, ``Breakdown.outside_pairs``).
+        first_order_share: ``first_order`` over the total, likewise (negative where a block's part points downhill;
+            NaN when the total is 0).
+    """
+
+    name: str
+    layer: int | None
+    head: int | None
+    kind: str | None
+    norm_sq: float
+    first_order: float
+    norm_share: float
+    first_order_share: float
+
+
+@dataclass
+class Breakdown:
+    """Where the worst-case perturbation ``xi`` (the best point of each batch) sits: its squared norm in the
+    measure's own metric and the first-order term of the loss increase, ``<grad L(w), xi>_g``, per block. The
+    metric is block-diagonal over heads and parameters, so the blocks' parts sum to the totals (docs/where.md).
+
+    Attributes:
+        layers: per layer (and per group of parameters outside the layers), in parameter order; pairs included.
+        heads: per attention pair, in parameter order (empty for adaptive sharpness).
+        outside_pairs: the parameters outside the pairs, as one block (its shares plus the heads' sum to 1).
+        norm_sq: ``||xi||_g^2`` (mean over batches; ``rho^2`` where the best point is on the sphere).
+        first_order: ``<grad L(w), xi>_g`` (mean over batches).
+    """
+
+    layers: list[BlockShare]
+    heads: list[BlockShare]
+    outside_pairs: BlockShare
+    norm_sq: float
+    first_order: float
+
+    def layer_table(self) -> list[tuple[str, float, float]]:
+        """``(name, norm share, first-order share)`` per layer, in order."""
+        return [(b.name, b.norm_share, b.first_order_share) for b in self.layers]
+
+    def top_heads(self, n: int = 5) -> list[BlockShare]:
+        """The ``n`` pairs with the largest norm share."""
+        return sorted(self.heads, key=lambda b: -b.norm_share)[:n]
+
+
+@dataclass
+class Profile:
+    """The loss along the worst direction of each batch: ``t`` runs over ``[0, 2]`` in units of the best point
+    ``xi`` (``t = 1`` is the worst case itself, at radius ``rho``).
+
+    Attributes:
+        t: the points, fractions of the best point.
+        geodesic: per batch, ``L(Exp(w; t xi)) - L(w)`` at each ``t`` (the measure's own curve; at ``t = 1`` the
+            batch's value).
+        segment: per batch, ``L(w + t (Exp(w; xi) - w)) - L(w)``: the straight Euclidean segment through the same
+            end point (the same curve as ``geodesic`` for a first-order measure such as adaptive sharpness).
+    """
+
+    t: list[float]
+    geodesic: list[list[float]]
+    segment: list[list[float]]
+
+    @staticmethod
+    def mean(curves: list[list[float]]) -> list[float]:
+        """The mean over batches of per-batch curves."""
+        return [sum(c[j] for c in curves) / len(curves) for j in range(len(curves[0]))]
 
 
 @dataclass
@@ -34,6 +116,13 @@ class SharpnessResult:
         convergence_note: why the result is not certified (the first such batch), or None.
         steps_used: the most points any batch evaluated after the clean one (solver steps and further starts);
             ``None`` for measures that do not iterate.
+        breakdown: where the worst-case perturbation sits, by layer and by head (:class:`Breakdown`); None for the
+            average case, relative flatness and sharded runs.
+        profile: the loss along each batch's worst direction (:class:`Profile`) when asked for
+            (``profile_points``), else None.
+        perturbations: each batch's worst-case perturbation when asked for (``return_perturbation=True``): a
+            :class:`~hf_geosharp.engine.worst_direction.WorstCasePerturbation` per batch (a state-dict-shaped delta
+            and a context manager that applies it); else None. Not part of :meth:`to_dict`.
     """
 
     value: float
@@ -47,14 +136,13 @@ class SharpnessResult:
     stationarity_gap: float = math.nan
     convergence_note: str | None = None
     steps_used: int | None = None
+    breakdown: Breakdown | None = None
+    profile: Profile | None = None
+    perturbations: list[Any] | None = field(default=None, repr=False, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
-        """The result as plain data.
-
-        Returns:
-            Every field by name (JSON-ready apart from NaN).
-        """
-        return asdict(self)
+        """The result as plain data (JSON-ready apart from NaN), without the perturbations (parameter-sized)."""
+        return {f.name: _plain(getattr(self, f.name)) for f in fields(self) if f.name != "perturbations"}
 
     def __str__(self) -> str:
         error = "" if math.isnan(self.stderr) else f" +- {self.stderr:.2g}"
@@ -63,6 +151,10 @@ class SharpnessResult:
             f"{self.measure}: {self.value:.6g}{error} (clean loss {self.clean_loss:.6g}, "
             f"{len(self.per_batch)} batches, rho={self.config.get('rho')}{flag})"
         )
+
+
+def _plain(value: Any) -> Any:
+    return asdict(value) if hasattr(value, "__dataclass_fields__") else copy.deepcopy(value)
 
 
 def _sample_var(xs: list[float]) -> float:

@@ -27,18 +27,21 @@ from .model_function.objective import LossFn, Objective, default_loss, preserved
 from .placement.base import Placement
 from .placement.fsdp import FsdpPlacement
 from .placement.single import SingleProcess
-from .result import SharpnessResult, average_stderr, batch_stderr, warn_not_converged
+from .result import Profile, SharpnessResult, average_stderr, batch_stderr, warn_not_converged
 from .settings import RunSettings
 from .solvers.apgd import AUTO_BLOCK, SolveResult, apgd, average_case
 from .solvers.as23 import apgd_as23
 from .space.perturbation_space import PerturbationSpace
+from .worst_direction import WorstDirection
+from .worst_direction import profile_points as profile_points_of
 
 logger = logging.getLogger(__name__)
 
 
 def solve(settings: RunSettings, space: PerturbationSpace, objective: Objective, generator: torch.Generator,
-          on_step: Callable[[int, float], None]) -> SolveResult:
-    """One batch: the average case, AS23's solver, or the clean Auto-PGD."""
+          on_step: Callable[[int, float], None], keep_best_point: bool = False) -> SolveResult:
+    """One batch: the average case, AS23's solver, or the clean Auto-PGD (``keep_best_point``: the result carries
+    the best point; AS23's always does)."""
     auto = settings.steps == "auto"
     first, budget = (min(AUTO_BLOCK, settings.max_steps), settings.max_steps) if auto else (settings.steps, None)
     if settings.mode == "average":
@@ -48,7 +51,8 @@ def solve(settings: RunSettings, space: PerturbationSpace, objective: Objective,
         return apgd_as23(space.elementwise.scale, objective, rho=settings.rho, steps=first, on_step=on_step,
                          max_steps=budget, tol=settings.tol)
     return apgd(space, objective, rho=settings.rho, steps=first, step_normalization=settings.step_normalization,
-                on_step=on_step, max_steps=budget, tol=settings.tol, generator=generator)
+                on_step=on_step, max_steps=budget, tol=settings.tol, generator=generator,
+                keep_best_point=keep_best_point)
 
 
 def batch_seed(seed: int, index: int) -> int:
@@ -65,20 +69,49 @@ def run(
     accelerator: Any = None,
     progress: bool = True,
     symmetry_map: SymmetryMap | None = None,
+    return_perturbation: bool = False,
+    profile_points: int = 0,
 ) -> SharpnessResult:
-    """Measure ``settings.measure`` of ``model`` on ``batches`` (see :func:`hf_geosharp.geodesic_sharpness`)."""
+    """Measure ``settings.measure`` of ``model`` on ``batches`` (see :func:`hf_geosharp.geodesic_sharpness`).
+
+    A worst case in one process also reads where its best points sit (``SharpnessResult.breakdown``), and with
+    ``return_perturbation`` / ``profile_points`` returns them and the loss along them
+    (:mod:`hf_geosharp.engine.worst_direction`)."""
+    if profile_points:
+        profile_points_of(profile_points)  # refused before any work
     batches = check_inputs(model, batches)
     placement: Placement = FsdpPlacement.of(model) or SingleProcess(model, accelerator)
     mine = placement.batches(len(batches))
+    direction = settings.mode == "worst" and isinstance(placement, SingleProcess)
+    if (return_perturbation or profile_points) and not direction:
+        raise ValueError("return_perturbation and profile_points need a worst case (mode='worst') in one process "
+                         "(not an FSDP-sharded model).")
+    if direction and symmetry_map is None and settings.options is not None and settings.options.metric is not None:
+        from ..symmetry import map_symmetries
+
+        symmetry_map = map_symmetries(model, params=settings.params)  # shared by the builder and the breakdown
     with preserved_model_state(model):
         space, objective = build(model, settings, placement, loss_fn or default_loss, {i: batches[i] for i in mine},
                                  symmetry_map)
         release_freed_memory()
         logger.info("%s: %d GL pairs, %s parameters%s, %d batch%s", settings.measure, space.n_pairs,
                     f"{space.numel:,}", placement.where, len(batches), "" if len(batches) == 1 else "es")
-        results = _solve_batches(space, objective, settings, batches, mine, progress and placement.rank == 0)
+        reader = None
+        if direction:
+            holding = placement.holding
+            reader = WorstDirection(space, objective, holding.names, holding.rows, symmetry_map, settings.measure,
+                                    profile_points, return_perturbation)
+        results = _solve_batches(space, objective, settings, batches, mine, progress and placement.rank == 0, reader)
     results = placement.collect(results)
-    return _result(settings, [results[i] for i in range(len(batches))], placement.world)
+    result = _result(settings, [results[i] for i in range(len(batches))], placement.world)
+    if reader is not None:
+        readings = [results[i][6] for i in range(len(batches))]
+        result.breakdown = reader.breakdown(readings)
+        if profile_points:
+            result.profile = Profile(reader.t, [r["geodesic"] for r in readings], [r["segment"] for r in readings])
+        if return_perturbation:
+            result.perturbations = [r["perturbation"] for r in readings]
+    return result
 
 
 def release_freed_memory() -> None:
@@ -92,9 +125,9 @@ def release_freed_memory() -> None:
 
 
 def _solve_batches(space: PerturbationSpace, objective: Objective, settings: RunSettings, batches: list[Any],
-                   mine: Iterable[int], progress: bool) -> dict[int, tuple]:
+                   mine: Iterable[int], progress: bool, reader: WorstDirection | None = None) -> dict[int, tuple]:
     """``{batch index: (sharpness, clean loss, average-case samples or None, stationarity gap, steps used, why it is
-    not certified or None)}``."""
+    not certified or None, the reader's reading of the best point or None)}``."""
     n_steps = settings.n_samples if settings.mode == "average" else settings.steps
     results: dict[int, tuple] = {}
     bar = tqdm(list(mine), desc=settings.measure, unit="batch", disable=not progress)
@@ -108,11 +141,17 @@ def _solve_batches(space: PerturbationSpace, objective: Objective, settings: Run
             bar.refresh()
 
         with measuring(settings.measure, index, batches[index]):
-            out = solve(settings, space, objective, generator, on_step)
+            out = solve(settings, space, objective, generator, on_step, keep_best_point=reader is not None)
+            reading = None
+            if reader is not None:  # the best point alone, the solver's other vectors freed: the reading's
+                best, out.best_point = out.best_point.clone(), None  # own vectors then fit in their place
+                reading = reader.read(best, index, out.clean_loss, out.max_loss)
+                del best
         samples = [loss - out.clean_loss for loss in out.losses[1:]] if settings.mode == "average" else None
         note = out.certificate(settings.tol, settings.starts) if settings.mode == "worst" else None
-        results[index] = (out.sharpness, out.clean_loss, samples, out.gap, out.steps_used, note)
+        results[index] = (out.sharpness, out.clean_loss, samples, out.gap, out.steps_used, note, reading)
         bar.set_postfix(sharpness=f"{out.sharpness:.4g}")
+        del out  # the solver's vectors, before the next batch's
     return results
 
 

@@ -100,13 +100,35 @@ def scatter_plot(board: Leaderboard, path: Path) -> None:
         fig.savefig(tmp, dpi=120)
 
 
+def heatmaps(board: Leaderboard, out_dir: Path) -> list[Path]:
+    """Per model and measure whose stored result has heads in its breakdown (the geodesic worst cases), the heat
+    map (layers x heads) of where the worst case sits: ``where/<model>__<measure>.png``."""
+    from ..plots import breakdown_heatmap, save_figure
+
+    written = []
+    for model, records in board.results.items():
+        for name, record in zip(board.measures, records):
+            breakdown = None if record is None else record.get("breakdown")
+            if not breakdown or not breakdown.get("heads"):
+                continue
+            safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model)
+            path = out_dir / "where" / f"{safe}__{name}.png"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            save_figure(breakdown_heatmap(breakdown, f"{model}, {name}"), path)
+            written.append(path)
+    return written
+
+
 def write_outputs(board: Leaderboard, out_dir: Path) -> dict[str, Path]:
-    """``leaderboard.md``, ``leaderboard.csv`` and, with a gap, ``taus.json`` and ``scatter.png``, each replaced
-    durably (a failed write leaves the previous file intact)."""
+    """``leaderboard.md``, ``leaderboard.csv``, the heat maps of where each geodesic worst case sits
+    (``where/``, :func:`heatmaps`) and, with a gap, ``taus.json`` and ``scatter.png``, each replaced durably (a
+    failed write leaves the previous file intact)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"markdown": out_dir / "leaderboard.md", "csv": out_dir / "leaderboard.csv"}
     write_text(paths["markdown"], markdown(board))
     write_csv(board, paths["csv"])
+    if maps := heatmaps(board, out_dir):
+        paths["where"] = maps[0].parent
     if board.taus:
         paths["taus"] = out_dir / "taus.json"
         certified = {name: list(count) for name in board.measures if (count := board.certified(name)) is not None}

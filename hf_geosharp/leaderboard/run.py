@@ -208,7 +208,7 @@ def _compute_missing(
                    "measure": res.measure, "value": res.value, "stderr": res.stderr, "converged": res.converged,
                    "stationarity_gap": res.stationarity_gap, "convergence_note": res.convergence_note,
                    "clean_loss": res.clean_loss, "per_batch": res.per_batch, "config": res.config,
-                   "seconds": time.perf_counter() - start})
+                   "breakdown": res.to_dict().get("breakdown"), "seconds": time.perf_counter() - start})
         bar.update()
     if "stats" in missing:
         clean = evaluate_split(model, batches)

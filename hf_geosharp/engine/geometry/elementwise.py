@@ -156,6 +156,23 @@ class ElementwiseGeometry:
                 total += torch.where(sq > 0, ratio, 0.0).sum().double()
         return total
 
+    def segment_products(self, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+        """Per segment, over its measured movable coordinates: ``sum a b / w^2`` (the metric) and ``sum a b``
+        (Euclidean), float64 ``[segments]`` each. Summed over the segments they give :meth:`inner_product`."""
+        metric = torch.zeros(len(self.sizes), dtype=torch.float64, device=self.device)
+        plain = torch.zeros(len(self.sizes), dtype=torch.float64, device=self.device)
+        offset = 0
+        for i, (w, measure, n) in enumerate(zip(self.segments, self.measure, self.sizes)):
+            for start in range(0, n if measure is not False else 0, self.CHUNK):
+                stop = min(start + self.CHUNK, n)
+                sq = self._scale_sq(w[start:stop], measure if isinstance(measure, bool) else measure[start:stop])
+                product = a[offset + start : offset + stop] * b[offset + start : offset + stop]
+                moving = sq > 0
+                metric[i] += torch.where(moving, product / sq, 0.0).sum(dtype=torch.float64)
+                plain[i] += torch.where(moving, product, 0.0).sum(dtype=torch.float64)
+            offset += n
+        return metric, plain
+
     def norm(self, xi: Tensor) -> Tensor:
         """The Riemannian norm ``||xi||_g`` (float64 scalar)."""
         return self.inner_product(xi, xi).clamp_min(0).sqrt()

@@ -83,6 +83,8 @@ class SolveResult:
     gap: float = math.nan
     start_values: list[float] = field(default_factory=list)
     start_gaps: list[float] = field(default_factory=list)
+    #: The best point itself (a tangent vector of the space) when the solver was asked to keep it, else None.
+    best_point: Tensor | None = field(default=None, repr=False, compare=False)
 
     @property
     def sharpness(self) -> float:
@@ -349,6 +351,7 @@ def apgd(
     generator: torch.Generator | None = None,
     max_starts: int = AUTO_MAX_STARTS,
     keep_best_gradient: bool | None = None,
+    keep_best_point: bool = False,
 ) -> SolveResult:
     """Worst case ``max_{xi in S} L(Exp(w0; xi)) - L(w0)`` by Auto-PGD, zero init, ``eta0 = 2 rho``.
 
@@ -379,6 +382,10 @@ def apgd(
     point aside in bfloat16 for the next). ``best_norm`` comes
     from the same bookkeeping. The horizontal projection is exactly g-orthogonal (also with ``epsilon > 0``), so
     these identities hold exactly.
+
+    With ``keep_best_point`` the result carries the best point (``SolveResult.best_point``): the pool row that holds
+    it, or, when a later start reused that row, a copy made before that start (one more vector, under
+    ``steps="auto"`` only). It changes no number.
     """
     auto = max_steps is not None
     pool = Pool(space.empty(), 4)
@@ -397,10 +404,14 @@ def apgd(
     budget = max_steps if auto else steps
     best = climb.run(xi, 0.0, clean_loss, egrad, steps=min(steps, budget), budget=budget, auto=auto)
     values, gaps, overall = [best.loss - clean_loss], [best.gap], best
+    kept_point: Tensor | None = None
     while auto and len(values) < max_starts and climb.steps_used < budget:
         result = SolveResult(overall.loss, clean_loss, climb.losses, 0.0, overall.gap, values, gaps)
         if result.certificate(tol, starts=2) is None or not overall.gap <= tol:
             break  # certified, or the best start is not stationary (the budget ran out inside it)
+        if keep_best_point and overall is best:  # the next start reuses this row
+            kept_point = space.empty() if kept_point is None else kept_point
+            kept_point.copy_(overall.row)
         start, sq = climb.next_start(best, overall, len(values), generator)
         loss, egrad = objective(start, True, out=work)
         climb.record(loss)
@@ -410,7 +421,9 @@ def apgd(
         gaps.append(best.gap)
         if best.loss > overall.loss:
             overall = best
-    return SolveResult(overall.loss, clean_loss, climb.losses, math.sqrt(overall.sq), overall.gap, values, gaps)
+    point = None if not keep_best_point else overall.row if overall is best else kept_point
+    return SolveResult(overall.loss, clean_loss, climb.losses, math.sqrt(overall.sq), overall.gap, values, gaps,
+                       best_point=point)
 
 
 @dataclass

@@ -132,7 +132,7 @@ def apgd_as23(
         _, egrad = objective(best_point, True, out=gradient)
         gap = _gap(egrad, scale, best_point, rho, best_loss - clean_loss)
     return SolveResult(best_loss, clean_loss, losses, float((best_point * inv_scale).square().sum().sqrt()), gap,
-                       [best_loss - clean_loss], [gap])
+                       [best_loss - clean_loss], [gap], best_point=best_point)
 
 
 def _gap(egrad: Tensor, scale: Tensor, delta: Tensor, rho: float, sharpness: float) -> float:

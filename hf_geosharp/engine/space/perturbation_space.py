@@ -339,6 +339,58 @@ class PerturbationSpace:
         norm = float(self.norm(xi))
         return xi.mul_(rho / norm) if norm > rho else xi
 
+    # ------------------------------------------------------------------ per-block reads (breakdowns)
+    def segment_products(self, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+        """Per segment of the base point, over its coordinates outside the pairs: ``(<a, b>_g, <a, b>)`` (the
+        metric and the Euclidean product), float64 ``[segments]`` each. One process only (not on a shard)."""
+        self._refuse_shard("segment_products")
+        return self.elementwise.segment_products(a, b)
+
+    def pair_products(self, a: Tensor, b: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """Per pair group, per head: ``(<a, b>_g, <a, b>)`` over that head's pair coordinates, float64 ``[k]``
+        each. The metric is block-diagonal over heads and segments, so :meth:`segment_products` and these sum to
+        :meth:`inner_product`. One process only (not on a shard)."""
+        self._refuse_shard("pair_products")
+        scale_sq = None if self.pair_elementwise is None else self.pair_elementwise.scale_sq  # (ablation only)
+        out = []
+        for group in self.pairs:
+            metric, plain = [], []
+            for heads in group.chunks:
+                ws = self.workspace.fresh()
+                geometry = group.part(ws, heads)
+                x, y = group.gather(a, ws, heads), group.gather(b, ws, heads)
+                plain.append(sum((p * q).sum(dim=(1, 2), dtype=torch.float64) for p, q in zip(x, y)))
+                if scale_sq is None:
+                    metric.append(geometry.inner_product(x, y).to(torch.float64).reshape(-1))
+                else:
+                    sq = group.gather(scale_sq, ws, heads)
+                    metric.append(sum(torch.where(s > 0, p * q / s, 0.0).sum(dim=(1, 2), dtype=torch.float64)
+                                      for p, q, s in zip(x, y, sq)))
+            out.append((torch.cat(metric), torch.cat(plain)))
+        return out
+
+    def pair_anchors(self) -> list[Tensor]:
+        """Per pair group, where each head's ``G[0, 0]`` entry sits in the flat vector (int64 ``[k]``, CPU): what
+        names a head (it is the first entry of its ``G`` factor in the symmetry map too). One process only."""
+        self._refuse_shard("pair_anchors")
+        anchors = []
+        for group in self.pairs:
+            factor = group.g
+            if factor.index is not None:
+                anchors.append(factor.index[:, 0, 0].cpu())
+                continue
+            first = torch.full((factor.shape[0],), -1, dtype=torch.long)
+            for piece in factor.pieces:
+                if piece.r.start == 0:
+                    heads = torch.arange(piece.k.start, piece.k.stop)
+                    first[heads] = piece.offset + (heads - piece.k.start) * piece.stride[0]
+            anchors.append(first)
+        return anchors
+
+    def _refuse_shard(self, what: str) -> None:
+        if self.shard is not None:
+            raise NotImplementedError(f"{what} reads one process's whole vector; a sharded space has a part of it.")
+
     # ------------------------------------------------------------------ geodesics
     def exp_point(self, xi: Tensor, out: Tensor, need_grad: bool) -> Pullback | None:
         """Write ``Exp(w; xi)`` into ``out``: ``Exp2`` on pairs, the chosen curvature elsewhere.

@@ -1,0 +1,144 @@
+"""Figures of where a worst case is: the loss along the worst direction (:func:`profile_figure`) and the breakdown by
+layer and head as a heat map (:func:`breakdown_heatmap`). matplotlib's object API only (no pyplot: no global figure
+registry), imported inside the functions (importing it writes its font cache). Every face draws with these."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from .durable import atomic_path
+from .engine.result import BlockShare, Breakdown
+from .measures import MEASURES, key_of
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+#: 800 x 450 pixels at the saved resolution.
+SIZE, DPI = (8.0, 4.5), 100
+
+
+def _title(key: str) -> str:
+    """The public name of a measure key (or of an engine result name), else the key itself."""
+    spec = MEASURES.get(key) or MEASURES.get(key_of(key) or "")
+    return spec.title if spec is not None else key
+
+
+def profile_figure(results: Mapping[str, Any], title: str) -> Figure:
+    """The loss increase along each worst case's direction, from the clean point to twice the radius (mean over
+    batches): for a geodesic measure its geodesic and the straight Euclidean segment to the same end point, for a
+    first-order measure (adaptive sharpness) its segment. ``results``: measure key -> result with a ``profile``.
+
+    Args:
+        results: measure key -> :class:`~hf_geosharp.engine.result.SharpnessResult` (those without a profile are
+            skipped).
+        title: what the figure shows (the model).
+
+    Returns:
+        The figure (save it with :func:`save_figure`).
+    """
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=SIZE)
+    ax = fig.subplots()
+    colors = iter(["#4c72b0", "#c44e52", "#55a868", "#8172b2", "#ccb974"])
+    drawn = 0
+    for key, res in results.items():
+        profile = getattr(res, "profile", None)
+        if profile is None:
+            continue
+        rho = float(res.config.get("rho", 1.0))
+        radius = [t * rho for t in profile.t]
+        color, name = next(colors, "#333333"), _title(key)
+        first_order = res.config.get("metric") is None
+        if not first_order:
+            ax.plot(radius, profile.mean(profile.geodesic), color=color, lw=2, label=f"{name}: geodesic")
+        ax.plot(radius, profile.mean(profile.segment), color=color, lw=1.5, ls="--" if not first_order else ":",
+                label=f"{name}: straight segment" if not first_order else f"{name}: its worst case (straight)")
+        ax.plot([rho], [res.value], marker="o", color=color, ls="none")
+        drawn += 1
+    if not drawn:
+        raise ValueError("no result has a profile: run the worst case with profile_points (the CLI's --profile).")
+    rhos = sorted({float(r.config.get("rho", 1.0)) for r in results.values() if getattr(r, "profile", None)})
+    for rho in rhos:
+        ax.axvline(rho, color="#999999", lw=0.8, ls=":")
+    ax.set_xlabel("distance along the direction (the worst case sits at rho, the dotted line)")
+    ax.set_ylabel("loss increase over the clean loss")
+    ax.set_title(f"Loss along the worst direction: {title}", fontsize=11)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def as_breakdown(breakdown: Any) -> Breakdown:
+    """A :class:`~hf_geosharp.engine.result.Breakdown`, also from its plain-data form (a results file, a store)."""
+    if isinstance(breakdown, Breakdown):
+        return breakdown
+    return Breakdown([BlockShare(**b) for b in breakdown["layers"]], [BlockShare(**b) for b in breakdown["heads"]],
+                     BlockShare(**breakdown["outside_pairs"]), breakdown["norm_sq"], breakdown["first_order"])
+
+
+def heatmap_matrix(breakdown: Any, what: str = "norm_share") -> tuple[list[str], list[int], list[list[float]]]:
+    """The breakdown's heads as a layers x heads matrix of ``what`` (``"norm_share"`` or ``"first_order_share"``),
+    the pairs of one head (QK and VO) added together: ``(layer names, head numbers, rows)``; NaN where a layer has no
+    such head. Pairs outside the layers are left out. ``breakdown``: a ``Breakdown`` or its plain-data form."""
+    breakdown = as_breakdown(breakdown)
+    heads = [h for h in breakdown.heads if h.layer is not None and h.head is not None]
+    layers = sorted({h.layer for h in heads})
+    columns = sorted({h.head for h in heads})
+    names = {b.layer: b.name for b in breakdown.layers if b.layer is not None}
+    matrix = [[float("nan")] * len(columns) for _ in layers]
+    for h in heads:
+        i, j = layers.index(h.layer), columns.index(h.head)
+        value = getattr(h, what)
+        matrix[i][j] = value if math.isnan(matrix[i][j]) else matrix[i][j] + value
+    return [names.get(layer, str(layer)) for layer in layers], columns, matrix
+
+
+def breakdown_heatmap(breakdown: Any, title: str) -> Figure:
+    """Two heat maps, layers x heads: each head's share of the worst-case perturbation's squared norm (in the
+    measure's metric) and of the loss increase's first-order term (QK and VO pairs of a head added).
+
+    Args:
+        breakdown: a :class:`~hf_geosharp.engine.result.Breakdown` with heads (a geodesic measure's), or its
+            plain-data form.
+        title: what it shows (model and measure).
+
+    Returns:
+        The figure.
+    """
+    from matplotlib.figure import Figure
+
+    breakdown = as_breakdown(breakdown)
+    fig = Figure(figsize=SIZE)
+    axes = fig.subplots(1, 2)
+    for ax, what, label in zip(axes, ("norm_share", "first_order_share"),
+                               ("share of ||xi||_g^2", "share of <grad, xi>_g")):
+        names, columns, matrix = heatmap_matrix(breakdown, what)
+        if not matrix:
+            raise ValueError("the breakdown has no attention heads (adaptive sharpness has none; use a geodesic "
+                             "measure).")
+        values = [v for row in matrix for v in row if not math.isnan(v)]
+        if min(values, default=0.0) < 0:  # parts pointing downhill: a diverging map centred on 0
+            limit = max(abs(v) for v in values)
+            image = ax.imshow(matrix, aspect="auto", cmap="coolwarm", vmin=-limit, vmax=limit, interpolation="nearest")
+        else:
+            image = ax.imshow(matrix, aspect="auto", cmap="viridis", vmin=0.0, interpolation="nearest")
+        ax.set_xticks(range(len(columns)), [str(c) for c in columns], fontsize=7)
+        ax.set_yticks(range(len(names)), [str(i) for i in range(len(names))], fontsize=7)
+        ax.set_xlabel("head")
+        ax.set_ylabel("layer")
+        ax.set_title(label, fontsize=9)
+        fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04)
+    fig.suptitle(f"Where the sharpness is: {title}", fontsize=11)
+    fig.tight_layout()
+    return fig
+
+
+def save_figure(fig: Figure, path: str | os.PathLike[str]) -> None:
+    """Write ``fig`` as a PNG (800 px wide), durably."""
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=DPI, format="png")
