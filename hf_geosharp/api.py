@@ -163,6 +163,8 @@ def adaptive_sharpness(
         n_samples: directions per batch (average case).
         tol: relative tolerance of the convergence certificate, as in :func:`geodesic_sharpness`.
         max_steps: step budget of ``steps="auto"``.
+        return_perturbation: also return each batch's worst-case perturbation, as in :func:`geodesic_sharpness`.
+        profile_points: the loss along each batch's worst direction, as in :func:`geodesic_sharpness`.
 
     Returns:
         The mean over batches with its standard error, the per-batch values, the clean loss and the convergence
