@@ -20,6 +20,7 @@ from typing import Any
 
 from torch import nn
 
+from .engine.checks import check_inputs
 from .engine.defaults import (
     ADAPTIVE_VARIANT,
     ELEMENTWISE_CURVATURE,
@@ -154,14 +155,16 @@ def geodesic_sharpness(
     """
     options = SpaceOptions(metric, epsilon, second_order, riemannian_norm, horizontal_projection, elementwise_curvature)
     settings = RunSettings(rho, mode, steps, seed, params, n_samples, tol, max_steps, options, step_normalization)
-    if symmetry_map is None:
+    if symmetry_map is None:  # mapped here (as the builder would map it) after the inputs are checked
         from .symmetry import map_symmetries
 
-        symmetry_map = map_symmetries(model, params=settings.params)  # what the builder would map: mapped once
-    if (note := no_symmetry_note(symmetry_map)) and not symmetry_noted():
+        batches = check_inputs(model, batches)
+        symmetry_map = map_symmetries(model, params=settings.params)
+    result = run(model, batches, settings, loss_fn=loss_fn, accelerator=accelerator, progress=progress,
+                 symmetry_map=symmetry_map)
+    if (note := no_symmetry_note(symmetry_map)) and not symmetry_noted():  # after the run has checked the map
         warnings.warn(note, NoSymmetryWarning, stacklevel=2)
-    return run(model, batches, settings, loss_fn=loss_fn, accelerator=accelerator, progress=progress,
-               symmetry_map=symmetry_map)
+    return result
 
 
 def adaptive_sharpness(
