@@ -102,7 +102,8 @@ Args:
         never moved.
     model_id (`str`): instead of `model`, a local path or Hub id, loaded with the head its config names (custom
         model code is never run).
-    tokenizer (*optional*): tokenizes `predictions`; default the one saved with `model_id`.
+    tokenizer (*optional*): a tokenizer object that tokenizes `predictions` (not a name: load it with
+        `AutoTokenizer.from_pretrained(name)`); default the one saved with `model_id`.
     device (`str`, *optional*): where a `model_id` model runs (default: cuda when available, else cpu); a `model` stays
         where it is.
     measures (`str` or `list`, *optional*): measure keys or short forms ("inv", "mix", "adaptive"); default
