@@ -4,15 +4,23 @@ Each freezes its settings into a :class:`~hf_geosharp.engine.settings.RunSetting
 model to the runner (:mod:`hf_geosharp.engine.runner`); the model is used as a function of the perturbation and
 restored exactly afterwards (:mod:`hf_geosharp.engine.model_function.objective`). Results are
 :class:`~hf_geosharp.engine.result.SharpnessResult`. The defaults are :mod:`hf_geosharp.engine.defaults`.
+
+A model with nothing to quotient (no attention head pair mapped: an MLP, a ResNet, DiffLlama) gets one note per call,
+:func:`no_symmetry_note`'s words, from every entry point: here a :class:`NoSymmetryWarning`; faces that run several
+measures say it once themselves and run the measures inside :func:`symmetry_note_given`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+import warnings
+from collections.abc import Iterable, Iterator
+from contextvars import ContextVar
 from typing import Any
 
 from torch import nn
 
+from .engine.checks import check_inputs
 from .engine.defaults import (
     ADAPTIVE_VARIANT,
     ELEMENTWISE_CURVATURE,
@@ -36,8 +44,47 @@ from .engine.solvers.apgd import AUTO_MAX_STEPS, CONVERGENCE_TOL, StepNormalizat
 from .engine.space.perturbation_space import SpaceOptions
 from .symmetry.base import SymmetryMap
 
-__all__ = ["NotConvergedWarning", "SharpnessResult", "adaptive_sharpness", "collected_convergence_notes",
-           "geodesic_sharpness"]
+__all__ = ["NoSymmetryWarning", "NotConvergedWarning", "SharpnessResult", "adaptive_sharpness",
+           "collected_convergence_notes", "geodesic_sharpness", "no_symmetry_note", "symmetry_note_given"]
+
+
+class NoSymmetryWarning(UserWarning):
+    """Geodesic sharpness of a model without a mapped attention head pair: nothing to quotient, so the value is
+    adaptive sharpness's (``no_symmetry_note`` says why)."""
+
+
+def no_symmetry_note(symmetry_map: SymmetryMap | None, what: str = "the model") -> str | None:
+    """The note for a model without mapped attention head pairs (an MLP, a ResNet, attention the mapper cannot map),
+    or ``None``: with no GL(h) symmetry there is nothing to quotient, and geodesic sharpness is adaptive sharpness by
+    construction (the same ball, the same solver), so equal numbers are expected, not a fault. Every entry point
+    uses these words."""
+    if symmetry_map is None or symmetry_map.blocks:
+        return None
+    unmapped = symmetry_map.fallbacks
+    pairs = "no attention head pairs" if not unmapped else (
+        f"no attention head pairs that could be mapped ({len(unmapped)} attention module"
+        f"{'s' if len(unmapped) > 1 else ''} treated elementwise; {unmapped[0].module}: {unmapped[0].reason})")
+    return (f"{what} has {pairs} (no GL(h) symmetry to quotient), so geodesic sharpness equals adaptive sharpness "
+            "by construction.")
+
+
+_noted: ContextVar[bool] = ContextVar("hf_geosharp_symmetry_noted", default=False)
+
+
+def symmetry_noted() -> bool:
+    """Whether the caller has already given :func:`no_symmetry_note` (inside :func:`symmetry_note_given`)."""
+    return _noted.get()
+
+
+@contextlib.contextmanager
+def symmetry_note_given() -> Iterator[None]:
+    """Inside the block :func:`geodesic_sharpness` does not repeat the note of a model with nothing to quotient: the
+    face around it (several measures, a leaderboard, a training run) has said it once."""
+    token = _noted.set(True)
+    try:
+        yield
+    finally:
+        _noted.reset(token)
 
 
 def geodesic_sharpness(
@@ -112,13 +159,23 @@ def geodesic_sharpness(
             ``[0, 2 rho]`` (``res.profile``); two forwards per point. Worst case only.
 
     Returns:
-        The mean over batches with its standard error, the per-batch values, the clean loss and the convergence
-        certificate (``converged``, ``stationarity_gap``, ``convergence_note``, ``steps_used``).
+        The :class:`SharpnessResult`: the mean over batches with its standard error, the per-batch values, the clean
+        loss and the convergence certificate (``converged``, ``stationarity_gap``, ``convergence_note``,
+        ``steps_used``). A model with no attention head pair mapped gets a :class:`NoSymmetryWarning`: the value is
+        adaptive sharpness's.
     """
     options = SpaceOptions(metric, epsilon, second_order, riemannian_norm, horizontal_projection, elementwise_curvature)
     settings = RunSettings(rho, mode, steps, seed, params, n_samples, tol, max_steps, options, step_normalization)
-    return run(model, batches, settings, loss_fn=loss_fn, accelerator=accelerator, progress=progress,
-               symmetry_map=symmetry_map, return_perturbation=return_perturbation, profile_points=profile_points)
+    if symmetry_map is None:  # mapped here (as the builder would map it) after the inputs are checked
+        from .symmetry import map_symmetries
+
+        batches = check_inputs(model, batches)
+        symmetry_map = map_symmetries(model, params=settings.params)
+    result = run(model, batches, settings, loss_fn=loss_fn, accelerator=accelerator, progress=progress,
+                 symmetry_map=symmetry_map, return_perturbation=return_perturbation, profile_points=profile_points)
+    if (note := no_symmetry_note(symmetry_map)) and not symmetry_noted():  # after the run has checked the map
+        warnings.warn(note, NoSymmetryWarning, stacklevel=2)
+    return result
 
 
 def adaptive_sharpness(

@@ -20,7 +20,14 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from .api import SharpnessResult, adaptive_sharpness, geodesic_sharpness
+from .api import (
+    SharpnessResult,
+    adaptive_sharpness,
+    geodesic_sharpness,
+    no_symmetry_note,
+    symmetry_note_given,
+    symmetry_noted,
+)
 from .engine.defaults import ADAPTIVE_VARIANT, EPSILON, MODE, N_SAMPLES, RHO, SEED, STEPS
 from .engine.relative_flatness import relative_flatness
 from .engine.settings import MODES, VARIANTS, Mode, Steps, Variant, measure_name
@@ -132,16 +139,6 @@ def parse_measures(text: str | Iterable[str] | None) -> list[str]:
     return list(dict.fromkeys(keys))
 
 
-def no_symmetry_note(symmetry_map: Any, what: str = "the model") -> str | None:
-    """The note for a model without attention head pairs (an MLP, a ResNet), or ``None``: with no GL(h) symmetry
-    there is nothing to quotient, and geodesic sharpness is adaptive sharpness by construction (the same ball, the
-    same solver), so equal numbers are expected, not a fault."""
-    if symmetry_map is None or symmetry_map.blocks:
-        return None
-    return (f"{what} has no attention head pairs (no GL(h) symmetry to quotient), so geodesic sharpness equals "
-            "adaptive sharpness by construction.")
-
-
 def _engine_kwargs(settings: Settings) -> dict[str, Any]:
     """The settings every sharpness function of the engine takes."""
     return dict(rho=settings.rho, mode=settings.mode, steps=settings.steps, n_samples=settings.n_samples,
@@ -154,15 +151,18 @@ def run_measure(
     """Run one measure of the bundle with ``settings``; ``options`` go to the engine (``symmetry_map``,
     ``accelerator``, ``progress``, ``loss_fn``; a ``symmetry_map`` is dropped for measures that do not use one).
 
-    Relative flatness depends on none of the settings: it is the exact trace (``relative_flatness``)."""
+    Relative flatness depends on none of the settings: it is the exact trace (``relative_flatness``). The note of a
+    model with nothing to quotient (:func:`no_symmetry_note`) is the caller's to give, once: :func:`run_measures`
+    and the leaderboard say it."""
     measure = spec(key)
     kwargs = _engine_kwargs(settings)
     if measure.family == "relative_flatness":
         kept = {k: options[k] for k in ("loss_fn",) if k in options}
         return relative_flatness(model, batches, **kept)  # the exact trace
     if measure.family == "geodesic":
-        return geodesic_sharpness(model, batches, metric=measure.metric, epsilon=settings.epsilon, **kwargs,
-                                  **options)
+        with symmetry_note_given():
+            return geodesic_sharpness(model, batches, metric=measure.metric, epsilon=settings.epsilon, **kwargs,
+                                      **options)
     options.pop("symmetry_map", None)
     return adaptive_sharpness(model, batches, variant=settings.adaptive_variant, **kwargs, **options)
 
@@ -178,7 +178,8 @@ def run_measures(
 ) -> dict[str, SharpnessResult]:
     """Run several measures on the same batches (one symmetry map for all), in the order given.
 
-    ``on_result(key, result, seconds)`` is called as each one finishes (progress, stores)."""
+    ``on_result(key, result, seconds)`` is called as each one finishes (progress, stores). A model with nothing to
+    quotient gets :func:`no_symmetry_note` once, as a log warning (not inside :func:`symmetry_note_given`)."""
     import time
 
     keys = list(keys)
@@ -187,7 +188,7 @@ def run_measures(
 
         options["symmetry_map"] = map_symmetries(model)
     note = no_symmetry_note(options.get("symmetry_map"))
-    if note and any(spec(k).family == "geodesic" for k in keys):
+    if note and any(spec(k).family == "geodesic" for k in keys) and not symmetry_noted():
         logger.warning(note)
     out: dict[str, SharpnessResult] = {}
     for key in keys:

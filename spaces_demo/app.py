@@ -8,7 +8,10 @@ report, a per-batch plot and the model-card YAML to paste. A second tab ranks th
 Runs are bounded (model size, examples, steps, rho) so that a shared CPU Space stays responsive; the bounds are in
 ``LIMITS`` and every refusal says which bound was hit. All the work is done by the ``hf_geosharp`` package (the
 measures, their names and defaults come from :mod:`hf_geosharp.measures`): this file only wires inputs to it and
-formats what comes back. Each tab is one function (``TABS``), so a new tab is one function and one line.
+formats what comes back. Every worst-case number is shown with its certificate by the package's one rule
+(:func:`hf_geosharp.engine.result.shown`): a "certified" column in the results, "≥ ... (not certified)" in the status
+and the zoo ranking, and hollow, dashed lines in the per-batch plot for values that are lower bounds.
+Each tab is one function (``TABS``), so a new tab is one function and one line.
 
 Importing this file builds nothing and writes nothing; ``python app.py`` builds and launches the app
 (``GRADIO_SERVER_PORT`` picks the port; ``HF_GEOSHARP_SPACE_ZOO=mini`` uses the 4-model test zoo). The deployable
@@ -40,6 +43,7 @@ from hf_geosharp.data import (
     make_batches,
     require_task,
 )
+from hf_geosharp.engine.result import certificate_words, certified, shown
 from hf_geosharp.hub.cards import card_yaml, dataset_info, eval_result, task_type
 from hf_geosharp.leaderboard import (
     Column,
@@ -65,7 +69,7 @@ MINILM_REPO = "sentence-transformers/all-MiniLM-L6-v2"  # preload_from_hub in th
 HUB = "a Hub model id (online only)"
 BUNDLED = "bundled (digits for vision models, example sentences for text models)"
 HUB_DATA = "a Hub dataset (online only)"
-RESULT_COLUMNS = ["measure", "value", "stderr", "clean loss", "batches", "seconds"]
+RESULT_COLUMNS = ["measure", "value", "stderr", "certified", "clean loss", "batches", "seconds"]
 DEFAULT_CHOICE = [DEFAULT_MEASURES[0], "adaptive_sharpness"]  # one geodesic metric and the baseline: quick
 SENTENCES = [  # label 1: positive, 0: negative; enough for a few small batches on a text classifier
     ("A wonderful, warm and funny film.", 1), ("The plot was dull and the acting wooden.", 0),
@@ -223,9 +227,9 @@ class Space:
             raise gr.Error(f"The measurement failed: {err}") from None
         table = pd.DataFrame([_row(k, r, seconds[k]) for k, r in results.items()], columns=RESULT_COLUMNS)
         entries = [eval_result(_with_stderr(r), data, task_type(type(model).__name__)) for r in results.values()]
-        shown = "; ".join(f"{MEASURES[k].title} {_pm(r)}" for k, r in results.items())
+        values = "; ".join(f"{MEASURES[k].title} {_pm(r)}" for k, r in results.items())
         status = (f"**{name}** ({n_params:,} parameters) on {data.describe()} in {len(batches)} batches, "
-                  f"rho={rho:g}, {steps} steps: {shown}.")
+                  f"rho={rho:g}, {steps} steps: {values}.")
         note = no_symmetry_note(smap, name) if any(MEASURES[k].family == "geodesic" for k in keys) else None
         status += f"\n\nNote: {note}" if note else ""
         return (table, format_report(smap.summary(model)), _per_batch_plot(results), card_yaml(entries, name),
@@ -252,8 +256,14 @@ class Space:
                     paths = write_outputs(board, out)
             except StoreLockedError:
                 raise gr.Error("Another visitor is ranking the zoo right now; try again in a minute.") from None
-        table = pd.DataFrame(ranked(board)).map(lambda v: sig(v) if isinstance(v, float) else v)
-        return table, taus_markdown(board), str(paths["plot"])
+        return _ranking_table(board), taus_markdown(board), str(paths["plot"])
+
+
+def _ranking_table(board: Any) -> pd.DataFrame:
+    """The ranked zoo, 4 significant digits; a value that is not certified is shown as the lower bound it is."""
+    uncertified = set(board.not_converged())
+    return pd.DataFrame([{k: shown(v, False) if (row["model"], k) in uncertified else sig(v) if isinstance(v, float)
+                          else v for k, v in row.items()} for row in ranked(board)])
 
 
 def _with_stderr(result: Any) -> dict:
@@ -261,14 +271,13 @@ def _with_stderr(result: Any) -> dict:
 
 
 def _pm(result: Any) -> str:
-    stderr = getattr(result, "stderr", math.nan)
-    return f"{sig(result.value):g} ± {sig(stderr, 2):g}" if math.isfinite(stderr) else f"{sig(result.value):g}"
+    return shown(result.value, certified(result), stderr=getattr(result, "stderr", math.nan))
 
 
 def _row(key: str, result: Any, seconds: float) -> list:
     stderr = getattr(result, "stderr", math.nan)  # NaN for a single worst-case batch: no error bar
     return [MEASURES[key].title, sig(result.value), sig(stderr, 2) if math.isfinite(stderr) else None,
-            sig(result.clean_loss), len(result.per_batch), round(seconds, 2)]
+            certificate_words(certified(result)), sig(result.clean_loss), len(result.per_batch), round(seconds, 2)]
 
 
 def _check_rho(rho: float) -> None:
@@ -311,14 +320,18 @@ def _check_hub_model(hub_id: str) -> None:
 
 def _per_batch_plot(results: dict) -> Figure:
     """Each measure's value per batch on a linear axis with labelled ticks (values differ by measure, not by
-    orders of magnitude within one run). matplotlib is imported here: importing it writes its font cache."""
+    orders of magnitude within one run); a measure that is not certified is drawn hollow and dashed, and its legend
+    entry says it is a lower bound. matplotlib is imported here: importing it writes its font cache."""
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
     fig = Figure(figsize=(7, 3.2))  # no pyplot: no global figure registry to leak across visitors
     ax = fig.subplots()
     for key, r in results.items():
-        ax.plot(range(1, len(r.per_batch) + 1), r.per_batch, marker="o", label=MEASURES[key].title)
+        bound = certified(r) is False  # a lower bound of the maximum, not the maximum
+        ax.plot(range(1, len(r.per_batch) + 1), r.per_batch, marker="o", linestyle="--" if bound else "-",
+                markerfacecolor="none" if bound else None,
+                label=MEASURES[key].title + (f", {certificate_words(False)}" if bound else ""))
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.yaxis.set_major_locator(MaxNLocator(nbins=6))
     ax.set_xlabel("batch")
@@ -429,7 +442,8 @@ def _measure_tab(space: Space) -> None:
     go = gr.Button("Compute sharpness", variant="primary", elem_id="compute-btn")
     status_out = gr.Markdown(elem_id="status-out")
     table_out = gr.Dataframe(headers=RESULT_COLUMNS, elem_id="results-table",
-                             label="results (4 significant digits; stderr over batches, blank for one batch)")
+                             label="results (4 significant digits; stderr over batches, blank for one batch; a value "
+                             "that is not certified is a lower bound of the maximum)")
     plot_out = gr.Plot(label="sharpness per batch")
     report_out = gr.Textbox(label="symmetry report", lines=8, max_lines=400, elem_id="report-out")
     card_out = gr.Code(language="yaml", label="model-card YAML (paste into the README front matter)")
@@ -450,7 +464,8 @@ def _zoo_tab(space: Space) -> None:
         zoo_rho = gr.Number(value=Settings.rho, label=f"rho (0 < rho <= {LIMITS['max_rho']:g})")
         zoo_steps = gr.Slider(1, LIMITS["zoo_steps"], value=5, step=1, label="solver steps")
     rank = gr.Button("Rank the zoo", elem_id="rank-btn")
-    board_out = gr.Dataframe(label="leaderboard (4 significant digits)", elem_id="board-table")
+    board_out = gr.Dataframe(label="leaderboard (4 significant digits; ≥ ... (not certified): a lower bound of the "
+                             "maximum)", elem_id="board-table")
     taus_out = gr.Markdown()
     scatter_out = gr.Image(label="measure vs generalisation gap", type="filepath")
     rank.click(_check_rho, [zoo_rho], None, api_visibility="private").success(

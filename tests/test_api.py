@@ -257,3 +257,66 @@ def test_objective_gradient_matches_finite_differences_through_exp2(metric):
     plus, _ = objective(xi + t * v, False)
     minus, _ = objective(xi - t * v, False)
     assert float(grad @ v) == pytest.approx((plus - minus) / (2 * t), rel=1e-6)
+
+
+class _MLP(nn.Module):
+    """A plain MLP: no attention, so nothing to quotient."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+    def forward(self, x, labels):
+        return {"loss": nn.functional.cross_entropy(self.net(x), labels)}
+
+
+def test_a_model_with_nothing_to_quotient_gets_one_note_per_call_from_every_entry_point(caplog):
+    """Geodesic sharpness of a model without attention pairs is adaptive sharpness by construction; the API says so
+    with one NoSymmetryWarning per call (not silently), run_measures (the CLI's, evaluate's and the Trainer's path)
+    with one log line for all its measures, in the same words; a model with attention pairs gets no note."""
+    import warnings
+
+    from hf_geosharp.measures import no_symmetry_note, run_measures
+
+    model = _MLP()
+    torch.manual_seed(1)
+    batches = [{"x": torch.randn(8, 4), "labels": torch.randint(0, 2, (8,))} for _ in range(2)]
+    words = no_symmetry_note(gs.map_symmetries(model))
+    assert words is not None and "no attention head pairs" in words
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        geodesic = gs.geodesic_sharpness(model, batches, rho=RHO, **COMMON)
+        adaptive = gs.adaptive_sharpness(model, batches, rho=RHO, **COMMON)
+    notes = [w for w in caught if issubclass(w.category, gs.api.NoSymmetryWarning)]
+    assert [str(w.message) for w in notes] == [words]  # one, from the geodesic call only
+    assert notes[0].filename == __file__  # it points at the caller's line
+    assert geodesic.value == pytest.approx(adaptive.value, rel=1e-12)
+
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level("WARNING", logger="hf_geosharp"):
+        warnings.simplefilter("always")
+        run_measures(["geodesic_sharpness_inv", "geodesic_sharpness_mix"], model, batches, progress=False)
+    assert not [w for w in caught if issubclass(w.category, gs.api.NoSymmetryWarning)]
+    assert [r.getMessage() for r in caplog.records if "no attention head pairs" in r.getMessage()] == [words]
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        toy = ToyAttention()
+        gs.geodesic_sharpness(toy, toy_batches(), rho=RHO, symmetry_map=toy_symmetry_map(toy), **COMMON)
+    assert not [w for w in caught if issubclass(w.category, gs.api.NoSymmetryWarning)]
+
+
+def test_the_note_names_attention_that_could_not_be_mapped():
+    """DiffLlama has attention, but its groupnorm breaks GL(h) on VO, so nothing is mapped: the note says which
+    module was treated elementwise and why, not that the model has no attention."""
+    from transformers import DiffLlamaConfig, DiffLlamaForCausalLM
+
+    from hf_geosharp.api import no_symmetry_note
+
+    config = DiffLlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2)
+    smap = gs.map_symmetries(DiffLlamaForCausalLM(config))
+    note = no_symmetry_note(smap, "DiffLlama")
+    assert note.startswith("DiffLlama has no attention head pairs that could be mapped (2 attention modules treated "
+                           "elementwise; model.layers.0.self_attn: DiffLlamaAttention")
+    assert note.endswith("so geodesic sharpness equals adaptive sharpness by construction.")

@@ -57,14 +57,15 @@ ENGINE = {"geodesic_sharpness_inv": "geodesic_inv_worst", "geodesic_sharpness_mi
           "adaptive_sharpness": "adaptive_clean_worst", "relative_flatness": "relative_flatness"}
 
 
-def _result(measure: str, value: float, rho: float = 0.1, stderr: float = 0.01, **config) -> dict:
+def _result(measure: str, value: float, rho: float = 0.1, stderr: float = 0.01, converged: bool = True,
+            **config) -> dict:
     geodesic = measure.startswith("geodesic")
     base = {"rho": rho, "mode": "worst", "steps": 20, "seed": 0, "n_samples": 20, "params": "all", "n_batches": 2}
     base.update({"metric": measure.split("_")[1], "epsilon": 1e-6} if geodesic else {"variant": "clean"})
     if measure == "relative_flatness":  # no rho and no solver: a layer and Hutchinson samples
         base = {"layer": "classifier", "n_samples": 20, "seed": 0, "n_batches": 2}
     return {"measure": measure, "value": value, "per_batch": [value, value], "clean_loss": 0.3, "stderr": stderr,
-            "per_batch_clean_loss": [0.3, 0.3], "config": {**base, **config}}
+            "per_batch_clean_loss": [0.3, 0.3], "config": {**base, **config}, "converged": converged}
 
 
 def _all_results() -> list[dict]:
@@ -102,7 +103,7 @@ def test_every_measure_gets_its_own_leaderboard_key_after_a_round_trip(tmp_path,
     inv = next(e for e in ours if e.metric_type == "geodesic_sharpness_inv")
     assert inv.metric_config == "geodesic_inv_worst" and inv.metric_value == 0.1
     assert inv.metric_args == {"rho": 0.1, "mode": "worst", "steps": 20, "seed": 0, "n_batches": 2,
-                               "epsilon": 1e-6, "params": "all", "stderr": 0.01}
+                               "epsilon": 1e-6, "params": "all", "stderr": 0.01, "certified": True}
     assert inv.dataset_args == {"n_examples": 64, "batch_size": 32, "seed": 0}
     assert inv.source_url is None and inv.source_name is None  # the package has no homepage: no invented source
 
@@ -118,6 +119,52 @@ def test_every_measure_gets_its_own_leaderboard_key_after_a_round_trip(tmp_path,
     assert cli.main(["card", str(readme), "--results", str(rerun)]) == 0
     invs = [e for e in ModelCard.load(readme).data.eval_results if e.metric_type == "geodesic_sharpness_inv"]
     assert sorted((e.metric_args["rho"], e.metric_value) for e in invs) == [(0.1, 0.5), (0.5, 0.9)]
+
+
+def test_an_uncertified_value_is_published_as_a_lower_bound_in_both_formats(tmp_path, capsys):
+    """A real run at steps=1 is not certified: the model-index keeps ``certified: false`` in the metric's args (read
+    back by huggingface_hub's parser) and says "lower bound" in its name, the .eval_results notes say it, the command
+    names it on stderr; a certified value says so; relative flatness has no certificate. A certified rerun of the same
+    configuration replaces the lower bound."""
+    import torch
+
+    import hf_geosharp as gs
+
+    from .fixtures.hf_models import tiny_bert
+
+    torch.manual_seed(0)
+    batches = [{"input_ids": torch.randint(0, 100, (4, 8)), "labels": torch.tensor([0, 1, 0, 1])}]
+    with pytest.warns(gs.NotConvergedWarning):
+        lower = gs.geodesic_sharpness(tiny_bert(), batches, metric="mix", steps=1, progress=False).to_dict()
+    assert lower["converged"] is False  # the engine's own verdict: one step is not stationary
+    run = _run_json(tmp_path / "run.json", lower, _result("geodesic_inv_worst", 0.2),
+                    _result("relative_flatness", 3.0))
+    model = tmp_path / "m"
+    args = ["card", str(model), "--results", str(run), "--format", "both", "--benchmark", "me/bench"]
+    assert cli.main(args) == 0
+    err = capsys.readouterr().err
+    assert f"geodesic_sharpness_mix ≥ {lower['value']:.4g} (not certified)" in err and "1 of 3" in err
+
+    _, parsed = model_index_to_eval_results(metadata_load(model / "README.md")["model-index"])
+    by_key = {e.metric_type: e for e in parsed}
+    mix, inv, flat = by_key["geodesic_sharpness_mix"], by_key["geodesic_sharpness_inv"], by_key["relative_flatness"]
+    assert mix.metric_args["certified"] is False and "not certified (a lower bound of the maximum)" in mix.metric_name
+    assert mix.metric_value == pytest.approx(lower["value"])
+    assert inv.metric_args["certified"] is True and "certified" not in inv.metric_name
+    assert "certified" not in flat.metric_args  # an exact trace: no certificate, and none claimed
+
+    notes = {e.task_id: e.notes for e in parse_eval_result_entries(
+        yaml.safe_load((model / ".eval_results" / "me__bench.yaml").read_text()))}
+    assert notes["geodesic_sharpness_mix"].endswith("; not certified (a lower bound of the maximum)")
+    assert notes["geodesic_sharpness_inv"].endswith("; certified")
+    assert notes["relative_flatness"].endswith("; no certificate (not a worst case)")
+
+    certified_rerun = {**lower, "value": lower["value"] * 2, "converged": True}
+    assert cli.main(["card", str(model), "--results", str(_run_json(tmp_path / "again.json", certified_rerun))]) == 0
+    assert "not certified" not in capsys.readouterr().err
+    mixes = [e for e in ModelCard.load(model / "README.md").data.eval_results
+             if e.metric_type == "geodesic_sharpness_mix"]
+    assert [(e.metric_value, e.metric_args["certified"]) for e in mixes] == [(certified_rerun["value"], True)]
 
 
 def test_local_data_is_not_written_as_a_hub_dataset_and_source_is_what_the_user_passed(tmp_path):

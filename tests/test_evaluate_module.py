@@ -292,7 +292,7 @@ def test_output_keys_are_stable_and_defaults_are_the_bundles(tmp_path, module_fr
     data = dict(model=tiny_bert(), input_ids=enc["input_ids"], labels=labels, batch_size=4, steps=2)
     only_mix = module_from_checkout_root.compute(**data, measures="mix")
     default = module_from_checkout_root.compute(**data)
-    expected = {f"{k}{s}" for k in MEASURES for s in ("", "_stderr", "_per_batch")}
+    expected = {f"{k}{s}" for k in MEASURES for s in ("", "_stderr", "_per_batch", "_certified")}
     assert set(only_mix) == set(default) == expected | {"clean_loss", "clean_loss_per_batch", "config"}
     assert only_mix["geodesic_sharpness_inv"] is None and only_mix["geodesic_sharpness_mix"] > 0
     assert only_mix["geodesic_sharpness_mix"] == default["geodesic_sharpness_mix"]
@@ -322,6 +322,51 @@ def test_int_labels_of_a_classifier_and_the_clear_errors(tmp_path, module_from_c
         module.compute(model=tiny_bert(), predictions=["a good film"], labels=[1])
     with pytest.raises(ValueError, match="never moves a model"):
         module.compute(model=tiny_bert(), input_ids=enc["input_ids"], labels=labels, device="meta")
+
+
+def test_each_value_carries_its_certificate_at_the_top_level(tmp_path, module_from_checkout_root):
+    """One solver step is not certified: ``<key>_certified`` is False at the top level (the value is a lower bound),
+    as the engine's ``converged`` says; measures not asked for, and the average case, have None (no certificate)."""
+    enc, labels = _text_data(tmp_path, n=4)
+    data = dict(model=tiny_bert(), input_ids=enc["input_ids"], labels=labels, batch_size=4)
+    with pytest.warns(gs.NotConvergedWarning):
+        worst = module_from_checkout_root.compute(**data, measures="mix,adaptive", steps=1, rho=0.1)
+    for key in ("geodesic_sharpness_mix", "adaptive_sharpness"):
+        assert worst[f"{key}_certified"] is False is worst["config"]["results"][key]["converged"]
+    assert worst["geodesic_sharpness_inv_certified"] is None and worst["relative_flatness_certified"] is None
+    average = module_from_checkout_root.compute(**data, measures="adaptive", mode="average", n_samples=2)
+    assert average["adaptive_sharpness"] is not None and average["adaptive_sharpness_certified"] is None
+
+
+def test_inputs_are_checked_before_any_work(tmp_path, module_from_checkout_root):
+    """Float token ids would be truncated by the int64 schema, a None label failed as "Could not infer dtype of
+    NoneType", a tokenizer name as "'str' object is not callable": each is refused by name before evaluate stores
+    anything or a model is loaded (model_id points nowhere: loading it would be a different error)."""
+    module = module_from_checkout_root
+    enc, labels = _text_data(tmp_path, n=4)
+    nowhere = str(tmp_path / "no-such-model")
+    floats = [[float(t) for t in row] for row in enc["input_ids"]]
+    floats[2][1] += 0.7
+    with pytest.raises(ValueError, match=r"input_ids\[0\] holds the float .*token ids and masks are integers"):
+        module.compute(model_id=nowhere, input_ids=floats, labels=labels)
+    with pytest.raises(ValueError, match=r"^input_ids holds a torch.float32 tensor"):
+        module.compute(model_id=nowhere, input_ids=torch.tensor([[5.0, 6.0]]), labels=[1])
+    with pytest.raises(ValueError, match=r"attention_mask\[1\] holds the float 1.0"):
+        module.compute(model_id=nowhere, input_ids=enc["input_ids"][:2], attention_mask=[[1, 1], [1.0, 0]],
+                       labels=labels[:2])
+    with pytest.raises(ValueError, match=r"^labels\[1\] is None: every example needs its label"):
+        module.compute(model_id=nowhere, input_ids=enc["input_ids"], labels=[1, None, 0, 1])
+    with pytest.raises(ValueError, match=r"^labels\[0\] is None"):
+        module.compute(model_id=nowhere, input_ids=enc["input_ids"][:1], labels=[[0, None]])
+    with pytest.raises(TypeError, match=r"tokenizer= must be a tokenizer object \(e.g. AutoTokenizer.from_pretrained"
+                                        r"\('bert'\)\), got str"):
+        module.compute(model_id=nowhere, predictions=["a good film"], labels=[1], tokenizer="bert")
+    with pytest.raises(ValueError, match=r"labels\[0\] is None"):
+        module.add_batch(input_ids=enc["input_ids"][:1], labels=[None])
+    with pytest.raises(ValueError, match=r"^input_ids holds the float 2.5"):
+        module.add(input_ids=[1, 2.5], labels=1)
+    module.add(input_ids=[1, 2], labels=1)  # integers pass
+    assert module.compute(model=tiny_bert(), measures="adaptive", mode="average", n_samples=1)["adaptive_sharpness"]
 
 
 def test_the_cached_version_notice_is_silenced_for_this_module_only(tmp_path):

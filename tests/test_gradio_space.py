@@ -206,7 +206,8 @@ def test_measure_through_gradio_client(app, url, zoo_cache):
     assert set(rows) == {MEASURES[MIX].title, MEASURES[ADAPTIVE].title}
     for row in rows.values():
         value = row[1]
-        assert value >= 0 and row[4] == 1  # 64 examples: one batch of 64
+        assert value >= 0 and row[5] == 1  # 64 examples: one batch of 64
+        assert row[3] in ("certified", "not certified (a lower bound of the maximum)")
         assert value == 0 or float(f"{value:.4g}") == value  # 4 significant digits
     model = load_model(str(zoo_cache / "zoo" / "mini-01"))
     assert report == format_report(map_symmetries(model).summary(model))  # the whole report, not cut off
@@ -290,6 +291,45 @@ def test_zoo_is_described_by_settings_and_plot_axes_are_labelled(app):
     assert len([y for y in labelled if 0.18 <= y <= 0.58]) >= 3  # a symlog axis would label none in this range
     assert ax.get_yscale() == "linear" and ax.get_xlabel() and ax.get_ylabel()
     assert app.sig(0.123456) == 0.1235 and math.isnan(app.sig(math.nan))
+
+
+def test_every_worst_case_number_shows_its_certificate(app, zoo_cache, tmp_path):
+    """One solver step is not certified: the results table's certified column, the status line (≥ ... (not
+    certified)), the per-batch plot (hollow, dashed, "lower bound" in the legend), the card YAML (certified: false)
+    and the zoo ranking (≥ in the cell) all say so, by the package's one rule."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from hf_geosharp.engine.result import certificate_words
+
+    space = app.Space("mini", zoo_cache, tmp_path)
+    table, _, plot, card_yaml, status = space.measure("mini-01", "", app.BUNDLED, "", "train", 64, 0.5,
+                                                      [MIX, ADAPTIVE], 1, progress=lambda *a, **k: None)
+    rows = {row["measure"]: row for _, row in table.iterrows()}
+    assert list(table.columns) == app.RESULT_COLUMNS
+    assert {row["certified"] for row in rows.values()} == {certificate_words(False)}
+    mix = rows[MEASURES[MIX].title]
+    assert f"{MEASURES[MIX].title} ≥ {mix['value']:.4g}" in status and status.count("(not certified)") == 2
+    _, entries = model_index_to_eval_results(yaml.safe_load(card_yaml)["model-index"])
+    assert [e.metric_args["certified"] for e in entries] == [False, False]
+    FigureCanvasAgg(plot).draw()
+    lines = plot.axes[0].get_lines()
+    assert all(line.get_linestyle() == "--" and line.get_markerfacecolor() == "none" for line in lines)
+    assert all(certificate_words(False) in t.get_text() for t in plot.axes[0].get_legend().get_texts())
+
+    certified = SimpleNamespace(per_batch=[0.1, 0.2], value=0.15, stderr=0.05, converged=True,
+                                config={"mode": "worst"}, measure="geodesic_inv_worst")
+    average = SimpleNamespace(per_batch=[0.1], value=0.1, stderr=0.01, converged=True, config={"mode": "average"},
+                              measure="adaptive_clean_average", clean_loss=0.3)
+    assert app._pm(certified) == "0.15 ± 0.05" and app._pm(average) == "0.1 ± 0.01"
+    assert app._row(INV, average, 1.0)[3] == certificate_words(None)
+    solid = app._per_batch_plot({INV: certified}).axes[0].get_lines()[0]
+    assert solid.get_linestyle() == "-" and solid.get_markerfacecolor() != "none"
+
+    board = SimpleNamespace(measures=["geodesic_inv_worst"], not_converged=lambda: [("b", "geodesic_inv_worst")],
+                            rows=[{"model": "a", "geodesic_inv_worst": 0.123456}, {"model": "b",
+                                                                                  "geodesic_inv_worst": 0.2}])
+    ranking = app._ranking_table(board)
+    assert ranking["geodesic_inv_worst"].tolist() == [0.1235, "≥ 0.2 (not certified)"]
 
 
 def test_rank_the_zoo_through_gradio_client(url):

@@ -101,24 +101,28 @@ def test_callback_keeps_the_trajectory_and_logs_the_api_values(tmp_path, data):
     losses = [e for e in plain.state.log_history if "loss" in e]
     assert [e for e in measured.state.log_history if "loss" in e] == losses and len(losses) == 2  # steps 2 and 4
 
-    # one entry per measurement (steps 2 and 4; the end is step 4, not measured twice), handed to every reporter
-    entries = [e for e in measured.state.log_history if "geodesic_sharpness_inv" in e]
+    # one entry per measurement (steps 2 and 4; the end is step 4, not measured twice), handed to every reporter,
+    # as evaluation metrics (eval_*: the reporters file them under eval/, not train/), each with its certificate
+    entries = [e for e in measured.state.log_history if "eval_geodesic_sharpness_inv" in e]
     assert [e["step"] for e in entries] == [2, 4]
-    assert [r for r in recorder.logs if "geodesic_sharpness_inv" in r] == [
+    assert [r for r in recorder.logs if "eval_geodesic_sharpness_inv" in r] == [
         {k: v for k, v in e.items() if k != "step"} for e in entries
     ]
-    assert set(entries[0]) == {*KEYS, *(f"{k}_stderr" for k in KEYS), "clean_loss", "epoch", "step"}
+    assert set(entries[0]) == {*(f"eval_{k}{s}" for k in KEYS for s in ("", "_stderr", "_certified")),
+                               "eval_clean_loss", "epoch", "step"}
+    for entry, measurement in zip(entries, callback.history):
+        assert all(entry[f"eval_{k}_certified"] is measurement["results"][k]["converged"] for k in KEYS)
 
     # the values are the API's on the same batches at the same weights
     for entry in entries:
         model = _model().eval()
         model.load_state_dict(recorder.weights[entry["step"]])
         ref = gs.geodesic_sharpness(model, callback.batches, rho=0.05, steps=2, seed=0, metric="inv", progress=False)
-        assert entry["geodesic_sharpness_inv"] == pytest.approx(ref.value, rel=1e-6, abs=1e-9)
-        assert entry["clean_loss"] == pytest.approx(ref.clean_loss, rel=1e-6)
+        assert entry["eval_geodesic_sharpness_inv"] == pytest.approx(ref.value, rel=1e-6, abs=1e-9)
+        assert entry["eval_clean_loss"] == pytest.approx(ref.clean_loss, rel=1e-6)
         base = gs.adaptive_sharpness(model, callback.batches, rho=0.05, steps=2, seed=0, progress=False)
-        assert entry["adaptive_sharpness"] == pytest.approx(base.value, rel=1e-6, abs=1e-9)
-    assert entries[0]["geodesic_sharpness_inv"] != entries[1]["geodesic_sharpness_inv"]  # weights moved
+        assert entry["eval_adaptive_sharpness"] == pytest.approx(base.value, rel=1e-6, abs=1e-9)
+    assert entries[0]["eval_geodesic_sharpness_inv"] != entries[1]["eval_geodesic_sharpness_inv"]  # weights moved
     # the subset: 6 rows in batches of 4, columns the model takes ("text" dropped), padded by the tokenizer
     assert [len(b["labels"]) for b in callback.batches] == [4, 2]
     assert "text" not in callback.batches[0] and "input_ids" in callback.batches[0]
@@ -164,14 +168,15 @@ def test_fixed_batches_with_the_trainer_given_are_measured_once_at_the_end(tmp_p
     trainer.add_callback(GeodesicSharpnessCallback(batches, measures="mix", settings=SETTINGS, trainer=trainer))
     trainer.add_callback(recorder.callback)
     trainer.train()
-    entries = [e for e in trainer.state.log_history if "geodesic_sharpness_mix" in e]
-    assert [e["step"] for e in entries] == [3] and len([r for r in recorder.logs if "geodesic_sharpness_mix" in r]) == 1
+    entries = [e for e in trainer.state.log_history if "eval_geodesic_sharpness_mix" in e]
+    assert [e["step"] for e in entries] == [3]
+    assert len([r for r in recorder.logs if "eval_geodesic_sharpness_mix" in r]) == 1
     model = _model().eval()
     model.load_state_dict(recorder.weights[3])
     ref = gs.geodesic_sharpness(model, batches, metric="mix", rho=0.05, steps=2, seed=0, progress=False)
-    assert entries[0]["geodesic_sharpness_mix"] == pytest.approx(ref.value, rel=1e-6)
+    assert entries[0]["eval_geodesic_sharpness_mix"] == pytest.approx(ref.value, rel=1e-6)
     engine_stderr = getattr(ref, "stderr", math.nan)  # passed through as the engine reports it
-    assert entries[0]["geodesic_sharpness_mix_stderr"] == pytest.approx(engine_stderr, nan_ok=True)
+    assert entries[0]["eval_geodesic_sharpness_mix_stderr"] == pytest.approx(engine_stderr, nan_ok=True)
 
 
 @pytest.mark.parametrize("case", ["no labels", "token ids beyond the vocabulary"])
@@ -198,3 +203,66 @@ def test_what_the_first_measurement_would_refuse_stops_training_before_its_first
         trainer.train()
     assert trainer.state.global_step == 0 and recorder.weights == {}  # not one training step was spent
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+class _MLP(torch.nn.Module):
+    """No attention: nothing to quotient. At rho 0.5 one solver step is not stationary; twenty are."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+
+    def forward(self, x, labels):
+        return {"loss": torch.nn.functional.cross_entropy(self.net(x), labels)}
+
+
+@pytest.mark.parametrize("steps", [1, 20])
+def test_each_logged_value_carries_its_certificate_and_an_uncertified_measurement_warns_once(caplog, steps):
+    """Two measurements of an MLP: every worst-case value is logged with eval_<key>_certified (the engine's
+    ``converged``) under the reporters' eval/ prefix; a measurement with values that are not certified gives one
+    warning that shows them as lower bounds (no per-result warning besides), a certified one none; the note that
+    nothing is quotiented comes once per training run, not once per measurement."""
+    import warnings
+
+    from transformers.integrations.integration_utils import rewrite_logs
+    from transformers.trainer_callback import TrainerControl, TrainerState
+
+    torch.manual_seed(1)
+    batches = [{"x": torch.randn(8, 4), "labels": torch.randint(0, 2, (8,))} for _ in range(2)]
+    callback = GeodesicSharpnessCallback(batches, every_n_steps=1, measures="inv,adaptive",
+                                         settings=Settings(rho=0.5, steps=steps, seed=0))
+    model, state, control = _MLP(), TrainerState(), TrainerControl()
+    with caplog.at_level("WARNING", logger="hf_geosharp"), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in (1, 2):
+            state.global_step = step
+            callback.on_step_end(None, state, control, model=model)
+    assert not [w for w in caught if issubclass(w.category, (gs.NotConvergedWarning, gs.api.NoSymmetryWarning))]
+    messages = [r.getMessage() for r in caplog.records]
+    assert len([m for m in messages if "no attention head pairs" in m]) == 1
+    uncertified = [m for m in messages if "not certified" in m]
+    flags = [{k: e[f"eval_{k}_certified"] for k in KEYS} for e in state.log_history]
+    assert flags == [{k: h["results"][k]["converged"] for k in KEYS} for h in callback.history]
+    if steps == 1:
+        assert flags == [dict.fromkeys(KEYS, False)] * 2 and len(uncertified) == 2
+        value = state.log_history[0]["eval_adaptive_sharpness"]
+        assert uncertified[0].startswith("sharpness at step 1 is not certified, each value a lower bound")
+        assert f"adaptive_sharpness ≥ {value:.4g} (not certified)" in uncertified[0]
+    else:
+        assert flags == [dict.fromkeys(KEYS, True)] * 2 and uncertified == []
+    tensorboard = rewrite_logs(state.log_history[0])  # what TensorBoard, W&B, ... are handed
+    assert {k for k in tensorboard if "sharpness" in k or "loss" in k} == {
+        f"eval/{k}{s}" for k in KEYS for s in ("", "_stderr", "_certified")} | {"eval/clean_loss"}
+
+
+def test_the_average_case_has_no_certificate_to_log():
+    from transformers.trainer_callback import TrainerControl, TrainerState
+
+    torch.manual_seed(1)
+    batches = [{"x": torch.randn(8, 4), "labels": torch.randint(0, 2, (8,))}]
+    callback = GeodesicSharpnessCallback(batches, measures="adaptive", settings=Settings(mode="average", n_samples=4))
+    state = TrainerState()
+    callback.on_train_end(None, state, TrainerControl(), model=_MLP())
+    assert "eval_adaptive_sharpness" in state.log_history[0]
+    assert not [k for k in state.log_history[0] if k.endswith("_certified")]

@@ -10,6 +10,9 @@ Reads the JSON of ``geosharp run --json`` (or ``SharpnessResult.to_dict()`` outp
 
 ``--push REPO_ID`` proposes the same files as one pull request (one commit) on the Hub with the user's token;
 ``--results-repo`` also commits the run JSON to a results dataset. Every check runs before anything is written.
+
+Every worst-case value goes out with its certificate (``certified`` in the metric's args, the certificate in the
+``.eval_results`` notes); a value that is not certified is published as a lower bound and named on stderr.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pathlib import Path
 
 from huggingface_hub import ModelCard
 
+from ..engine.result import LOWER_BOUND, certified, shown
 from ..hub.cards import (
     CardError,
     card_yaml,
@@ -29,6 +33,7 @@ from ..hub.cards import (
     eval_result_entry,
     eval_results_file,
     known_task,
+    measure_key,
     model_metadata,
     parse_card,
     read_card_text,
@@ -105,6 +110,12 @@ def _prepare(args: argparse.Namespace) -> tuple[list, list, dict]:
     for path in _existing_eval_files(folder, entries):  # a broken existing file stops us before any write
         read_entries(path.read_text())
     meta = model_metadata(folder, base_model=args.base_model, license=args.license)
+    uncertified = [r for r in results if certified(r) is False]
+    if uncertified:
+        shown_values = ", ".join(f"{measure_key(r)} {shown(float(r['value']), False)}" for r in uncertified)
+        print(f"note: {len(uncertified)} of {len(results)} results are not certified, so each is published as "
+              f"{LOWER_BOUND} (certified: false): {shown_values}. `geosharp run --steps auto` continues until "
+              "certified or says why not.", file=sys.stderr)
     return index, entries, meta
 
 

@@ -1,4 +1,5 @@
-"""What a measurement returns: :class:`SharpnessResult`, its error bars, and the convergence warning."""
+"""What a measurement returns: :class:`SharpnessResult`, its error bars, the convergence warning, and the one rule for
+showing a value with its certificate (:func:`certified`, :func:`shown`, :func:`certificate_words`)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import contextlib
 import copy
 import math
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -219,3 +220,35 @@ def warn_not_converged(measure: str, config: dict[str, Any], note: str, steps_us
         _collectors[-1].append(message)
         return
     warnings.warn(message, NotConvergedWarning, stacklevel=5)
+
+
+# ------------------------------------------------------------------------------------------------ the display rule
+#: How every face shows a worst-case value that is not certified: the largest value the solver found, a lower bound.
+NOT_CERTIFIED = "not certified"
+LOWER_BOUND = "a lower bound of the maximum"
+
+
+def certified(result: SharpnessResult | Mapping[str, Any]) -> bool | None:
+    """Whether ``result``'s value carries the certificate: ``converged`` for a worst case (a maximum), ``None`` for a
+    measure that maximises nothing and so has no certificate to give: the average case (a sample mean with its
+    ``stderr``) and relative flatness (an exact trace). ``result`` is a :class:`SharpnessResult` or its
+    ``to_dict()``; a worst case that records no ``converged`` (an older file) counts as not certified."""
+    get = result.get if isinstance(result, Mapping) else lambda name: getattr(result, name, None)
+    mode = (get("config") or {}).get("mode") or str(get("measure") or "").rsplit("_", 1)[-1]
+    return bool(get("converged")) if mode == "worst" else None
+
+
+def shown(value: float, certified: bool | None, digits: int = 4, stderr: float | None = None) -> str:
+    """A value with its certificate, as every face prints it: ``"0.1234"`` when certified or without a certificate,
+    ``"≥ 0.1234 (not certified)"`` when a worst case is not certified (its value is a lower bound of the maximum).
+    A finite ``stderr`` is shown after the value with 2 significant digits (``"≥ 0.1234 ± 0.0021 (not certified)"``)."""
+    text = f"{value:.{digits}g}" + (f" ± {stderr:.2g}" if stderr is not None and math.isfinite(stderr) else "")
+    return f"≥ {text} ({NOT_CERTIFIED})" if certified is False else text
+
+
+def certificate_words(certified: bool | None) -> str:
+    """The certificate in a table cell, a note or a name: ``"certified"``, ``"not certified (a lower bound of the
+    maximum)"``, or ``"no certificate (not a worst case)"``."""
+    if certified is None:
+        return "no certificate (not a worst case)"
+    return "certified" if certified else f"{NOT_CERTIFIED} ({LOWER_BOUND})"

@@ -8,6 +8,10 @@ Labels are stored with the dtype the model's task needs: class ids as integers, 
 floats (evaluate picks a feature schema from the first example; here it is picked from all labels' types, so a float
 target is never truncated to an integer).
 
+Inputs are checked before evaluate stores them and before any work (:func:`check_values`): token ids must be integers
+(evaluate's int64 schema would truncate a float silently), no example may have ``None`` for an input it was given, and
+``tokenizer=`` must be a tokenizer object, not a name.
+
 evaluate stores every declared feature for every example, but a text model has no pixels and many tokenizers make no
 ``token_type_ids``. Inputs that are not given are therefore stored as empty rows, and a column whose rows are all empty
 counts as absent.
@@ -48,10 +52,13 @@ from ..data import (
     task_of,
 )
 from ..engine.placement.sharding import attention_placement, init_distributed, is_sharded, shard_model
+from ..engine.result import certified
 from ..measures import DEFAULT_MEASURES, MEASURES, Settings, parse_measures, result_fields, run_measures, spec
 from ..symmetry import map_symmetries
 
 INPUTS = ("predictions", "input_ids", "attention_mask", "token_type_ids", "pixel_values", "labels")
+#: Inputs stored as int64: a float there would be truncated without a word, so it is refused.
+INTEGER_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 
 _DESCRIPTION = """\
 Geodesic sharpness (da Silva, Dangel & Oore, ICML 2025) measures how much a model's loss rises when its weights move a
@@ -95,7 +102,8 @@ Args:
         never moved.
     model_id (`str`): instead of `model`, a local path or Hub id, loaded with the head its config names (custom
         model code is never run).
-    tokenizer (*optional*): tokenizes `predictions`; default the one saved with `model_id`.
+    tokenizer (*optional*): a tokenizer object that tokenizes `predictions` (not a name: load it with
+        `AutoTokenizer.from_pretrained(name)`); default the one saved with `model_id`.
     device (`str`, *optional*): where a `model_id` model runs (default: cuda when available, else cpu); a `model` stays
         where it is.
     measures (`str` or `list`, *optional*): measure keys or short forms ("inv", "mix", "adaptive"); default
@@ -103,7 +111,7 @@ Args:
     rho (`float`, default {DEFAULTS.rho}): radius of the perturbation ball.
     mode (`str`, default "{DEFAULTS.mode}"): "worst" (maximise the loss over the ball) or "average".
     steps (`int` or "auto", default {DEFAULTS.steps}): solver iterations per batch (worst case), or "auto": until the
-        worst case is certified (stationary, and a second start agrees); `config["results"][key]["converged"]`.
+        worst case is certified (stationary, and a second start agrees); `<key>_certified` says whether it is.
     n_samples (`int`, default {DEFAULTS.n_samples}): random directions per batch (average case).
     batch_size (`int`, default {DEFAULT_BATCH_SIZE}): examples per batch; values are averaged over batches.
     max_length (`int`, default {DEFAULT_MAX_LENGTH}): truncation length when tokenizing `predictions`.
@@ -118,7 +126,10 @@ Args:
 Returns:
     for every measure key (`geodesic_sharpness_inv`, `geodesic_sharpness_mix`, `adaptive_sharpness`, ...), whichever
     were asked for (the others are None, so the keys never change): `<key>` (`float`, the mean over batches),
-    `<key>_stderr` (its standard error; NaN for a single worst-case batch) and `<key>_per_batch` (`list[float]`);
+    `<key>_stderr` (its standard error; NaN for a single worst-case batch), `<key>_per_batch` (`list[float]`) and
+    `<key>_certified` (`bool`: whether the worst case is certified; False: `<key>` is a lower bound of the maximum,
+    and `config["results"][key]["convergence_note"]` says why; None for the average case and relative flatness,
+    which have no certificate, and for measures not asked for);
     clean_loss (`float`) and clean_loss_per_batch (`list[float]`): the unperturbed loss;
     config (`dict`): the settings, example and batch counts, world size, each measure's engine name, convergence and
         configuration, and the attention modules that could not be mapped (treated elementwise), with the reason.
@@ -163,6 +174,57 @@ def _label_kind(rows: Any) -> int:
             "labels=[model.config.label2id[name] for name in names]."
         )
     return 2 * nested + any(isinstance(v, float) for v in values)
+
+
+def _bad_value(value: Any, integers: bool, deep: bool = True) -> str | None:
+    """What is wrong with one example's input, or ``None``: it is ``None`` (anywhere in it, with ``deep``), or it holds
+    a float where ``integers`` belong."""
+    if value is None:
+        return "None"
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor" if integers and (value.is_floating_point() or value.is_complex()) else None
+    if isinstance(value, np.ndarray):
+        if value.dtype == object:
+            return _bad_value(value.ravel().tolist(), integers, deep) if deep else None
+        exact = np.issubdtype(value.dtype, np.integer) or value.dtype == np.bool_
+        return f"a {value.dtype} array" if integers and not exact else None
+    if deep and isinstance(value, (list, tuple)):
+        return next((bad for v in value if (bad := _bad_value(v, integers)) is not None), None)
+    if integers and isinstance(value, (float, np.floating, complex)):
+        return f"the float {value!r}"
+    return None
+
+
+def check_values(kwargs: dict[str, Any], *, single: bool = False) -> None:
+    """Refuse, before evaluate stores anything and before any work, what would otherwise be changed silently or fail
+    without naming its field: float token ids (the int64 schema truncates them), ``None`` for an example's input
+    (labels included), and a ``tokenizer=`` that is a name rather than a tokenizer. ``single``: ``add``'s one
+    example."""
+    tokenizer = kwargs.get("tokenizer")
+    if tokenizer is not None and not callable(tokenizer):
+        load = (f" (e.g. AutoTokenizer.from_pretrained({tokenizer!r}))" if isinstance(tokenizer, str) else "")
+        raise TypeError(f"tokenizer= must be a tokenizer object{load}, got {type(tokenizer).__name__} "
+                        f"{tokenizer!r:.60}; or leave it out with model_id= to use the tokenizer saved with the model.")
+    for name in ("prediction" if single else "predictions", *INPUTS[1:]):
+        given = kwargs.get(name)
+        if given is None:
+            continue
+        integers, deep = name in INTEGER_INPUTS, name != "pixel_values"  # pixels: floats, and too many to walk
+        whole = single or isinstance(given, (torch.Tensor, np.ndarray))  # one value, or one dtype for all rows
+        for i, row in enumerate([given] if whole else given):
+            if (bad := _bad_value(row, integers, deep)) is not None:
+                raise ValueError(f"{name if whole else f'{name}[{i}]'} {'is' if bad == 'None' else 'holds'} {bad}: "
+                                 f"{_fix(name, bad)}.")
+
+
+def _fix(name: str, bad: str) -> str:
+    if bad == "None" and name == "labels":
+        return ("every example needs its label: a class id, a float target, or per-token ids with -100 where ignored; "
+                "drop the unlabelled examples")
+    if bad == "None":
+        return f"every example needs its {name}; drop the examples without them"
+    return ("token ids and masks are integers and a float would be truncated; pass integers (the tokenizer's output, "
+            "or .long() / .astype(int))")
 
 
 def _with_absent_inputs(kwargs: dict[str, Any], *, single: bool = False) -> dict[str, Any]:
@@ -261,6 +323,7 @@ def _output(results: dict, settings: Settings, keys: list[str], config: dict[str
     for key in MEASURES:  # every key, always: a result table keeps its columns whatever was asked for
         empty = {key: None, f"{key}_stderr": None, f"{key}_per_batch": None}
         out.update(result_fields(key, results[key]) if key in results else empty)
+        out[f"{key}_certified"] = certified(results[key]) if key in results else None
     first = next(iter(results.values()))
     out["clean_loss"], out["clean_loss_per_batch"] = first.clean_loss, list(first.per_batch_clean_loss)
     out["config"] = {
@@ -303,18 +366,21 @@ class GeodesicSharpness(evaluate.Measurement):
 
     def compute(self, **kwargs: Any) -> dict[str, Any] | None:
         """Measure sharpness; see the arguments below."""
+        check_values(kwargs)
         kwargs = _with_absent_inputs(kwargs)
         self._check_labels(kwargs.get("labels"))
         return super().compute(**kwargs)
 
     def add_batch(self, **kwargs: Any) -> None:
         """Add a batch of examples; ``compute(model=...)`` then measures all added examples."""
+        check_values(kwargs)
         kwargs = _with_absent_inputs(kwargs)
         self._check_labels(kwargs.get("labels"))
         super().add_batch(**kwargs)
 
     def add(self, **kwargs: Any) -> None:
         """Add one example."""
+        check_values(kwargs, single=True)
         kwargs = _with_absent_inputs(kwargs, single=True)
         self._check_labels([kwargs["labels"]] if "labels" in kwargs else None)
         super().add(**kwargs)

@@ -11,6 +11,12 @@ Two formats, both written with huggingface_hub's own classes (never hand-written
   points at a benchmark dataset on the Hub that carries an ``eval.yaml`` (template:
   ``hf_geosharp/hub/templates/eval.yaml``); the task id is the measure key, the settings and stderr go into ``notes``.
 
+Every worst-case value carries its certificate (:func:`hf_geosharp.engine.result.certified`): ``certified: true`` or
+``false`` in the model-index metric's ``args`` (kept by huggingface_hub's parser), the words "not certified: a lower
+bound of the maximum" in its display name, and the certificate in the ``.eval_results`` entry's ``notes``. The
+average case and relative flatness have no certificate (they maximise nothing): no ``certified`` field, and the
+notes say so.
+
 Honesty rules: the dataset is a Hub id (with config, split and revision) only when it came from the Hub; local data is
 written as ``type: local:<name>``, which is not a Hub id (the format requires a ``type``). ``source`` is written only
 when there is a real URL (``--source-url``, or a homepage in the package metadata). ``library_name``/``base_model``/
@@ -37,6 +43,7 @@ if TYPE_CHECKING:
 
 from .._version import __version__
 from ..durable import atomic_path, write_text
+from ..engine.result import certificate_words, certified
 from ..measures import MEASURES, key_of
 
 logger = logging.getLogger(__name__)
@@ -156,7 +163,8 @@ def _value(result: dict[str, Any], key: str) -> float:
 
 
 def settings_args(result: dict[str, Any]) -> dict[str, Any]:
-    """The settings the result's config records (plus its stderr when finite): the metric's args."""
+    """The settings the result's config records (plus its stderr when finite, and ``certified`` for a worst case):
+    the metric's args."""
     config = result.get("config") or {}
     args = {k: config[k] for k in _SETTINGS if config.get(k) is not None and _finite(config[k])}
     budget = "steps" if args.get("mode") == "worst" else "n_samples"  # the solver effort that matters in this mode
@@ -164,6 +172,8 @@ def settings_args(result: dict[str, Any]) -> dict[str, Any]:
     stderr = result.get("stderr")
     if isinstance(stderr, (int, float)) and math.isfinite(stderr):
         args["stderr"] = float(stderr)
+    if (flag := certified(result)) is not None:
+        args["certified"] = flag
     return args
 
 
@@ -173,7 +183,8 @@ def eval_result(result: dict[str, Any], dataset: DatasetInfo, task: str, *, url:
     key = measure_key(result)
     args = settings_args(result)
     name = ", ".join([MEASURES[key].title, *([f"rho={args['rho']}"] if "rho" in args else []),
-                      *([f"{args['mode']} case"] if "mode" in args else [])])
+                      *([f"{args['mode']} case"] if "mode" in args else []),
+                      *([certificate_words(False)] if args.get("certified") is False else [])])
     url = source_url(url)
     return EvalResult(
         task_type=task, dataset_type=dataset.type, dataset_name=dataset.name, dataset_config=dataset.config,
@@ -184,9 +195,10 @@ def eval_result(result: dict[str, Any], dataset: DatasetInfo, task: str, *, url:
 
 
 def _same_config(a: EvalResult, b: EvalResult) -> bool:
-    """Same measurement: everything but the value, the display name, the stderr and the library that produced it."""
+    """Same measurement: everything but the value, the display name, the stderr, the certificate and the library that
+    produced it (a certified rerun replaces a lower bound)."""
     ignore = {"metric_value", "metric_name", "source_name", "source_url", "verified", "verify_token", "metric_args"}
-    strip = [{k: v for k, v in (r.metric_args or {}).items() if k != "stderr"} for r in (a, b)]
+    strip = [{k: v for k, v in (r.metric_args or {}).items() if k not in ("stderr", "certified")} for r in (a, b)]
     return strip[0] == strip[1] and all(getattr(a, k) == getattr(b, k) for k in vars(a) if k not in ignore)
 
 
@@ -297,15 +309,16 @@ def eval_results_api(name: str) -> Any:
 
 def eval_result_entry(result: dict[str, Any], dataset: DatasetInfo, benchmark: str, *, url: str | None = None,
                       benchmark_revision: str | None = None) -> EvalResultEntry:
-    """One ``.eval_results`` entry: the benchmark dataset, the measure key as task id, the settings in ``notes``."""
+    """One ``.eval_results`` entry: the benchmark dataset, the measure key as task id, the settings and the certificate
+    in ``notes``."""
     key = measure_key(result)
     args = settings_args(result)
-    notes = ", ".join(f"{k}={v}" for k, v in args.items())
+    notes = ", ".join(f"{k}={v}" for k, v in args.items() if k != "certified")
     url = source_url(url)
     return eval_results_api("EvalResultEntry")(
         dataset_id=benchmark, task_id=key, value=_value(result, key), dataset_revision=benchmark_revision,
         source_url=url, source_name=SOURCE_NAME if url else None,
-        notes=f"{result['measure']} on {dataset.describe()}: {notes}",
+        notes=f"{result['measure']} on {dataset.describe()}: {notes}; {certificate_words(certified(result))}",
     )
 
 

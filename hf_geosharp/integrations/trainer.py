@@ -5,6 +5,10 @@ RNG), batched by the Trainer's data collator after dropping the columns the mode
 Trainer itself does). The measurement runs on copies of every global random stream (torch CPU and CUDA, numpy,
 ``random``) and the engine restores weights, modes, ``requires_grad`` and ``.grad``, so a run with the callback ends
 with the same weights, optimizer state and random state as a run without it.
+
+The callback's numbers are evaluations of the model on the subset, so they are logged as evaluation metrics
+(``eval_<key>``: the reporters file them under ``eval/``, not ``train/``), each worst case with its certificate
+(``eval_<key>_certified``) and one warning per measurement that is not certified.
 """
 
 from __future__ import annotations
@@ -22,9 +26,10 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler, TrainerControl, TrainerState
 from transformers.training_args import TrainingArguments
 
-from ..api import SharpnessResult
+from ..api import SharpnessResult, collected_convergence_notes, symmetry_note_given
 from ..engine.checks import check_inputs, check_labels_present
 from ..engine.defaults import SEED
+from ..engine.result import LOWER_BOUND, NOT_CERTIFIED, certified, shown
 from ..measures import Settings, parse_measures, result_fields, run_measures
 
 logger = logging.getLogger(__name__)
@@ -95,9 +100,13 @@ def _calling_handler(callback: TrainerCallback) -> CallbackHandler | None:
 class GeodesicSharpnessCallback(TrainerCallback):
     """Measure sharpness every ``every_n_steps`` optimizer steps and at the end of training, and log it.
 
-    The values (``geodesic_sharpness_inv``, ``..._stderr``, ..., and ``clean_loss``, the unperturbed loss on the
-    subset) go into ``state.log_history`` as their own entries and to every reporting integration (TensorBoard, W&B,
-    ...) through the Trainer's ``on_log``, exactly once per measurement. ``history`` keeps the full results.
+    The values (``eval_geodesic_sharpness_inv``, ``..._stderr``, ..., and ``eval_clean_loss``, the unperturbed loss
+    on the subset; the prefix is ``metric_key_prefix``) go into ``state.log_history`` as their own entries and to
+    every reporting integration (TensorBoard, W&B, ...) through the Trainer's ``on_log``, exactly once per
+    measurement; the reporters file them under ``eval/``. Each worst-case value comes with
+    ``eval_<key>_certified`` (True, or False: the value is a lower bound of the maximum, and one warning per
+    measurement says which values and why); the average case and relative flatness have no certificate and no flag.
+    ``history`` keeps the full results.
 
     Args:
         batches: fixed batches (dicts the model accepts, labels included); or
@@ -110,6 +119,8 @@ class GeodesicSharpnessCallback(TrainerCallback):
         settings: the measures' shared settings (radius, steps, ...); default the bundle's defaults.
         data_collator: collates ``eval_dataset`` rows (default: the training dataloader's collator).
         trainer: optional; without it the callback finds the Trainer's callback handler when training begins.
+        metric_key_prefix: the logged keys' prefix, as in ``Trainer.evaluate`` (``"eval"``: ``eval/`` in the
+            reporters).
 
     Every process measures all batches (no collective call, so ranks never wait for each other). The model's
     parameters must be whole on each process (not sharded by FSDP or DeepSpeed ZeRO-3).
@@ -128,7 +139,10 @@ class GeodesicSharpnessCallback(TrainerCallback):
         settings: Settings | None = None,
         data_collator: Callable[[list], Any] | None = None,
         trainer: Any = None,
+        metric_key_prefix: str = "eval",
     ) -> None:
+        if not isinstance(metric_key_prefix, str) or not metric_key_prefix:
+            raise ValueError(f"metric_key_prefix must be a non-empty string (e.g. 'eval'), got {metric_key_prefix!r}.")
         if (batches is None) == (eval_dataset is None):
             raise ValueError("pass exactly one of batches= (fixed batches) or eval_dataset= (rows to draw from).")
         for name, value in (("every_n_steps", every_n_steps), ("n_examples", n_examples), ("batch_size", batch_size)):
@@ -144,6 +158,8 @@ class GeodesicSharpnessCallback(TrainerCallback):
         self._dataset, self._collate = eval_dataset, data_collator
         self._handler = trainer.callback_handler if trainer is not None else None
         self._last_step: int | None = None
+        self.prefix = metric_key_prefix
+        self._symmetry_noted = False
 
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -172,6 +188,7 @@ class GeodesicSharpnessCallback(TrainerCallback):
         check_labels_present(self.batches, args.label_names or ["labels"], type(self).__name__)
         check_inputs(kwargs["model"], self.batches)
         self._last_step = None
+        self._symmetry_noted = False
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         """Measure every ``every_n_steps`` steps and at the last one.
@@ -202,14 +219,34 @@ class GeodesicSharpnessCallback(TrainerCallback):
 
     def _measure(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, model: Any) -> None:
         self._last_step = state.global_step
-        with untouched_rng():
+        # the note of a model with nothing to quotient comes with the first measurement only; the per-result
+        # convergence warnings are replaced by one warning per measurement (below)
+        quiet = symmetry_note_given() if self._symmetry_noted else contextlib.nullcontext()
+        with untouched_rng(), quiet, collected_convergence_notes():
             results = run_measures(self.keys, model, self.batches, self.settings, progress=False)
-        logs: dict[str, float] = {}
+        self._symmetry_noted = True
+        logs: dict[str, float | bool] = {}
         for key, res in results.items():  # scalars only: reporters log numbers, not lists
-            logs.update({k: v for k, v in result_fields(key, res).items() if not k.endswith("_per_batch")})
-        logs["clean_loss"] = next(iter(results.values())).clean_loss
+            fields = {k: v for k, v in result_fields(key, res).items() if not k.endswith("_per_batch")}
+            if (flag := certified(res)) is not None:
+                fields[f"{key}_certified"] = flag
+            logs.update({f"{self.prefix}_{k}": v for k, v in fields.items()})
+        logs[f"{self.prefix}_clean_loss"] = next(iter(results.values())).clean_loss
         self.history.append({"step": state.global_step, "results": {k: r.to_dict() for k, r in results.items()}})
+        self._warn_uncertified(state.global_step, results)
         self._log(args, state, control, logs)
+
+    def _warn_uncertified(self, step: int, results: dict[str, SharpnessResult]) -> None:
+        """One warning for a measurement with values that are not certified: which, shown as lower bounds, and why."""
+        uncertified = {key: res for key, res in results.items() if certified(res) is False}
+        if not uncertified:
+            return
+        which = "; ".join(f"{key} {shown(res.value, False)}: {res.convergence_note}"
+                          for key, res in uncertified.items())
+        fix = ("settings=Settings(steps='auto') continues until certified or says why not"
+               if self.settings.steps != "auto" else "a lower rho is certified more easily")
+        logger.warning("sharpness at step %d is %s, each value %s (logged with %s_<key>_certified = False): %s; %s.",
+                       step, NOT_CERTIFIED, LOWER_BOUND, self.prefix, which, fix)
 
     def _log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, logs: dict) -> None:
         """What ``Trainer.log`` does. The handler's ``on_log`` also clears ``control.should_log``, which would drop
