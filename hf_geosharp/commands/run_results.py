@@ -19,6 +19,7 @@ import torch
 
 from .._version import __version__
 from ..durable import write_json
+from ..engine.result import certified, shown
 from ..engine.solvers.apgd import AUTO_BLOCK
 from ..leaderboard.store import file_digest, model_identity
 from ..measures import Settings, result_fields, run_measure, spec
@@ -62,12 +63,13 @@ def print_header(c: dict) -> None:
 
 
 def results_table(timed: list[tuple[str, Any, float]]) -> str:
-    """One row per finished measure."""
+    """One row per finished measure; an uncertified worst case shows as a lower bound (the one display rule)."""
     rows = [["measure", "sharpness", "stderr", "clean loss", "batches", "converged", "solver", "seconds"]]
     for key, res, seconds in timed:
         stderr, converged = getattr(res, "stderr", math.nan), getattr(res, "converged", None)
         rows.append([
-            key, f"{res.value:.6g}", "-" if not math.isfinite(stderr) else f"{stderr:.2g}", f"{res.clean_loss:.6g}",
+            key, shown(res.value, certified(res), digits=6), "-" if not math.isfinite(stderr) else f"{stderr:.2g}",
+            f"{res.clean_loss:.6g}",
             f"{len(res.per_batch):,}", {True: "yes", False: "no", None: "-"}[converged], res.measure, f"{seconds:.1f}",
         ])  # fmt: skip
     return _table(rows)

@@ -146,10 +146,10 @@ class SharpnessResult:
         return {f.name: _plain(getattr(self, f.name)) for f in fields(self) if f.name != "perturbations"}
 
     def __str__(self) -> str:
-        error = "" if math.isnan(self.stderr) else f" +- {self.stderr:.2g}"
         flag = "" if self.converged else f", NOT converged: {self.convergence_note}"
         return (
-            f"{self.measure}: {self.value:.6g}{error} (clean loss {self.clean_loss:.6g}, "
+            f"{self.measure}: {shown(self.value, certified(self), digits=6, stderr=self.stderr)} "
+            f"(clean loss {self.clean_loss:.6g}, "
             f"{len(self.per_batch)} batches, rho={self.config.get('rho')}{flag})"
         )
 
