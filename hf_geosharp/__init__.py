@@ -6,12 +6,14 @@ Importing the package writes nothing and starts nothing: the evaluate module is 
 
 from ._version import __version__
 from .api import NotConvergedWarning, SharpnessResult, adaptive_sharpness, geodesic_sharpness
+from .engine.hessian import hessian_top_eigenvalue, hessian_trace
 from .engine.relative_flatness import relative_flatness
 from .hide import HideResult, hide
 from .symmetry import SymmetryMap, map_symmetries, reparametrize
 
 __all__ = ["HideResult", "NotConvergedWarning", "SharpnessResult", "SymmetryMap", "adaptive_sharpness",
-           "geodesic_sharpness", "hide", "map_symmetries", "relative_flatness", "reparametrize",
+           "geodesic_sharpness", "hessian_top_eigenvalue", "hessian_trace", "hide", "map_symmetries",
+           "relative_flatness", "reparametrize",
            "EVALUATE_MODULE_DIR", "EVALUATE_MODULE_SCRIPT", "__version__"]
 
 from .evaluate_module import register as _register
