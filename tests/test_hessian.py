@@ -4,6 +4,7 @@ attention they need, the model left as it was, and their lack of invariance unde
 from __future__ import annotations
 
 import copy
+import json
 import math
 import warnings
 
@@ -250,3 +251,20 @@ def test_the_hessian_measures_are_not_invariant_under_the_attention_symmetries()
     trace = [gs.hessian_trace(m, batches, n_samples=None, params="trainable", progress=False).value
              for m in (model, moved)]
     assert abs(trace[1] - trace[0]) > 0.5 * max(map(abs, trace)), trace
+
+
+def test_the_cli_runs_both_by_their_short_names(tmp_path, capsys):
+    """``geosharp run --measures eigenvalue,trace``: the table and the JSON carry both, an SDPA model included."""
+    from hf_geosharp import cli
+
+    from .fixtures.hf_models import save_text_model, write_csv
+
+    model, data, out = save_text_model(tmp_path / "bert"), write_csv(tmp_path / "reviews.csv", 8), tmp_path / "o.json"
+    code = cli.main(["run", "--model", str(model), "--dataset", str(data), "--n-examples", "4", "--batch-size", "4",
+                     "--measures", "eigenvalue,trace", "--n-samples", "2", "--json", str(out)])
+    assert code == 0, capsys.readouterr().err
+    printed = capsys.readouterr().out
+    results = json.loads(out.read_text())["results"]
+    assert list(results) == ["hessian_top_eigenvalue", "hessian_trace"]
+    assert results["hessian_trace"]["config"]["n_samples"] == 2 and math.isfinite(results["hessian_trace"]["value"])
+    assert "hessian_top_eigenvalue" in printed and "hessian_trace" in printed
