@@ -268,3 +268,32 @@ def test_the_cli_runs_both_by_their_short_names(tmp_path, capsys):
     assert list(results) == ["hessian_top_eigenvalue", "hessian_trace"]
     assert results["hessian_trace"]["config"]["n_samples"] == 2 and math.isfinite(results["hessian_trace"]["value"])
     assert "hessian_top_eigenvalue" in printed and "hessian_trace" in printed
+
+
+class _Tied(nn.Module):
+    """Input embedding and output projection share one weight (as language models tie them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(7, 4).double()
+        self.mix = nn.Linear(4, 4).double()
+        self.out = nn.Linear(4, 7, bias=False).double()
+        self.out.weight = self.embed.weight
+
+    def forward(self, ids, labels):
+        logits = self.out(torch.tanh(self.mix(self.embed(ids))))
+        return {"loss": nn.functional.cross_entropy(logits.reshape(-1, 7), labels.reshape(-1))}
+
+
+def test_tied_weights_are_one_parameter_with_both_uses_in_its_hessian():
+    model = _Tied()
+    g = torch.Generator().manual_seed(0)
+    batch = {"ids": torch.randint(0, 7, (3, 5), generator=g), "labels": torch.randint(0, 7, (3, 5), generator=g)}
+    dense = _dense(model, batch)  # functional_call ties the weights too
+    assert dense.shape == (48, 48)  # 28 shared + 16 + 4: the tied weight once
+    res = gs.hessian_trace(model, [batch], n_samples=None, progress=False)
+    assert res.value == pytest.approx(float(dense.trace()), rel=1e-10)
+    top = gs.hessian_top_eigenvalue(model, [batch], tol=1e-12, max_iters=3000, progress=False)
+    assert top.value == pytest.approx(float(torch.linalg.eigvalsh(dense)[-1]), rel=1e-6)
+    assert model.out.weight is model.embed.weight
