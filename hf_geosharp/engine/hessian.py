@@ -8,8 +8,8 @@ Hessian ``H_b = d^2 L_b / dw^2``:
 - :func:`hessian_top_eigenvalue`: ``lambda_max(H_b)`` by power iteration on Hessian-vector products. The iteration
   stops when the Rayleigh quotient ``v^T H_b v`` (``||v|| = 1``) changes by at most ``tol`` relative between two
   products (PyHessian's test). Power iteration finds the eigenvalue of largest magnitude; when that one is negative
-  (away from a minimum) a second iteration on ``H_b - lambda I`` finds the largest one, so the value is always the
-  largest eigenvalue, not the largest in magnitude.
+  (away from a minimum), or as large in magnitude as the top one, a second iteration on ``H_b + r I`` (``r`` about
+  the spectral radius) finds the largest one, so the value is the largest eigenvalue, not the largest in magnitude.
 - :func:`hessian_trace`: ``Tr(H_b)`` exactly (one product per parameter: small models only) or by Hutchinson's
   estimator ``E[v^T H_b v]`` over Rademacher vectors ``v`` (one product per sample), with the samples' standard error.
 
@@ -270,21 +270,25 @@ class _BatchHessian:
 
 def _top_eigenvalue(hessian: _BatchHessian, generator: torch.Generator, max_iters: int,
                     tol: float) -> tuple[float, int, bool, float]:
-    """``(largest eigenvalue, products, converged, relative residual)`` of one batch's Hessian: power iteration;
-    where the dominant eigenvalue ``mu`` is negative, again on ``H - mu I`` (spectrum in ``[0, lambda_max - mu]``,
-    dominated by ``lambda_max - mu``)."""
-    v = hessian.random(generator)
-    lam, v, converged, residual = _power(hessian, v, max_iters, tol, shift=0.0)
-    if lam < 0:  # from a fresh start: v is nearly orthogonal to lambda_max's eigenvector
-        mu, v, second, residual = _power(hessian, hessian.random(generator), max_iters, tol, shift=lam)
-        lam, converged = mu + lam, converged and second
-    return lam, hessian.products, converged, residual
+    """``(largest eigenvalue, products, converged, relative residual)`` of one batch's Hessian.
+
+    Power iteration on ``H`` finds the dominant eigenvalue ``mu``. It is the largest one when it is positive and its
+    vector is one (relative residual at most ``sqrt(tol)``, the size that a Rayleigh quotient accurate to ``tol``
+    has). Otherwise (``mu < 0``, or ``lambda_max`` and ``lambda_min`` so close in magnitude that the iterate swings
+    between their vectors while the Rayleigh quotient stands still) a second power iteration, from a fresh start,
+    runs on ``H + r I`` with ``r = ||H v||`` (about the spectral radius): its spectrum lies in ``[0, lambda_max + r]``
+    up to ``r``'s error, dominated by ``lambda_max + r``; the certificate is then the second iteration's."""
+    lam, _, converged, residual, radius = _power(hessian, hessian.random(generator), max_iters, tol, shift=0.0)
+    if (lam > 0 and residual <= math.sqrt(tol)) or radius == 0.0:  # radius 0: H v = 0 for a random v, so H = 0
+        return lam, hessian.products, converged, residual
+    mu, _, converged, residual, _ = _power(hessian, hessian.random(generator), max_iters, tol, shift=-radius)
+    return mu - radius, hessian.products, converged and mu >= 0, residual  # mu < 0: r was too small
 
 
 def _power(hessian: _BatchHessian, v: Vector, max_iters: int, tol: float,
-           shift: float) -> tuple[float, Vector, bool, float]:
+           shift: float) -> tuple[float, Vector, bool, float, float]:
     """Power iteration on ``H - shift I`` from ``v``: ``(Rayleigh quotient, its vector, converged, relative residual
-    ||(H - shift I) v - lambda v|| / |lambda + shift|)``."""
+    ||(H - shift I) v - lambda v|| / |lambda + shift|, ||(H - shift I) v||)``."""
     v = _scale(v, 1.0 / math.sqrt(_dot(v, v)))
     previous = math.nan
     for k in range(max_iters):
@@ -294,10 +298,10 @@ def _power(hessian: _BatchHessian, v: Vector, max_iters: int, tol: float,
         lam = _dot(v, hv)
         norm = math.sqrt(_dot(hv, hv))
         if norm == 0.0:  # H v = shift v: v is an eigenvector
-            return 0.0, v, True, 0.0
+            return 0.0, v, True, 0.0, 0.0
         converged = abs(lam - previous) <= tol * abs(lam)
         if converged or k == max_iters - 1:
-            return lam, v, converged, _residual(hv, v, lam, shift)
+            return lam, v, converged, _residual(hv, v, lam, shift), norm
         previous, v = lam, _scale(hv, 1.0 / norm)
     raise AssertionError("unreachable: max_iters >= 1")
 
