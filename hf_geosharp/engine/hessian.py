@@ -95,8 +95,8 @@ def hessian_top_eigenvalue(
     Args:
         model: any ``nn.Module``; restored exactly afterwards (it runs in eval mode).
         batches: as for :func:`hf_geosharp.geodesic_sharpness`; the value is the mean over batches.
-        max_iters: most Hessian-vector products per batch (per stage; a second stage runs only where the eigenvalue
-            of largest magnitude is negative).
+        max_iters: most Hessian-vector products per batch and stage (a second, shifted stage runs where the
+            eigenvalue of largest magnitude is negative or its relative residual exceeds ``sqrt(tol)``).
         tol: the certificate: converged when the Rayleigh quotient's relative change between two consecutive
             products is at most ``tol``, in every batch (a ``NotConvergedWarning`` says when it is not).
         seed: seeds each batch's start vector.
