@@ -19,14 +19,17 @@ _PUBLIC = {
     "geodesic_sharpness": ".api", "relative_flatness": ".engine.relative_flatness", "HideResult": ".hide",
     "hide": ".hide", "SymmetryMap": ".symmetry", "map_symmetries": ".symmetry", "reparametrize": ".symmetry",
     "measure_trainer": ".integrations", "GeodesicSharpnessCallback": ".integrations",
+    "hessian_top_eigenvalue": ".engine.hessian", "hessian_trace": ".engine.hessian",
 }
 
 __all__ = ["HideResult", "NotConvergedWarning", "SharpnessResult", "SymmetryMap", "adaptive_sharpness",
-           "geodesic_sharpness", "hide", "map_symmetries", "relative_flatness", "reparametrize",
+           "geodesic_sharpness", "hessian_top_eigenvalue", "hessian_trace", "hide", "map_symmetries",
+           "relative_flatness", "reparametrize",
            "EVALUATE_MODULE_DIR", "EVALUATE_MODULE_SCRIPT", "__version__"]
 
 if TYPE_CHECKING:
     from .api import NotConvergedWarning, SharpnessResult, adaptive_sharpness, geodesic_sharpness
+    from .engine.hessian import hessian_top_eigenvalue, hessian_trace
     from .engine.relative_flatness import relative_flatness
     from .hide import HideResult, hide
     from .symmetry import SymmetryMap, map_symmetries, reparametrize

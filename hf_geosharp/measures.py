@@ -29,6 +29,7 @@ from .api import (
     symmetry_noted,
 )
 from .engine.defaults import ADAPTIVE_VARIANT, EPSILON, MODE, N_SAMPLES, RHO, SEED, STEPS
+from .engine.hessian import hessian_top_eigenvalue, hessian_trace
 from .engine.relative_flatness import relative_flatness
 from .engine.settings import MODES, VARIANTS, Mode, Steps, Variant, measure_name
 
@@ -43,7 +44,7 @@ class MeasureSpec:
         key: public name (evaluate key, card metric type, table column).
         title: what a reader sees (``"Geodesic sharpness (inv)"``).
         family: ``"geodesic"`` (invariant under the attention symmetries) or a baseline's family (``"adaptive"``,
-            ``"relative_flatness"``).
+            ``"relative_flatness"``, the Hessian's ``"hessian_top_eigenvalue"`` and ``"hessian_trace"``).
         metric: the geodesic metric (``"inv"``/``"mix"``), else ``None``.
         short: the short form command lines and ``parse_measures`` accept (``"inv"``), else ``None``.
     """
@@ -72,6 +73,8 @@ MEASURES: dict[str, MeasureSpec] = {
         MeasureSpec("geodesic_sharpness_mix", "Geodesic sharpness (mix)", "geodesic", "mix", short="mix"),
         MeasureSpec("adaptive_sharpness", "Adaptive sharpness", "adaptive", short="adaptive"),
         MeasureSpec("relative_flatness", "Relative flatness (Petzka et al.)", "relative_flatness", short="relative"),
+        MeasureSpec("hessian_top_eigenvalue", "Hessian top eigenvalue", "hessian_top_eigenvalue", short="eigenvalue"),
+        MeasureSpec("hessian_trace", "Hessian trace (Hutchinson)", "hessian_trace", short="trace"),
     )
 }
 #: What a face computes when the user names no measure: both geodesic metrics and the adaptive baseline.
@@ -126,7 +129,7 @@ def key_of(name: str) -> str | None:
 
 def parse_measures(text: str | Iterable[str] | None) -> list[str]:
     """Measure keys from a comma-separated string or a list; the short forms (``inv``, ``mix``, ``adaptive``,
-    ``relative``) accepted."""
+    ``relative``, ``eigenvalue``, ``trace``) accepted."""
     if text is None:
         return list(DEFAULT_MEASURES)
     items = [t.strip() for t in (text.split(",") if isinstance(text, str) else text) if t and t.strip()]
@@ -151,14 +154,21 @@ def run_measure(
     """Run one measure of the bundle with ``settings``; ``options`` go to the engine (``symmetry_map``,
     ``accelerator``, ``progress``, ``loss_fn``; a ``symmetry_map`` is dropped for measures that do not use one).
 
-    Relative flatness depends on none of the settings: it is the exact trace (``relative_flatness``). The note of a
-    model with nothing to quotient (:func:`no_symmetry_note`) is the caller's to give, once: :func:`run_measures`
-    and the leaderboard say it."""
+    Relative flatness depends on none of the settings: it is the exact trace (``relative_flatness``). The Hessian's
+    top eigenvalue takes the ``seed`` (its power iterations' starts), its trace the ``seed`` and ``n_samples``
+    (Hutchinson samples per batch); both run a transformers model with eager attention (:mod:`.engine.hessian`). The
+    note of a model with nothing to quotient (:func:`no_symmetry_note`) is the caller's to give, once:
+    :func:`run_measures` and the leaderboard say it."""
     measure = spec(key)
     kwargs = _engine_kwargs(settings)
     if measure.family == "relative_flatness":
         kept = {k: options[k] for k in ("loss_fn",) if k in options}
         return relative_flatness(model, batches, **kept)  # the exact trace
+    if measure.family in ("hessian_top_eigenvalue", "hessian_trace"):
+        kept = {k: options[k] for k in ("loss_fn", "progress") if k in options}
+        if measure.family == "hessian_trace":
+            return hessian_trace(model, batches, n_samples=settings.n_samples, seed=settings.seed, **kept)
+        return hessian_top_eigenvalue(model, batches, seed=settings.seed, **kept)
     if measure.family == "geodesic":
         with symmetry_note_given():
             return geodesic_sharpness(model, batches, metric=measure.metric, epsilon=settings.epsilon, **kwargs,

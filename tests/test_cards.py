@@ -54,7 +54,8 @@ A small ViT. **Do not lose this sentence.**
 Trained for 10 epochs.
 """
 ENGINE = {"geodesic_sharpness_inv": "geodesic_inv_worst", "geodesic_sharpness_mix": "geodesic_mix_worst",
-          "adaptive_sharpness": "adaptive_clean_worst", "relative_flatness": "relative_flatness"}
+          "adaptive_sharpness": "adaptive_clean_worst", "relative_flatness": "relative_flatness",
+          "hessian_top_eigenvalue": "hessian_top_eigenvalue", "hessian_trace": "hessian_trace"}
 
 
 def _result(measure: str, value: float, rho: float = 0.1, stderr: float = 0.01, converged: bool = True,
@@ -64,6 +65,10 @@ def _result(measure: str, value: float, rho: float = 0.1, stderr: float = 0.01, 
     base.update({"metric": measure.split("_")[1], "epsilon": 1e-6} if geodesic else {"variant": "clean"})
     if measure == "relative_flatness":  # no rho and no solver: a layer and Hutchinson samples
         base = {"layer": "classifier", "n_samples": 20, "seed": 0, "n_batches": 2}
+    if measure.startswith("hessian"):  # no rho: power iterations, or Hutchinson samples
+        base = ({"estimator": "hutchinson", "n_samples": 20, "mode": "average"} if measure == "hessian_trace" else
+                {"estimator": "power_iteration", "max_iters": 100, "tol": 1e-3})
+        base.update({"seed": 0, "params": "all", "n_batches": 2})
     return {"measure": measure, "value": value, "per_batch": [value, value], "clean_loss": 0.3, "stderr": stderr,
             "per_batch_clean_loss": [0.3, 0.3], "config": {**base, **config}, "converged": converged}
 

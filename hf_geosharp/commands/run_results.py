@@ -103,14 +103,17 @@ def estimate_seconds(model: Any, batches: list, keys: list[str], settings: Setti
     clean loss and one step, so two passes), scaled to the passes of the run (``steps + 1`` per batch, or
     ``n_samples + 1``) on this process's share of the batches (``ranks``: the processes sharing them out; 1 when
     the model is sharded, and then every rank must call it). Costs about ``1 / (steps + 1)`` of one batch per
-    measure (relative flatness, which does not iterate, is timed on the whole first batch). With ``steps="auto"``
+    measure (relative flatness and the Hessian's top eigenvalue, which take no steps, are timed on the whole first
+    batch; the Hessian's trace on one Hutchinson sample). With ``steps="auto"``
     it counts the first block of steps, which the solver may stop early or extend: a guide, not a bound."""
     probe = dataclasses.replace(settings, steps=1, n_samples=1)
     steps = settings.steps if isinstance(settings.steps, int) else AUTO_BLOCK
 
     def passes(key: str) -> float:  # in units of the probe's two passes
-        if spec(key).family == "relative_flatness":
+        if spec(key).family in ("relative_flatness", "hessian_top_eigenvalue"):
             return 2.0  # the probe is the whole batch
+        if spec(key).family == "hessian_trace":
+            return settings.n_samples + 1  # the probe is one Hutchinson sample
         return (settings.n_samples if settings.mode == "average" else steps) + 1
 
     seconds = 0.0
