@@ -79,6 +79,9 @@ MEASURES: dict[str, MeasureSpec] = {
 }
 #: What a face computes when the user names no measure: both geodesic metrics and the adaptive baseline.
 DEFAULT_MEASURES: tuple[str, ...] = ("geodesic_sharpness_inv", "geodesic_sharpness_mix", "adaptive_sharpness")
+#: What a leaderboard (and the demo) compares when the user names no measure: the default bundle and relative
+#: flatness. The Hessian's measures cost tens of Hessian-vector products per batch: named with ``--measures``.
+BOARD_MEASURES: tuple[str, ...] = (*DEFAULT_MEASURES, "relative_flatness")
 
 
 @dataclass(frozen=True)

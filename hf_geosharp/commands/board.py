@@ -21,7 +21,7 @@ from ..leaderboard import (
 )
 from ..leaderboard.run import ModelError, ModelFailed
 from ..leaderboard.store import STORE_FILE, ResultStore, StoreLockedError, output_lock
-from ..measures import MEASURES, Settings
+from ..measures import BOARD_MEASURES, MEASURES, Settings
 from .common import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,
@@ -49,8 +49,9 @@ def add_data_arguments(p: argparse.ArgumentParser, n_examples: int, batch_size: 
     p.add_argument("--batch-size", type=positive(int), default=batch_size,
                    help=f"examples per batch (default: {batch_size})")
     shorts = ", ".join(m.short or m.key for m in MEASURES.values())
-    p.add_argument("--measures", type=measure_keys, default=list(MEASURES),
-                   help=f"measure keys or short forms ({shorts}), comma-separated (default: all)")
+    p.add_argument("--measures", type=measure_keys, default=list(BOARD_MEASURES),
+                   help=f"measure keys or short forms ({shorts}), comma-separated (default: "
+                        f"{','.join(MEASURES[key].short or key for key in BOARD_MEASURES)})")
     p.add_argument("--mode", type=comma_list(MODES), default=[DEFAULTS.mode],
                    help=f"{' and/or '.join(MODES)} (default: {DEFAULTS.mode})")
     p.add_argument("--rho", type=positive(float), default=DEFAULTS.rho,
