@@ -4,8 +4,13 @@
 #   bash scripts/compat.sh newest   # every dependency at its newest release
 # "Every dependency" is the core ones and those of the extras (hf_geosharp[space,test]: gradio, pandas, peft,
 # gradio_client, playwright, ruff, setuptools, pytest, pytest-timeout), each at the same resolution.
-# torch is the 2.13.0 CPU wheel in both (otherwise a resolver pulls a multi-GB CUDA build). The installed versions go
-# to .ci/versions/KIND.txt (scripts/supported_versions.py); for floors, a version other than the declared floor fails.
+# torch too: floors installs the declared floor (torch>=2.11 -> 2.11.0), newest the newest release on the index. Both
+# come from uv, which reads no pip configuration: the pip constraints file some machines carry (/etc/xdg/pip, capping
+# torch below the newest release) does not bind it, and nothing under /etc is edited. The index's Linux torch wheels
+# are CUDA builds (2.11.0+cu130, 2.15.0+cu132) whose libraries load the CUDA runtime wheels (nvidia-*, about 2.5 GB a
+# release) even on a CPU; uv installs them with torch. uv's cache (~/.cache/uv, shared by both jobs and every later
+# run) keeps them: only the first run on a machine downloads. The installed versions go to .ci/versions/KIND.txt
+# (scripts/supported_versions.py); for floors, a version other than the declared floor fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 kind="${1:-}"
@@ -34,12 +39,11 @@ venv=".compat/$kind"
 rm -rf "$venv"
 python3 -m venv "$venv"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
-# torch without its dependencies: uv resolves those with the rest, at the same resolution.
-"$venv/bin/pip" install -q --no-deps torch==2.13.0
+# This job's pip (the Space test installs the exported requirements with it) must not apply that cap either: it would
+# refuse the torch==2.15.0 the requirements pin. An empty PIP_CONSTRAINT does not lift a configured constraint file.
+export PIP_CONSTRAINT=/dev/null
 "$venv/bin/pip" install -q uv
-echo "torch==2.13.0" > "$venv/torch.txt"
-"$venv/bin/uv" pip install -q --python "$venv/bin/python" --resolution "$resolution" --override "$venv/torch.txt" \
-    -e ".[space,test]"
+"$venv/bin/uv" pip install -q --python "$venv/bin/python" --resolution "$resolution" -e ".[space,test]"
 "$venv/bin/python" scripts/supported_versions.py record "$kind"
 export HF_HOME="$PWD/$venv/hf_home"
 export HF_HUB_OFFLINE=1 HF_EVALUATE_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 GRADIO_ANALYTICS_ENABLED=False

@@ -82,8 +82,8 @@ def block() -> str:
 
     sentence = (f"**Supported versions**, each tested by CI (`.ci/run`, Python {new['python']}, CPU): the declared "
                 f"floors ({listed(low)}; every lower bound in `pyproject.toml`, the `space` and `test` extras' "
-                f"included) and the newest releases as of {new['date']} ({listed(new)}). torch is 2.13.0 in both: the "
-                f"one CPU wheel CI installs; Python {new['python']} is the only interpreter CI has.")
+                f"included) and the newest releases as of {new['date']} ({listed(new)}); the main suite runs on the "
+                f"2.13.0 CPU wheel. Python {new['python']} is the only interpreter CI has.")
     return "\n".join([BEGIN, *textwrap.wrap(sentence, 120, break_on_hyphens=False), END])
 
 

@@ -91,7 +91,7 @@ def test_a_torch_without_the_fsdp_internals_is_refused_with_the_supported_range(
     fsdp_internals.check_torch.cache_clear()
     monkeypatch.setattr(torch, "__version__", "2.5.1")
     try:
-        with pytest.raises(RuntimeError, match=r"torch >= 2\.13"):
+        with pytest.raises(RuntimeError, match=r"torch >= 2\.11"):
             fsdp_internals.check_torch()
     finally:
         fsdp_internals.check_torch.cache_clear()

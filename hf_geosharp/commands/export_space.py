@@ -93,7 +93,7 @@ def build_wheel(root: Path, out_dir: Path) -> Path:
 
 
 def _version(dist: str) -> str:
-    return metadata.version(dist).split("+")[0]  # torch 2.13.0+cpu -> 2.13.0 (the index picks the CPU build)
+    return metadata.version(dist).split("+")[0]  # torch 2.15.0+cu132 -> 2.15.0 (the CPU index serves 2.15.0+cpu)
 
 
 def requirements(wheel: str, space_id: str | None) -> str:

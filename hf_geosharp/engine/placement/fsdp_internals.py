@@ -32,8 +32,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-#: The torch versions whose FSDP2 internals this module uses (the package requires torch >= 2.13).
-SUPPORTED = "torch >= 2.13 (FSDP2 internals as of torch 2.13)"
+#: The torch versions whose FSDP2 internals this module uses: the package's floor, 2.11, through 2.15, all run by CI.
+SUPPORTED = "torch >= 2.11 (FSDP2 internals as of torch 2.11 to 2.15)"
 
 
 def _unsupported(missing: str) -> RuntimeError:
@@ -45,8 +45,8 @@ def _unsupported(missing: str) -> RuntimeError:
 @functools.cache
 def check_torch() -> None:
     """Raise a clear error on a torch whose FSDP2 lacks what this module uses (checked once per process)."""
-    if torch.torch_version.TorchVersion(torch.__version__) < (2, 13):
-        raise _unsupported("a torch older than 2.13")
+    if torch.torch_version.TorchVersion(torch.__version__) < (2, 11):
+        raise _unsupported("a torch older than 2.11")
     try:
         from torch.distributed.fsdp import FSDPModule
         from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
@@ -71,6 +71,13 @@ def _internals() -> Iterator[None]:
         raise _unsupported(str(err)) from err
 
 
+def _param_groups(state: Any) -> list[Any]:
+    """The FSDP state's parameter groups: a list from torch 2.13, before it one group or None."""
+    if hasattr(state, "_fsdp_param_groups"):
+        return list(state._fsdp_param_groups)
+    return [] if state._fsdp_param_group is None else [state._fsdp_param_group]
+
+
 class PaddedShards:
     """The padded shards FSDP all-gathers from, for the parameters of the FSDP2 ``modules`` (in pre-order).
 
@@ -85,7 +92,7 @@ class PaddedShards:
                 state = module._get_fsdp_state()
                 if state._is_root is None:
                     state._lazy_init()
-                self._groups.extend(g for g in state._fsdp_param_groups if g not in self._groups)
+                self._groups.extend(g for g in _param_groups(state) if g not in self._groups)
             self._by_param = {id(fp.sharded_param): fp for g in self._groups for fp in g.fsdp_params}
         self._order: list[Any] = []
         self._own: list[Tensor] | None = None  # the model's shards while others are served
