@@ -84,6 +84,15 @@ def test_a_random_start_above_two_agreeing_starts_leaves_the_value_uncertified()
                       start_kinds=["zero", "antipode", "near", "random"])
     state, note = res.verdict(1e-3, 2)
     assert state == NOT_CERTIFIED and "random point" in note and "lower bound" in note
+    # a random start the budget stopped before it was stationary checks nothing
+    unfinished = SolveResult(max_loss=1 + 5.26, clean_loss=1.0, gap=1e-5,
+                             start_values=[5.26, 4.625, 5.26, 5.009, 5.147],
+                             start_gaps=[1e-5, 6e-6, 1.6e-5, 1.4e-5, 0.2],
+                             start_kinds=["zero", "antipode", "near", "random", "random"])
+    state, note = unfinished.verdict(1e-3, 2)
+    assert state == NOT_CERTIFIED and "random points" in note
+    finished = SolveResult(**{**vars(unfinished), "start_gaps": [1e-5, 6e-6, 1.6e-5, 1.4e-5, 1e-5]})
+    assert finished.verdict(1e-3, 2) == (CERTIFIED, None)
 
 
 @pytest.fixture(scope="module")

@@ -132,11 +132,10 @@ class SolveResult:
             exact = exact and exact_agreed
         if exact:
             return CERTIFIED, None
-        return AT_PRECISION, (
-            f"certified at the resolution of the loss in {self.dtype}: starts that agree and a Frank-Wolfe gap "
-            f"within {floor:.2g} (= {PRECISION_FACTOR} eps |loss|, {floor / self.sharpness:.2%} of the value "
-            f"{self.sharpness:.4g}), not within tol {tol:.2%}"
-            if self.sharpness > 0 else f"certified at the resolution of the loss in {self.dtype} ({floor:.2g})")
+        what = "two starts that agree and a Frank-Wolfe gap" if starts >= 2 else "a Frank-Wolfe gap"
+        share = f", {floor / self.sharpness:.2%} of the value {self.sharpness:.4g}" if self.sharpness > 0 else ""
+        return AT_PRECISION, (f"certified at the resolution of the loss in {self.dtype}: {what} within {floor:.2g} "
+                              f"(= {PRECISION_FACTOR} eps |loss|{share}), not within tol {tol:.2%}")
 
     def _agreement(self, tol: float, floor: float) -> tuple[bool, bool, str | None]:
         """Whether two stationary starts agree on the best value (with the floor; within ``tol`` alone), or why
@@ -166,7 +165,8 @@ class SolveResult:
             found = ", ".join(f"{v:.4g}" for v in values)
             return False, False, f"{len(values)} starts reached different maxima ({found})"
         exact = sum(v >= best - tol * abs(best) and stationary(v, g, False) for v, g in zip(values, gaps)) >= 2
-        if _multimodal(values, gaps, tol, floor) and len(probes) < RANDOM_PROBES:
+        finished = sum(k == "random" and stationary(v, g, True) for v, g, k in zip(values, gaps, kinds))
+        if _multimodal(values, gaps, tol, floor) and finished < RANDOM_PROBES:
             return False, False, ("the starts found several maxima, and the step budget or max_starts ran out "
                                   "before two starts from random points could look for a higher one")
         return True, exact, None
@@ -242,7 +242,7 @@ AUTO_MAX_STARTS = 8
 START_STOP_FRACTION = 0.1
 #: Under ``steps="auto"`` a start also stops only when ``rho`` times its slope along the sphere, relative to the value,
 #: is at most ``START_STOP_FRACTION * tol / SLOPE_STOP_FRACTION``.
-SLOPE_STOP_FRACTION = 0.1
+SLOPE_STOP_FRACTION = 0.03
 #: How far from the best point found so far a third or later start begins, as a fraction of ``rho``.
 NEAR_BEST = 0.5
 #: Steps of a start's first block under ``steps="auto"`` (the step-size checkpoints follow its length).
