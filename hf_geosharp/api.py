@@ -131,8 +131,11 @@ def geodesic_sharpness(
         steps: solver iterations per batch (worst case), exactly that many from one start as in AS23;
             ``converged`` then certifies that the best point is stationary (Frank-Wolfe gap at most ``tol``). Or
             ``"auto"``: continue until the best point is stationary, then start again from the antipode (and, if
-            they disagree, from points near the best one) until two starts agree within ``tol``, within
-            ``max_steps`` steps (docs/method.md, "Convergence").
+            they disagree, from points near the best one; where they found several maxima, also from two random
+            points) until two starts agree within ``tol``, within ``max_steps`` steps (docs/method.md,
+            "Convergence"). There ``converged`` certifies a stationary point that two starts agree on: a local
+            maximum, not necessarily the global one. ``res.certificate`` says whether within ``tol`` or only within
+            the loss's floating-point resolution (``"certified_at_precision"``).
         seed: seeds the average-case samples (per batch, independent of the process that solves it).
         epsilon: relative, group-covariant rank relaxation of ``G^T G`` and ``H^T H`` (about ``epsilon`` relative
             to each head's own spectrum); 0 for the exact metric (then rank-deficient heads are refused).

@@ -109,12 +109,15 @@ class SharpnessResult:
             :func:`average_stderr`).
         converged: the certificate of the worst case (docs/method.md, "Convergence"): every batch's best point is
             stationary on the ball (its relative Frank-Wolfe gap is at most ``config["tol"]``) and, under
-            ``steps="auto"``, a second start reached the same value within ``tol``. Always True for measures that
-            do not iterate (the average case, relative flatness).
+            ``steps="auto"``, a second start reached the same value within ``tol``: two starts agree on a
+            stationary point, a local maximum, not necessarily the global one. Also True when that holds only at
+            the resolution of the loss's floating type (``certificate == "certified_at_precision"``). Always True
+            for measures that do not iterate (the average case, relative flatness).
         stationarity_gap: the largest relative Frank-Wolfe gap over the batches (NaN where nothing iterates): 0 at
             a stationary point, and where the loss is concave on the ball a bound on the relative distance to the
             maximum.
-        convergence_note: why the result is not certified (the first such batch), or None.
+        convergence_note: why the result is not certified (the first such batch); when it is certified at
+            precision, what was certified; None when certified within ``tol``.
         steps_used: the most points any batch evaluated after the clean one (solver steps and further starts);
             ``None`` for measures that do not iterate.
         breakdown: where the worst-case perturbation sits, by layer and by head (:class:`Breakdown`); None for the
@@ -124,6 +127,9 @@ class SharpnessResult:
         perturbations: each batch's worst-case perturbation when asked for (``return_perturbation=True``): a
             :class:`~hf_geosharp.engine.worst_direction.WorstCasePerturbation` per batch (a state-dict-shaped delta
             and a context manager that applies it); else None. Not part of :meth:`to_dict`.
+        certificate: ``"certified"`` (within ``tol``), ``"certified_at_precision"`` (stationary and agreeing only
+            within the loss's resolution in its floating type, ``PRECISION_FACTOR * eps * |loss|``; the note says
+            how much that is), ``"not_certified"`` (``converged`` is False; a lower bound), or ``"not_iterative"``.
     """
 
     value: float
@@ -140,6 +146,7 @@ class SharpnessResult:
     breakdown: Breakdown | None = None
     profile: Profile | None = None
     perturbations: list[Any] | None = field(default=None, repr=False, compare=False)
+    certificate: str = "not_iterative"
 
     def to_dict(self) -> dict[str, Any]:
         """The result as plain data (JSON-ready apart from NaN), without the perturbations (parameter-sized)."""
@@ -147,6 +154,8 @@ class SharpnessResult:
 
     def __str__(self) -> str:
         flag = "" if self.converged else f", NOT converged: {self.convergence_note}"
+        if self.certificate == "certified_at_precision":
+            flag = f", {self.convergence_note}"
         return (
             f"{self.measure}: {shown(self.value, certified(self), digits=6, stderr=self.stderr)} "
             f"(clean loss {self.clean_loss:.6g}, "
@@ -184,6 +193,9 @@ def average_stderr(samples: list[list[float]]) -> float:
 class NotConvergedWarning(UserWarning):
     """A worst-case value was still rising when the solver stopped (``SharpnessResult.converged`` is False)."""
 
+
+#: ``SharpnessResult.certificate`` of a measure that does not iterate.
+NOT_ITERATIVE = "not_iterative"
 
 _collectors: list[list[str]] = []
 

@@ -27,9 +27,9 @@ from .model_function.objective import LossFn, Objective, default_loss, preserved
 from .placement.base import Placement
 from .placement.fsdp import FsdpPlacement
 from .placement.single import SingleProcess
-from .result import Profile, SharpnessResult, average_stderr, batch_stderr, warn_not_converged
+from .result import NOT_ITERATIVE, Profile, SharpnessResult, average_stderr, batch_stderr, warn_not_converged
 from .settings import RunSettings
-from .solvers.apgd import AUTO_BLOCK, SolveResult, apgd, average_case
+from .solvers.apgd import AT_PRECISION, AUTO_BLOCK, CERTIFIED, NOT_CERTIFIED, SolveResult, apgd, average_case
 from .solvers.as23 import apgd_as23
 from .space.perturbation_space import PerturbationSpace
 from .worst_direction import WorstDirection
@@ -105,7 +105,7 @@ def run(
     results = placement.collect(results)
     result = _result(settings, [results[i] for i in range(len(batches))], placement.world)
     if reader is not None:
-        readings = [results[i][6] for i in range(len(batches))]
+        readings = [results[i][8] for i in range(len(batches))]
         result.breakdown = reader.breakdown(readings)
         if profile_points:
             result.profile = Profile(reader.t, [r["geodesic"] for r in readings], [r["segment"] for r in readings])
@@ -127,7 +127,8 @@ def release_freed_memory() -> None:
 def _solve_batches(space: PerturbationSpace, objective: Objective, settings: RunSettings, batches: list[Any],
                    mine: Iterable[int], progress: bool, reader: WorstDirection | None = None) -> dict[int, tuple]:
     """``{batch index: (sharpness, clean loss, average-case samples or None, stationarity gap, steps used, why it is
-    not certified or None, the reader's reading of the best point or None)}``."""
+    not certified or None, the certificate's state, its note when certified at precision or None, the reader's
+    reading of the best point or None)}``."""
     n_steps = settings.n_samples if settings.mode == "average" else settings.steps
     results: dict[int, tuple] = {}
     bar = tqdm(list(mine), desc=settings.measure, unit="batch", disable=not progress)
@@ -148,8 +149,11 @@ def _solve_batches(space: PerturbationSpace, objective: Objective, settings: Run
                 reading = reader.read(best, index, out.clean_loss, out.max_loss)
                 del best
         samples = [loss - out.clean_loss for loss in out.losses[1:]] if settings.mode == "average" else None
-        note = out.certificate(settings.tol, settings.starts) if settings.mode == "worst" else None
-        results[index] = (out.sharpness, out.clean_loss, samples, out.gap, out.steps_used, note, reading)
+        state, note = out.verdict(settings.tol, settings.starts) if settings.mode == "worst" else (None, None)
+        precision = note if state == AT_PRECISION else None
+        note = note if state == NOT_CERTIFIED else None
+        results[index] = (out.sharpness, out.clean_loss, samples, out.gap, out.steps_used, note, state, precision,
+                          reading)
         bar.set_postfix(sharpness=f"{out.sharpness:.4g}")
         del out  # the solver's vectors, before the next batch's
     return results
@@ -159,6 +163,7 @@ def _result(settings: RunSettings, ordered: list[tuple], world: int) -> Sharpnes
     per_batch, per_clean = [r[0] for r in ordered], [r[1] for r in ordered]
     config = {**settings.config(), "n_batches": len(ordered), "n_processes": world,
               "library": f"hf_geosharp {__version__}"}
+    certificate = NOT_ITERATIVE
     if settings.mode == "average":
         stderr, gap, note, steps_used = average_stderr([r[2] for r in ordered]), math.nan, None, None
     else:
@@ -168,8 +173,15 @@ def _result(settings: RunSettings, ordered: list[tuple], world: int) -> Sharpnes
             f" (and {len(notes) - 1} more batch{'es' if len(notes) > 2 else ''})" if len(notes) > 1 else "")
         if note is not None:
             warn_not_converged(settings.measure, config, note, steps_used)
+            certificate = NOT_CERTIFIED
+        else:
+            precise = [(i, r[7]) for i, r in enumerate(ordered) if r[6] == AT_PRECISION]
+            certificate = AT_PRECISION if precise else CERTIFIED
+            note = None if not precise else f"batch {precise[0][0]}: {precise[0][1]}" + (
+                f" (and {len(precise) - 1} more)" if len(precise) > 1 else "")
     return SharpnessResult(
         value=sum(per_batch) / len(per_batch), per_batch=per_batch, clean_loss=sum(per_clean) / len(per_clean),
         per_batch_clean_loss=per_clean, measure=settings.measure, config=config, stderr=stderr,
-        converged=note is None, stationarity_gap=gap, convergence_note=note, steps_used=steps_used,
+        converged=certificate != NOT_CERTIFIED, stationarity_gap=gap, convergence_note=note, steps_used=steps_used,
+        certificate=certificate,
     )

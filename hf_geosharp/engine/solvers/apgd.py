@@ -65,16 +65,21 @@ class Space(Protocol):
         """``values`` summed over the ranks of a sharded run."""
 
 
+#: What a worst case's certificate says (:meth:`SolveResult.verdict`, ``SharpnessResult.certificate``).
+CERTIFIED, AT_PRECISION, NOT_CERTIFIED = "certified", "certified_at_precision", "not_certified"
+
+
 @dataclass
 class SolveResult:
     """Outcome of one batch: the largest loss found, the clean loss, the loss of every evaluated point, and what
-    certifies (or not) that the largest loss is the maximum (worst case; docs/method.md, "Convergence").
+    certifies (or not) that the largest loss is a maximum (worst case; docs/method.md, "Convergence").
 
     ``gap`` is the relative Frank-Wolfe gap at the best point, ``(rho ||grad||_g - <grad, xi>_g) / sharpness``: zero
     exactly at the first-order stationary points of the ball's maximisation, and, where the loss is concave on the
     ball, an upper bound on ``(maximum - value) / value``. ``start_values`` and ``start_gaps`` are each start's best
     sharpness and its gap (``steps="auto"`` starts again from other points to check that no higher maximum is
-    near)."""
+    near), and ``start_kinds`` where each began (:data:`START_KINDS`). ``dtype`` is the floating type the loss is
+    computed in (the model's lowest precision), which sets :attr:`resolution`."""
 
     max_loss: float
     clean_loss: float
@@ -83,6 +88,8 @@ class SolveResult:
     gap: float = math.nan
     start_values: list[float] = field(default_factory=list)
     start_gaps: list[float] = field(default_factory=list)
+    start_kinds: list[str] = field(default_factory=list)
+    dtype: str = "float64"
     #: The best point itself (a tangent vector of the space) when the solver was asked to keep it, else None.
     best_point: Tensor | None = field(default=None, repr=False, compare=False)
 
@@ -96,23 +103,128 @@ class SolveResult:
         """Evaluated points after the clean one: solver steps, and the first point of each further start."""
         return len(self.losses) - 1
 
+    @property
+    def resolution(self) -> float:
+        """The resolution of the loss in :attr:`dtype`: ``PRECISION_FACTOR * eps(dtype) * max(|clean|, |max|)``, in
+        loss units. Two losses closer than this cannot be told apart (:func:`loss_resolution`)."""
+        return loss_resolution(self.dtype, self.clean_loss, self.max_loss)
+
     def certificate(self, tol: float, starts: int) -> str | None:
-        """``None`` when the best value is certified (stationary within ``tol`` and, with ``starts >= 2``,
-        reached again within ``tol`` by another stationary start), else why not, in words."""
-        if not self.gap <= tol:
-            return f"not stationary (Frank-Wolfe gap {self.gap:.2%} of the value, tolerance {tol:.2%})"
-        if starts < 2:
-            return None
-        best = max(self.start_values)
-        stationary = [v for v, g in zip(self.start_values, self.start_gaps) if g <= tol]
-        if len([v for v in stationary if v >= best - tol * abs(best)]) >= 2:
-            return None
-        if len(self.start_values) < 2:
-            return "the step budget ran out before a second start could check the maximum"
-        if len(stationary) < 2:
-            return "the step budget ran out before a second start was stationary"
-        found = ", ".join(f"{v:.4g}" for v in self.start_values)
-        return f"{len(self.start_values)} starts reached different maxima ({found})"
+        """``None`` when the best value is certified, at ``tol`` or at the loss's resolution (:meth:`verdict`), else
+        why not, in words."""
+        state, note = self.verdict(tol, starts)
+        return None if state != NOT_CERTIFIED else note
+
+    def verdict(self, tol: float, starts: int) -> tuple[str, str | None]:
+        """What the best value is certified as, and a note: ``(CERTIFIED, None)`` when it is stationary within
+        ``tol`` and, with ``starts >= 2``, reached again within ``tol`` by another stationary start (and no start
+        from a random point found a higher maximum than two agreeing starts); ``(AT_PRECISION, what)`` when that
+        holds only with the tolerances widened to the loss's :attr:`resolution` (a Frank-Wolfe gap, or a
+        disagreement of starts, below what the loss's floating type can resolve); ``(NOT_CERTIFIED, why)`` else.
+        Either certified state says that two starts agree on a stationary point: a maximum, not the largest."""
+        floor = self.resolution
+        gap_abs = self.gap * self.sharpness if self.sharpness > 0 else (0.0 if self.gap == 0 else math.inf)
+        if not (self.gap <= tol or gap_abs <= floor):
+            return NOT_CERTIFIED, f"not stationary (Frank-Wolfe gap {self.gap:.2%} of the value, tolerance {tol:.2%})"
+        exact = self.gap <= tol
+        if starts >= 2:
+            agreed, exact_agreed, why = self._agreement(tol, floor)
+            if why is not None:
+                return NOT_CERTIFIED, why
+            exact = exact and exact_agreed
+        if exact:
+            return CERTIFIED, None
+        what = "two starts that agree and a Frank-Wolfe gap" if starts >= 2 else "a Frank-Wolfe gap"
+        share = f", {floor / self.sharpness:.2%} of the value {self.sharpness:.4g}" if self.sharpness > 0 else ""
+        return AT_PRECISION, (f"certified at the resolution of the loss in {self.dtype}: {what} within {floor:.2g} "
+                              f"(= {PRECISION_FACTOR} eps |loss|{share}), not within tol {tol:.2%}")
+
+    def _agreement(self, tol: float, floor: float) -> tuple[bool, bool, str | None]:
+        """Whether two stationary starts agree on the best value (with the floor; within ``tol`` alone), or why
+        not."""
+        values, gaps = self.start_values, self.start_gaps
+        kinds = self.start_kinds or ["climb"] * len(values)
+
+        def stationary(v: float, g: float, widened: bool) -> bool:
+            return g <= tol or (widened and g * max(v, 0.0) <= floor)
+
+        climbs = [(v, g) for v, g, k in zip(values, gaps, kinds) if k != "random"]
+        probes = [v for v, k in zip(values, kinds) if k == "random"]
+        if probes and climbs:
+            agreed = _agreed_value([v for v, _ in climbs], [g for _, g in climbs], tol, floor)
+            if agreed is not None and max(probes) > agreed + max(tol * abs(agreed), floor):
+                return False, False, (
+                    f"two starts agreed on {agreed:.4g}, but a start from a random point of the sphere reached "
+                    f"{max(probes):.4g}: this landscape has maxima that few starts reach, so the value is the "
+                    "largest found, a lower bound")
+        best = max(values) if values else -math.inf
+        near = [v >= best - max(tol * abs(best), floor) and stationary(v, g, True) for v, g in zip(values, gaps)]
+        if sum(near) < 2:
+            if len(values) < 2:
+                return False, False, "the step budget ran out before a second start could check the maximum"
+            if sum(stationary(v, g, True) for v, g in zip(values, gaps)) < 2:
+                return False, False, "the step budget ran out before a second start was stationary"
+            found = ", ".join(f"{v:.4g}" for v in values)
+            return False, False, f"{len(values)} starts reached different maxima ({found})"
+        exact = sum(v >= best - tol * abs(best) and stationary(v, g, False) for v, g in zip(values, gaps)) >= 2
+        finished = sum(k == "random" and stationary(v, g, True) for v, g, k in zip(values, gaps, kinds))
+        if _multimodal(values, gaps, tol, floor) and finished < RANDOM_PROBES:
+            return False, False, ("the starts found several maxima, and the step budget or max_starts ran out "
+                                  "before two starts from random points could look for a higher one")
+        return True, exact, None
+
+
+def _agreed_value(values: list[float], gaps: list[float], tol: float, floor: float) -> float | None:
+    """The largest value that two stationary starts among ``values`` agree on, or None."""
+    ok = sorted((v for v, g in zip(values, gaps) if g <= tol or g * max(v, 0.0) <= floor), reverse=True)
+    for a, b in zip(ok, ok[1:]):
+        if b >= a - max(tol * abs(a), floor):
+            return a
+    return None
+
+
+def _multimodal(values: list[float], gaps: list[float], tol: float, floor: float) -> bool:
+    """Whether the starts found more than one maximum: a stationary start below the best by more than ``tol``."""
+    best = max(values) if values else -math.inf
+    return any((g <= tol or g * max(v, 0.0) <= floor) and v < best - max(tol * abs(best), floor)
+               for v, g in zip(values, gaps))
+
+
+#: Where a start of ``steps="auto"`` begins: at zero, at the antipode of the first start's best point, near the best
+#: point found so far, or at a random point of the sphere (a probe, :data:`RANDOM_PROBES`).
+START_KINDS = ("zero", "antipode", "near", "random")
+#: The resolution of the loss, in units of ``eps(dtype) * |loss|``: two losses closer than this many units cannot be
+#: told apart, and a Frank-Wolfe gap (a first-order gain) below it cannot be climbed. The float32 loss of a random
+#: BERT (hidden 32, 2 layers, 4 batches of 16 x 24 tokens) at 40 perturbed points differed from its float64 loss by at
+#: most 1.5 units (median 0.4), so a difference of two losses by at most 3: the factor leaves a margin of 2.7
+#: (docs/method.md, "Precision").
+PRECISION_FACTOR = 8
+#: Starts from random points of the sphere that ``steps="auto"`` adds once two starts agree where the starts found
+#: more than one maximum: a higher maximum that a random start reaches makes the value uncertified.
+RANDOM_PROBES = 2
+
+
+def loss_resolution(dtype: str, *losses: float) -> float:
+    """``PRECISION_FACTOR * eps(dtype) * max |losses|``: the smallest difference of two losses, computed in the
+    floating type named ``dtype`` (e.g. ``"float32"``), that the certificate treats as real.
+
+    Args:
+        dtype: a torch floating dtype's name.
+        losses: the losses the difference is between.
+
+    Returns:
+        The resolution in loss units (0 for no losses)."""
+    eps = torch.finfo(getattr(torch, dtype)).eps
+    return PRECISION_FACTOR * eps * max((abs(x) for x in losses if math.isfinite(x)), default=0.0)
+
+
+def loss_dtype(objective: ObjectiveFn, vector: Tensor) -> str:
+    """The floating type the loss is computed in: the lowest-precision floating parameter of the objective's
+    ``model``, or ``vector``'s dtype where it names none (a closed-form objective)."""
+    model = getattr(objective, "model", None)
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()} if isinstance(model, nn.Module) else set()
+    dtype = max(dtypes, key=lambda d: torch.finfo(d).eps) if dtypes else vector.dtype
+    return str(dtype).removeprefix("torch.")
 
 
 #: Default relative tolerance of the convergence certificate: the Frank-Wolfe gap at the best point, and the
@@ -130,6 +242,9 @@ AUTO_MAX_STARTS = 8
 #: the maximum of its own basin (a fine-tuned MiniLM at rho 0.2: 0.8743 at a gap of ``9.9e-4``, 0.8933 at ``7.6e-5``;
 #: docs/method.md); the certificate itself stays at ``tol``.
 START_STOP_FRACTION = 0.1
+#: Under ``steps="auto"`` a start also stops only when ``rho`` times its slope along the sphere, relative to the value,
+#: is at most ``START_STOP_FRACTION * tol / SLOPE_STOP_FRACTION``.
+SLOPE_STOP_FRACTION = 0.03
 #: How far from the best point found so far a third or later start begins, as a fraction of ``rho``.
 NEAR_BEST = 0.5
 #: Steps of a start's first block under ``steps="auto"`` (the step-size checkpoints follow its length).
@@ -398,32 +513,55 @@ def apgd(
         footprint = measured_footprint(space, objective, work, activations[0])
         keep_best_gradient = footprint is not None and keeps_best_gradient(footprint)
         logger.debug("best point's gradient %s (%s)", "kept" if keep_best_gradient else "recomputed", footprint)
+    dtype = loss_dtype(objective, work)
     climb = _Climb(space, objective, pool, work, rho=rho, momentum=momentum, step_normalization=step_normalization,
                    min_update_ratio=min_update_ratio, on_step=on_step, tol=tol, clean_loss=clean_loss,
-                   keep_best_gradient=keep_best_gradient)
+                   keep_best_gradient=keep_best_gradient, dtype=dtype)
     budget = max_steps if auto else steps
     best = climb.run(xi, 0.0, clean_loss, egrad, steps=min(steps, budget), budget=budget, auto=auto)
-    values, gaps, overall = [best.loss - clean_loss], [best.gap], best
+    values, gaps, kinds, overall = [best.loss - clean_loss], [best.gap], ["zero"], best
     kept_point: Tensor | None = None
     while auto and len(values) < max_starts and climb.steps_used < budget:
-        result = SolveResult(overall.loss, clean_loss, climb.losses, 0.0, overall.gap, values, gaps)
-        if result.certificate(tol, starts=2) is None or not overall.gap <= tol:
-            break  # certified, or the best start is not stationary (the budget ran out inside it)
+        kind = _next_kind(SolveResult(overall.loss, clean_loss, climb.losses, 0.0, overall.gap, values, gaps, kinds,
+                                      dtype), tol)
+        if kind is None:
+            break  # certified, refuted by a random start, or the best start is not stationary (out of budget)
         if keep_best_point and overall is best:  # the next start reuses this row
             kept_point = space.empty() if kept_point is None else kept_point
             kept_point.copy_(overall.row)
-        start, sq = climb.next_start(best, overall, len(values), generator)
+        start, sq = climb.next_start(best, overall, kind, len(values), generator)
         loss, egrad = objective(start, True, out=work)
         climb.record(loss)
         best = climb.run(start, sq, loss, egrad, steps=min(AUTO_BLOCK, budget - climb.steps_used),
                          budget=budget - climb.steps_used, auto=True)
         values.append(best.loss - clean_loss)
         gaps.append(best.gap)
+        kinds.append(kind)
         if best.loss > overall.loss:
             overall = best
     point = None if not keep_best_point else overall.row if overall is best else kept_point
     return SolveResult(overall.loss, clean_loss, climb.losses, math.sqrt(overall.sq), overall.gap, values, gaps,
-                       best_point=point)
+                       kinds if auto else [], dtype, best_point=point)
+
+
+def _next_kind(result: SolveResult, tol: float) -> str | None:
+    """Where the next start of ``steps="auto"`` begins (:data:`START_KINDS`), or None to stop: the best start is not
+    stationary (its budget ran out), the value is certified, or a random start refuted two agreeing ones."""
+    values, gaps, kinds, floor = result.start_values, result.start_gaps, result.start_kinds, result.resolution
+    if not (result.gap <= tol or result.gap * max(result.sharpness, 0.0) <= floor):
+        return None
+    probes = kinds.count("random")
+    if probes:  # random starts run only after two starts agreed on the best value
+        climbs = [i for i, k in enumerate(kinds) if k != "random"]
+        agreed = _agreed_value([values[i] for i in climbs], [gaps[i] for i in climbs], tol, floor)
+        if agreed is not None and max(values) > agreed + max(tol * abs(agreed), floor):
+            return None
+    best = max(values)
+    agree = sum(v >= best - max(tol * abs(best), floor) and (g <= tol or g * max(v, 0.0) <= floor)
+                for v, g in zip(values, gaps)) >= 2
+    if agree:
+        return "random" if _multimodal(values, gaps, tol, floor) and probes < RANDOM_PROBES else None
+    return "antipode" if len(values) == 1 else "near"
 
 
 @dataclass
@@ -442,7 +580,7 @@ class _Climb:
     def __init__(self, space: Space, objective: ObjectiveFn, pool: Pool, work: Tensor, *, rho: float, momentum: float,
                  step_normalization: StepNormalization, min_update_ratio: float,
                  on_step: Callable[[int, float], None] | None, tol: float, clean_loss: float,
-                 keep_best_gradient: bool) -> None:
+                 keep_best_gradient: bool, dtype: str = "float64") -> None:
         self.space, self.objective, self.pool, self.work = space, objective, pool, work
         self.rho, self.momentum, self.step_normalization = rho, momentum, step_normalization
         self.min_update_ratio, self.on_step, self.tol, self.clean_loss = min_update_ratio, on_step, tol, clean_loss
@@ -451,6 +589,7 @@ class _Climb:
         self.keep_best_gradient = keep_best_gradient
         self.kept: tuple[_Best, Tensor] | None = None  # a best point and a copy of its gradient
         self.aside: Tensor | None = None  # the best point found so far, for starts that begin near it
+        self.dtype = dtype
 
     @property
     def steps_used(self) -> int:
@@ -464,6 +603,24 @@ class _Climb:
 
     def gap(self, best: _Best, sq_d: float, d_best: float) -> float:
         return relative_gap(self.rho, sq_d, d_best, best.loss - self.clean_loss)
+
+    def slope(self, best: _Best, sq_d: float, d_best: float) -> float:
+        """``rho`` times the slope along the sphere at ``best`` (the direction's component orthogonal to ``best``),
+        relative to its value: first order in the distance to a maximum on the sphere, where the Frank-Wolfe gap is
+        second order."""
+        sharpness = best.loss - self.clean_loss
+        tangential = sq_d - d_best * d_best / best.sq if best.sq > 0 else sq_d
+        return self.rho * math.sqrt(max(tangential, 0.0)) / sharpness if sharpness > 0 else math.inf
+
+    def stationary_enough(self, best: _Best, slope: float) -> bool:
+        """Whether an auto start stops at ``best``: its gap and its ``slope`` are at most ``START_STOP_FRACTION`` of
+        ``tol``, or, in loss units, that fraction of the loss's resolution."""
+        measure = max(best.gap, slope * SLOPE_STOP_FRACTION)
+        if measure <= self.tol * START_STOP_FRACTION:
+            return True
+        sharpness = best.loss - self.clean_loss
+        floor = loss_resolution(self.dtype, self.clean_loss, best.loss)
+        return sharpness > 0 and measure * sharpness <= START_STOP_FRACTION * floor
 
     def saving(self, best: _Best) -> Tensor | None:
         """Where the step that consumes the gradient at ``best`` copies it, if gradients are kept and this one is
@@ -508,7 +665,7 @@ class _Climb:
             d_prev = product.get(pool.position(xi_prev), 0.0) if sq_prev > 0 else 0.0
             if xi is best.row:
                 best.gap = self.gap(best, sq_d, d_xi)
-                if auto and best.gap <= self.tol * START_STOP_FRACTION:
+                if auto and self.stationary_enough(best, self.slope(best, sq_d, d_xi)):
                     return best
             if self.step_normalization == "riemannian":
                 c = schedule.eta / (math.sqrt(sq_d) + 1e-12)
@@ -551,17 +708,25 @@ class _Climb:
             best.gap = self.gap(best, sq_d, products[0] if best.sq > 0 else 0.0)
         return best
 
-    def next_start(self, last: _Best, overall: _Best, index: int,
+    def next_start(self, last: _Best, overall: _Best, kind: str, index: int,
                    generator: torch.Generator | None) -> tuple[Tensor, float]:
-        """The first point of start ``index`` and its squared norm. Start 1 begins at the antipode of the first
-        start's best point (in its row), where a second maximum opposite the first is found. Later starts begin
-        near the best point found so far, displaced by ``NEAR_BEST * rho`` in a random direction and brought back
-        into the ball: a start that reaches the best value again from elsewhere certifies it, where random points of
-        the sphere climb to the nearer, lower maximum (docs/method.md, "Convergence"). The best point waits in
-        ``self.aside`` in bfloat16 (2 bytes per coordinate): a start's first point needs no more precision."""
-        if index == 1 and last.sq > 0:
+        """The first point of start ``index``, of ``kind`` (:data:`START_KINDS`), and its squared norm. The
+        ``"antipode"`` (start 1) is that of the first start's best point (in its row), where a second maximum
+        opposite the first is found. ``"near"`` starts begin near the best point found so far, displaced by
+        ``NEAR_BEST * rho`` in a random direction and brought back into the ball: a start that reaches the best value
+        again from elsewhere certifies it, where random points of the sphere climb to the nearer, lower maximum
+        (docs/method.md, "Convergence"). ``"random"`` starts begin at a random point of the sphere (metric-isotropic).
+        The best point waits in ``self.aside`` in bfloat16 (2 bytes per coordinate): a start's first point needs no
+        more precision."""
+        if kind == "antipode" and last.sq > 0:
             self.aside = last.row.to(torch.bfloat16)
             return last.row.neg_(), last.sq
+        if kind == "random":
+            z = self.space.random_tangent_vector(generator or torch.Generator().manual_seed(index))
+            norm = float(self.space.norm(z))
+            row = self.pool.free(self.work)
+            row.copy_(z).mul_(self.rho / norm if norm > 0 else 0.0)
+            return row, (self.rho if norm > 0 else 0.0) ** 2
         if overall is last and last.sq > 0:
             if self.aside is None:
                 self.aside = last.row.to(torch.bfloat16)
