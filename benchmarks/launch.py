@@ -12,8 +12,9 @@ solve through a :class:`~torch.utils._python_dispatch.TorchDispatchMode`:
   ``new_empty*``, ``set_``, ``resize_``, ``_reshape_alias``) and (3) syncs (below). In-place ops (``Tensor(a!)``)
   are kernels. A ``torch._foreach_*`` op counts as one kernel (CUDA fuses a list of up to a few hundred tensors into
   one launch per chunk of them);
-- **syncs**: the host waiting for the device: ``_local_scalar_dense`` (``.item()``, ``float(t)``, ``bool(t)``,
-  ``.tolist()`` one per element), ops whose output size depends on the data (``nonzero``, ``masked_select``,
+- **syncs**: the host waiting for the device: ``_local_scalar_dense`` (``.item()``, ``float(t)``, ``bool(t)``),
+  ``Tensor.tolist``, ``.cpu()`` and ``.numpy()`` (which never reach the dispatcher on a CPU tensor, so a
+  ``TorchFunctionMode`` counts them, one per call), ops whose output size depends on the data (``nonzero``, ``masked_select``,
   ``unique*``, boolean ``index``, ``repeat_interleave`` without ``output_size``), ``equal``, and tensors built from
   host data (``lift_fresh``: ``torch.tensor([...])`` of Python numbers, on CUDA a blocking upload from pageable
   memory), listed by kind.
@@ -40,6 +41,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hf_geosharp.engine.model_function import objective as objective_module
@@ -112,6 +114,16 @@ class OpCounter(TorchDispatchMode):
             self.files[_engine_file()] += 1
         return func(*args, **kwargs)
 
+    def __enter__(self) -> OpCounter:
+        super().__enter__()
+        self._reads = _HostReads(self)
+        self._reads.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._reads.__exit__(*exc)
+        super().__exit__(*exc)
+
     @contextlib.contextmanager
     def at(self, place: str) -> Iterator[None]:
         previous, self.place = self.place, place
@@ -119,6 +131,23 @@ class OpCounter(TorchDispatchMode):
             yield
         finally:
             self.place = previous
+
+
+class _HostReads(TorchFunctionMode):
+    """Counts the reads of tensor data into the host that no ATen op shows on a CPU tensor."""
+
+    READS = {"tolist", "cpu", "numpy"}
+
+    def __init__(self, counter: OpCounter) -> None:
+        super().__init__()
+        self.counter = counter
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        name = getattr(func, "__name__", "")
+        if name in self.READS:
+            self.counter.ops[self.counter.place, "sync"] += 1
+            self.counter.syncs[self.counter.place, name] += 1
+        return func(*args, **(kwargs or {}))
 
 
 def _engine_file() -> str:

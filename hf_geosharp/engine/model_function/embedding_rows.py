@@ -60,16 +60,16 @@ class UsedRows:
         """``place[ids]``, refused if an id is a row left out. The translation of ids seen before is reused: the
         key is the memory the ids occupy, their layout and their version counter (an in-place write changes it),
         and the entry holds the ids themselves, so their memory cannot be reused by other ids while it lives.
-        Only the first lookup of each ids waits for the device (the check's ``bool``)."""
+        The check is an assertion on the device (``torch._assert_async``): the host never waits for it (on a CPU it
+        raises at once; on CUDA, at the next synchronisation)."""
         key = (ids.untyped_storage().data_ptr(), ids.storage_offset(), tuple(ids.shape), tuple(ids.stride()),
                ids.dtype, ids.device, ids._version)
         seen = self._seen.get(key)
         if seen is not None:
             return seen[1]
         place = self.place[ids]
-        if bool((place < 0).any()):
-            raise RuntimeError("An embedding looked up a row that the scan of the batches did not see; this is a "
-                               "bug in hf_geosharp (please report it with the model).")
+        torch._assert_async((place >= 0).all(), "An embedding looked up a row that the scan of the batches did not "
+                            "see; this is a bug in hf_geosharp (please report it with the model).")
         if len(self._seen) >= self.SEEN:
             self._seen.pop(next(iter(self._seen)))
         self._seen[key] = (ids, place)
