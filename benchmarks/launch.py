@@ -15,9 +15,9 @@ solve through a :class:`~torch.utils._python_dispatch.TorchDispatchMode`:
 - **syncs**: the host waiting for the device: ``_local_scalar_dense`` (``.item()``, ``float(t)``, ``bool(t)``),
   ``Tensor.tolist``, ``.cpu()`` and ``.numpy()`` (which never reach the dispatcher on a CPU tensor, so a
   ``TorchFunctionMode`` counts them, one per call), ops whose output size depends on the data (``nonzero``,
-  ``masked_select``, ``unique*``, boolean ``index``, ``repeat_interleave`` without ``output_size``), ``equal``, and tensors built from
-  host data (``lift_fresh``: ``torch.tensor([...])`` of Python numbers, on CUDA a blocking upload from pageable
-  memory), listed by kind.
+  ``masked_select``, ``unique*``, boolean ``index``, ``repeat_interleave`` without ``output_size``), ``equal``,
+  and tensors built from host data (``lift_fresh``: ``torch.tensor([...])`` of Python numbers, on CUDA a blocking
+  upload from pageable memory), listed by kind.
 
 Each op is attributed to one of three places: **outside** the model (the solver step: the space's geometry, the
 solver's vectors, the placement's substitution), **inside** the model's forward (the loss function's call) or
