@@ -11,12 +11,13 @@ import torch
 from hf_geosharp.commands.common import Parser, folder_path, non_negative, positive
 from hf_geosharp.durable import write_json
 
-from . import default_call, floor, fsdp_memory, memory, overhead, peer, scaling, step_profile
+from . import default_call, floor, fsdp_memory, launch, memory, overhead, peer, scaling, step_profile
 from .common import machine
 from .config import RunConfig
 
 SUITES = {"default_call": default_call, "overhead": overhead, "floor": floor, "memory": memory, "scaling": scaling,
-          "peer": peer, "fsdp_memory": fsdp_memory, "step_profile": step_profile}
+          "peer": peer, "fsdp_memory": fsdp_memory, "step_profile": step_profile,
+          "launch": launch}
 RESULTS = Path(__file__).parent / "results"
 
 

@@ -172,27 +172,33 @@ class GLQuotient:
         self._probe_generator = probe_generator
         self._roots: tuple[Tensor, Tensor] | None = None
 
-    # The metric's factors in the working dtype, for the n x h products; cast per use (an h x h copy per head chunk)
-    # rather than kept, since the float64 ones are kept anyway.
+    # The metric's factors in the working dtype, for the n x h products: cast once, on first use, and kept (h x h per
+    # head, a small share of the pair's n x h entries); a head range (heads()) takes views of them.
+    def _lowered(self, name: str) -> Tensor:
+        low = self.__dict__.setdefault("_low", {})
+        if name not in low:
+            low[name] = getattr(self, f"_{name}64").to(self.dtype)
+        return low[name]
+
     @property
     def P(self) -> Tensor:
         """``P_eps`` in the working dtype (``[k, h, h]``)."""
-        return self._P64.to(self.dtype)
+        return self._lowered("P")
 
     @property
     def Q(self) -> Tensor:
         """``Q_eps`` in the working dtype (``[k, h, h]``)."""
-        return self._Q64.to(self.dtype)
+        return self._lowered("Q")
 
     @property
     def P_inv(self) -> Tensor:
         """``P_eps^-1`` in the working dtype (``[k, h, h]``)."""
-        return self._P_inv64.to(self.dtype)
+        return self._lowered("P_inv")
 
     @property
     def Q_inv(self) -> Tensor:
         """``Q_eps^-1`` in the working dtype (``[k, h, h]``)."""
-        return self._Q_inv64.to(self.dtype)
+        return self._lowered("Q_inv")
 
     @staticmethod
     def relaxed_grams(GtG: Tensor, HtH: Tensor, epsilon: float) -> tuple[Tensor, Tensor]:
@@ -226,12 +232,15 @@ class GLQuotient:
     def _row_sum(self, a: Tensor, b: Tensor, factor: int) -> Tensor:
         """``a^T b`` over the rows of factor ``factor`` (0: G, 1: H), summed over the ranks that share them."""
         n = self._rows[factor]
+        if n == a.shape[1] == b.shape[1]:  # every row counted here: no slices
+            return self._reduce(a.mT @ b)
         return self._reduce(a[:, :n].mT @ b[:, :n])
 
     def heads(self, heads: slice) -> GLQuotient:
         """The same geometry restricted to a range of heads (views, no copies): heads are independent, so an
         operation can run on a few heads at a time with small temporaries."""
         part = copy.copy(self)
+        part._low = {name: self._lowered(name)[heads] for name in ("P", "Q", "P_inv", "Q_inv")}
         for name in _PER_HEAD:
             if getattr(self, name, None) is not None:  # G and H are None when the space reads them per chunk
                 setattr(part, name, getattr(self, name)[heads])

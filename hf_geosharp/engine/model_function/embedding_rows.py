@@ -21,7 +21,7 @@ the same values as a lookup in the whole perturbed weight, and its backward the 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -42,6 +42,9 @@ class UsedRows:
 
     rows: Tensor  # sorted row indices, int64
     place: Tensor  # [num_rows] int64: row -> its position in ``rows``; -1 for the rows left out
+    #: Lookups already translated and checked (:meth:`places`), so that a solve's steps, which look up the same ids
+    #: at every forward, neither wait for the device nor translate them again.
+    _seen: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def of(cls, rows: Tensor, num_rows: int) -> UsedRows:
@@ -49,6 +52,36 @@ class UsedRows:
         place = torch.full((num_rows,), -1, dtype=torch.long, device=rows.device)
         place[rows] = torch.arange(rows.numel(), device=rows.device)
         return cls(rows, place)
+
+    #: At most this many lookups are remembered (a solve's batches; the oldest are dropped first).
+    SEEN = 64
+
+    def places(self, ids: Tensor) -> Tensor:
+        """``place[ids]``, refused if an id is a row left out. The translation of ids seen before is reused: the
+        key is the memory the ids occupy, their layout and their version counter (an in-place write changes it),
+        and the entry holds the ids themselves, so their memory cannot be reused by other ids while it lives.
+        The check is an assertion on the device (``torch._assert_async``): the host never waits for it (on a CPU it
+        raises at once; on CUDA, at the next synchronisation)."""
+        key = (ids.untyped_storage().data_ptr(), ids.storage_offset(), tuple(ids.shape), tuple(ids.stride()),
+               ids.dtype, ids.device, ids._version)
+        seen = self._seen.get(key)
+        if seen is not None:
+            return seen[1]
+        place = self.place[ids]
+        torch._assert_async((place >= 0).all(), "An embedding looked up a row that the scan of the batches did not "
+                            "see; this is a bug in hf_geosharp (please report it with the model).")
+        if len(self._seen) >= self.SEEN:
+            self._seen.pop(next(iter(self._seen)))
+        self._seen[key] = (ids, place)
+        return place
+
+    def padding(self, padding_idx: int) -> int | None:
+        """Where the row ``padding_idx`` sits among the used rows (None if unused), read once."""
+        key = ("padding", padding_idx)
+        if key not in self._seen:
+            found = int(self.place[padding_idx])
+            self._seen[key] = (None, found if found >= 0 else None)
+        return self._seen[key][1]
 
 
 def _lookup(func: Callable, args: tuple, kwargs: dict) -> tuple[Tensor, Tensor, dict[str, Any]] | None:
@@ -139,14 +172,10 @@ class RowLookup(TorchFunctionMode):
         if lookup is not None and id(lookup[1]) in self.restricted:
             ids, weight, options = lookup
             used, rows = self.restricted[id(weight)]
-            place = used.place[ids]
-            if bool((place < 0).any()):
-                raise RuntimeError("An embedding looked up a row that the scan of the batches did not see; this is a "
-                                   "bug in hf_geosharp (please report it with the model).")
+            place = used.places(ids)
             padding = options.get("padding_idx")
-            if padding is not None:
-                found = int(used.place[padding % weight.shape[0]])
-                options["padding_idx"] = found if found >= 0 else None  # an unused padding row changes nothing
+            if padding is not None:  # an unused padding row changes nothing
+                options["padding_idx"] = used.padding(padding % weight.shape[0])
             return func(place, rows, **options)
         result = func(*args, **kwargs)
         if any(isinstance(t, Tensor) and id(t) in self.restricted for t in tree_leaves((args, kwargs))) and \

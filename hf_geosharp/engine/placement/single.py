@@ -22,6 +22,7 @@ from torch.nn.utils import stateless
 from ...symmetry.base import PairBlock
 from ..model_function.embedding_rows import RowLookup
 from ..settings import RunSettings
+from ..solvers.apgd import BYTES_MARGIN, BYTES_PER_PARAMETER_GOAL
 from ..space.workspace import Workspace
 from .base import Backward, Holding
 
@@ -111,8 +112,12 @@ class SingleProcess:
         return base, _remap(blocks, [p.numel() for p in params], kept)
 
     def workspace(self, numel: int, dtype: torch.dtype) -> Workspace:
-        """A workspace sized to the vector (``Workspace.sized_for``)."""
-        return Workspace.sized_for(numel, dtype, self.device)
+        """A workspace sized to the vector (``Workspace.sized_for``), which may grow into what the solver's bytes
+        goal leaves beside four vectors (its margin kept): one head chunk per pair group wherever that fits."""
+        params = sum(p.numel() for p in self.model.parameters())
+        goal = (1.0 - BYTES_MARGIN) * BYTES_PER_PARAMETER_GOAL * params
+        room = int(goal) - 4 * numel * dtype.itemsize
+        return Workspace.sized_for(numel, dtype, self.device, room=max(room, 0))
 
     @contextlib.contextmanager
     def substituted(self, out: Tensor, need_grad: bool) -> Iterator[Backward]:

@@ -371,6 +371,7 @@ class Pool:
     def __init__(self, like: Tensor, size: int) -> None:
         self.matrix = like.new_empty((size, like.numel()))
         self.rows = list(self.matrix.unbind(0))
+        self._coefs = like.new_empty(2)  # combine_into's coefficients, filled on the device (no upload, no wait)
 
     def free(self, *live: Tensor | None) -> Tensor:
         """The first row that is none of ``live`` (a row in use must be named, or it may be handed out)."""
@@ -406,7 +407,9 @@ class Pool:
         order = sorted(merged)  # the order of stacked()'s rows
         first, rest = order[:2], order[2:]  # stacked() views at most two rows; a third is added in another pass
         rows = self.stacked([self.rows[i] for i in first])
-        coefs = torch.tensor([merged[i] for i in first], dtype=out.dtype, device=out.device)
+        coefs = self._coefs[: len(first)]
+        for j, i in enumerate(first):
+            coefs[j].fill_(merged[i])
         out.addmv_(rows.t(), coefs, beta=scale)
         for i in rest:
             out.add_(self.rows[i], alpha=merged[i])

@@ -98,6 +98,44 @@ def _merge_heads(offsets: list[int], r0: int, r1: int, m: int, s_r: int, s_c: in
     return pieces
 
 
+@dataclass(frozen=True)
+class Box:
+    """Pieces of equal shape and strides whose heads follow each other and whose offsets step evenly (the same box
+    in every layer of a model: layers' parameters lie at one stride in the flat vector), as one 4-D strided view:
+    ``[layers, heads per layer, rows, columns]``, heads ``k`` of the factor."""
+
+    k: slice
+    r: slice
+    size: tuple[int, int, int, int]
+    stride: tuple[int, int, int, int]
+    offset: int
+
+
+def merged_boxes(pieces: list[Piece]) -> list[Box]:
+    """``pieces`` as few :class:`Box` es: runs of pieces (in head order, per row range) that continue each other."""
+    boxes: list[Box] = []
+    for rows in dict.fromkeys((p.r.start, p.r.stop) for p in pieces):  # row ranges, in order of appearance
+        run: list[Piece] = []
+        for piece in sorted((p for p in pieces if (p.r.start, p.r.stop) == rows), key=lambda p: p.k.start):
+            if run and (piece.size != run[0].size or piece.stride != run[0].stride or piece.k.start != run[-1].k.stop
+                        or piece.offset - run[-1].offset != (run[1].offset - run[0].offset if len(run) > 1
+                                                             else piece.offset - run[-1].offset)
+                        or piece.offset <= run[-1].offset):
+                boxes.append(_box(run))
+                run = []
+            run.append(piece)
+        if run:
+            boxes.append(_box(run))
+    return boxes
+
+
+def _box(run: list[Piece]) -> Box:
+    first = run[0]
+    step = run[1].offset - first.offset if len(run) > 1 else 1
+    return Box(slice(first.k.start, run[-1].k.stop), first.r, (len(run), *first.size), (step, *first.stride),
+               first.offset)
+
+
 @dataclass
 class SharedRows:
     """Rows of a factor that several ranks hold parts of: ``positions[k, r, c]`` is where this rank keeps entry
@@ -136,6 +174,9 @@ class Factor:
     pieces: list[Piece] | None
     index: Tensor | None
     shared: SharedRows | None = None
+    #: The pieces merged across layers (:func:`merged_boxes`), for operations on all heads at once: one copy per box
+    #: instead of one per layer, so the count of copies does not grow with depth.
+    boxes: list[Box] | None = None
 
     @classmethod
     def of(cls, index: Tensor, device: torch.device, shared: SharedRows | None = None) -> Factor:
@@ -143,7 +184,8 @@ class Factor:
         pieces = strided_pieces(index)
         n_shared = 0 if shared is None else shared.positions.shape[1]
         shape = torch.Size((index.shape[0], index.shape[1] + n_shared, index.shape[2]))
-        return cls(shape, pieces, None if pieces is not None else index.to(device), shared)
+        boxes = None if pieces is None else merged_boxes(pieces)
+        return cls(shape, pieces, None if pieces is not None else index.to(device), shared, boxes)
 
     @property
     def n_own(self) -> int:
@@ -155,6 +197,10 @@ class Factor:
         return torch.Size((len(range(*heads.indices(self.shape[0]))), *self.shape[1:]))
 
     def _views(self, x: Tensor, heads: slice) -> list[tuple[slice, slice, Tensor]]:
+        """``(heads of the output, rows, strided view of x)`` per piece; the view is ``[layers, heads, rows, h]`` for
+        a box (all heads at once), so the output's heads are viewed the same way (:func:`_shaped`)."""
+        if self.boxes is not None and heads.indices(self.shape[0])[:2] == (0, self.shape[0]):
+            return [(b.k, b.r, x.as_strided(b.size, b.stride, x.storage_offset() + b.offset)) for b in self.boxes]
         views = []
         for piece in self.pieces:
             cut = piece.restricted(heads, self.shape[0])
@@ -201,7 +247,7 @@ class Factor:
             own.copy_(x[self._own_index(heads)].view(own.shape))
         else:
             for where, rows, view in self._views(x, heads):
-                own[where, rows].copy_(view)
+                _shaped(own[where, rows], view).copy_(view)
         if self.shared is not None:
             self.shared.assemble(x, out[:, self.n_own :], heads)
         return out
@@ -214,9 +260,14 @@ class Factor:
             (out.index_add_ if add else out.index_copy_)(0, index, own.reshape(-1))
         else:
             for where, rows, view in self._views(out, heads):
-                (view.add_ if add else view.copy_)(own[where, rows])
+                (view.add_ if add else view.copy_)(_shaped(own[where, rows], view))
         if self.shared is not None:
             self.shared.write(out, value[:, self.n_own :], heads, add)
+
+
+def _shaped(part: Tensor, view: Tensor) -> Tensor:
+    """``part`` (``[heads, rows, h]``) with its heads split as those of ``view`` (``[layers, heads, rows, h]``)."""
+    return part if view.dim() == part.dim() else part.unflatten(0, view.shape[:2])
 
 
 def stack_alike(blocks: list[PairBlock]) -> list[tuple[Tensor, Tensor, Tensor | None]]:

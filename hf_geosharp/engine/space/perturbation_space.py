@@ -165,8 +165,11 @@ class PerturbationSpace:
             return []
         flat = torch.cat([b.to(self.dtype) for b in self.base])
         probe = torch.Generator().manual_seed(probe_seed)
-        groups = []
-        for gi, hi, basis in stack_alike(blocks):
+        groups, stacked = [], stack_alike(blocks)
+        # one chunk per group where the workspace may grow so far (Workspace.sized_for)
+        self.workspace.reserve(_TEMPORARIES * max(gi.shape[0] * (gi.shape[1] + hi.shape[1]) * gi.shape[2]
+                                                  for gi, hi, _ in stacked))
+        for gi, hi, basis in stacked:
             if self.shard is None:
                 g, h = Factor.of(gi, self.device), Factor.of(hi, device=self.device)
                 rows, global_rows = None, None
@@ -233,7 +236,8 @@ class PerturbationSpace:
         :func:`hf_geosharp.engine.solvers.apgd.keeps_best_gradient`)."""
         tensors = []
         for group in self.pairs:
-            tensors += [*vars(group.geometry).values(), *group.shared_base]
+            tensors += [*vars(group.geometry).values(), *vars(group.geometry).get("_low", {}).values(),
+                        *group.shared_base]
             for factor in (group.g, group.h):
                 tensors += [factor.index, None if factor.shared is None else factor.shared.positions]
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
@@ -400,8 +404,9 @@ class PerturbationSpace:
         must not change in between; it is ``None`` for a first-order space, where the two coincide. Pairs use the
         closed-form pullback of :meth:`GLQuotient.exp2_correction_with_pullback`; the (ablation-only) elementwise
         curvature is differentiated by autograd."""
-        for w, x, o in zip(self.base, xi.split(self._base_sizes), out.split(self._base_sizes)):
-            torch.add(w, x, out=o)
+        outs = out.split(self._base_sizes)  # w + xi, one list operation over the segments (a fused kernel on CUDA)
+        torch._foreach_copy_(outs, self.base)
+        torch._foreach_add_(outs, xi.split(self._base_sizes))
         curvature = None
         if self.options.elementwise_curvature != "none":
             leaf = xi.detach().requires_grad_(need_grad)

@@ -28,21 +28,36 @@ class Workspace:
     Args:
         entries: the size of the buffer; the space chooses its head chunks so that one operation's temporaries fit.
         dtype, device: of the buffer (the space's working dtype and device).
+        limit: the size :meth:`reserve` may grow the buffer to before its first use (default: ``entries``).
     """
 
-    def __init__(self, dtype: torch.dtype, device: torch.device | str, entries: int = DEFAULT_ENTRIES) -> None:
+    def __init__(self, dtype: torch.dtype, device: torch.device | str, entries: int = DEFAULT_ENTRIES,
+                 limit: int | None = None) -> None:
         if entries < 1:
             raise ValueError(f"a workspace needs at least one entry, got {entries}.")
         self.dtype, self.device, self.entries = dtype, torch.device(device), int(entries)
+        self.limit = self.entries if limit is None else max(self.entries, int(limit))
         self._buffer: Tensor | None = None
         self._used = 0
 
     @classmethod
-    def sized_for(cls, coordinates: int, dtype: torch.dtype, device: torch.device | str) -> Workspace:
-        """Scratch of at most a sixteenth of one solver vector of ``coordinates`` entries (between
-        :data:`MIN_ENTRIES` and :data:`DEFAULT_ENTRIES`): on a small model the default would be a visible share of
-        the peak (16 MiB against MiniLM's 44 MiB vectors), and chunks of fewer heads cost it little time."""
-        return cls(dtype, device, min(DEFAULT_ENTRIES, max(MIN_ENTRIES, coordinates // 16)))
+    def sized_for(cls, coordinates: int, dtype: torch.dtype, device: torch.device | str,
+                  room: int | None = None) -> Workspace:
+        """Scratch for a solve whose vectors have ``coordinates`` entries.
+
+        The rule prefers one head chunk per pair group: every chunk repeats each geometry operation (a few hundred
+        small kernels), so the count of operations per step is then independent of the model's depth. It starts at
+        a sixteenth of one vector (between :data:`MIN_ENTRIES` and :data:`DEFAULT_ENTRIES`) and may grow, through
+        :meth:`reserve`, to ``room`` bytes (the memory the solve's goal leaves free, see
+        :meth:`hf_geosharp.engine.placement.single.SingleProcess.workspace`); only where one chunk would need more
+        than that are the groups cut into chunks of as many heads as fit."""
+        entries = min(DEFAULT_ENTRIES, max(MIN_ENTRIES, coordinates // 16))
+        return cls(dtype, device, entries, None if room is None else room // dtype.itemsize)
+
+    def reserve(self, entries: int) -> None:
+        """Grow to ``entries`` (at most :attr:`limit`) before the buffer's first use; later a no-op."""
+        if self._buffer is None:
+            self.entries = max(self.entries, min(self.limit, int(entries)))
 
     def fresh(self) -> Workspace:
         """Start an operation: everything taken before is free again."""

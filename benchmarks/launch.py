@@ -1,0 +1,272 @@
+"""Launch suite: ATen operators, kernels and host syncs per solver step, counted, not timed.
+
+On a GPU the engine's step is bound by the host when it issues many small operations, and stalled whenever the host
+waits for the device. Both are counted here, deterministically, on any device, by dispatching every ATen call of a
+solve through a :class:`~torch.utils._python_dispatch.TorchDispatchMode`:
+
+- **ops**: every ATen operator call that reaches the dispatcher's Python mode (composite operators appear as the
+  operators they decompose into);
+- **kernels**: the ops that compute on tensor data: every op except (1) views and other ops whose every output
+  aliases an input without writing it (the schema's alias annotations: ``view``, ``slice``, ``as_strided``,
+  ``detach``, ``t``, ``expand``, ``lift_fresh`` ...), (2) ops that only allocate or set metadata (``empty*``,
+  ``new_empty*``, ``set_``, ``resize_``, ``_reshape_alias``) and (3) syncs (below). In-place ops (``Tensor(a!)``)
+  are kernels. A ``torch._foreach_*`` op counts as one kernel (CUDA fuses a list of up to a few hundred tensors into
+  one launch per chunk of them);
+- **syncs**: the host waiting for the device: ``_local_scalar_dense`` (``.item()``, ``float(t)``, ``bool(t)``),
+  ``Tensor.tolist``, ``.cpu()`` and ``.numpy()`` (which never reach the dispatcher on a CPU tensor, so a
+  ``TorchFunctionMode`` counts them, one per call), ops whose output size depends on the data (``nonzero``,
+  ``masked_select``, ``unique*``, boolean ``index``, ``repeat_interleave`` without ``output_size``), ``equal``,
+  and tensors built from host data (``lift_fresh``: ``torch.tensor([...])`` of Python numbers, on CUDA a blocking
+  upload from pageable memory), listed by kind.
+
+Each op is attributed to one of three places: **outside** the model (the solver step: the space's geometry, the
+solver's vectors, the placement's substitution), **inside** the model's forward (the loss function's call) or
+backward (``torch.autograd.backward`` with the gradients streamed into the engine's buffer). The engine adds ops
+inside the model's calls too (the embedding lookups answered from the used rows, the streaming hooks), so the
+inside counts are set against a plain forward+backward of the same model and batch (``model(**batch).loss``,
+``.backward()``) counted the same way.
+
+Per step = (count of a 6-step solve - count of a 2-step solve) / 4: the one-off work (building the space, the clean
+point) drops out. Random-init BERT classifiers (:mod:`benchmarks.models`), 2 x 16 tokens, one batch, rho 0.1.
+The counts do not depend on the device's speed; on CPU they are what the same solve issues on CUDA, except that a
+CUDA library call may launch more than one kernel.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from hf_geosharp.engine.model_function import objective as objective_module
+from hf_geosharp.engine.placement import single
+
+from .common import solve
+from .config import RunConfig
+from .models import ModelSize, bert_batches, bert_classifier, symmetry_map
+
+aten = torch.ops.aten
+
+#: The shapes counted: layers x hidden, heads (MiniLM, BERT-base, BERT-large).
+SHAPES = [ModelSize("6x384x12", 6, 384, 12), ModelSize("12x768x12", 12, 768, 12), ModelSize("24x1024x16", 24, 1024, 16)]
+MEASURES = ("adaptive_clean", "geodesic_inv", "geodesic_mix")
+BATCH, SEQ = 2, 16
+SHORT, LONG = 2, 6
+
+#: Ops that only allocate or set metadata: no kernel.
+_NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "set_", "resize_",
+              "_reshape_alias", "lift_fresh", "lift_fresh_copy_", "alias", "_unsafe_view", "sym_size",
+              "sym_stride", "sym_numel", "sym_storage_offset", "is_same_size", "_has_compatible_shallow_copy_type"}
+#: Ops whose output size depends on the data: the host waits for the device to learn it.
+_DATA_DEPENDENT = {"nonzero", "masked_select", "unique", "_unique", "_unique2", "unique_consecutive",
+                   "unique_dim", "equal", "nonzero_numpy", "argwhere"}
+
+
+def _aliasing(op: Any) -> bool:
+    """Whether every output of ``op`` aliases an input without writing it (a view)."""
+    returns = op._schema.returns
+    return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+
+
+def classify(op: Any, args: tuple, kwargs: dict) -> str:
+    """``"sync"``, ``"upload"``, ``"kernel"`` or ``"view"`` (see the module docstring)."""
+    name = op._schema.name.split("::")[-1]
+    if name == "_local_scalar_dense":
+        return "sync"
+    if name in _DATA_DEPENDENT:
+        return "sync"
+    if name == "repeat_interleave" and kwargs.get("output_size") is None and len(args) == 1:
+        return "sync"
+    if name == "index" and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool
+                               for i in (args[1] if len(args) > 1 else [])):
+        return "sync"
+    if name in ("lift_fresh", "lift_fresh_copy"):
+        return "upload"
+    if name in _NO_KERNEL or _aliasing(op):
+        return "view"
+    return "kernel"
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts ops by place (``outside``, ``forward``, ``backward``), kind, and (outside) engine file."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.place = "outside"
+        self.ops: Counter = Counter()  # (place, kind) -> count
+        self.syncs: Counter = Counter()  # (place, op name) -> count
+        self.files: Counter = Counter()  # engine file of outside kernels -> count
+        self.model_calls = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        kind = classify(func, args, kwargs)
+        self.ops[self.place, kind] += 1
+        if kind in ("sync", "upload"):
+            self.syncs[self.place, func._schema.name.split("::")[-1]] += 1
+        if kind == "kernel" and self.place == "outside":
+            self.files[_engine_file()] += 1
+        return func(*args, **kwargs)
+
+    def __enter__(self) -> OpCounter:
+        super().__enter__()
+        self._reads = _HostReads(self)
+        self._reads.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._reads.__exit__(*exc)
+        super().__exit__(*exc)
+
+    @contextlib.contextmanager
+    def at(self, place: str) -> Iterator[None]:
+        previous, self.place = self.place, place
+        try:
+            yield
+        finally:
+            self.place = previous
+
+
+class _HostReads(TorchFunctionMode):
+    """Counts the reads of tensor data into the host that no ATen op shows on a CPU tensor."""
+
+    READS = {"tolist", "cpu", "numpy"}
+
+    def __init__(self, counter: OpCounter) -> None:
+        super().__init__()
+        self.counter = counter
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        name = getattr(func, "__name__", "")
+        if name in self.READS:
+            self.counter.ops[self.counter.place, "sync"] += 1
+            self.counter.syncs[self.counter.place, name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _engine_file() -> str:
+    """The innermost hf_geosharp file on the Python stack (where an outside op comes from)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if "hf_geosharp" in name:
+            return name.split("hf_geosharp/", 1)[-1]
+        frame = frame.f_back
+    return "other"
+
+
+@contextlib.contextmanager
+def placed(counter: OpCounter) -> Iterator[None]:
+    """The engine with each objective's loss function counted as ``forward`` and the placement's backward as
+    ``backward``."""
+    init, stream = objective_module.Objective.__init__, single.SingleProcess.stream_backward
+
+    def counted_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        loss_fn = self.loss_fn
+
+        def forward(*a: Any, **k: Any) -> Any:
+            counter.model_calls += 1
+            with counter.at("forward"):
+                return loss_fn(*a, **k)
+
+        self.loss_fn = forward
+
+    def counted_stream(self: Any, *args: Any, **kwargs: Any) -> None:
+        with counter.at("backward"):
+            return stream(self, *args, **kwargs)
+
+    objective_module.Objective.__init__ = counted_init
+    single.SingleProcess.stream_backward = counted_stream
+    try:
+        yield
+    finally:
+        objective_module.Objective.__init__ = init
+        single.SingleProcess.stream_backward = stream
+
+
+def _count(measure: str, model: torch.nn.Module, batches: list, smap: Any, steps: int, rho: float) -> OpCounter:
+    counter = OpCounter()
+    with placed(counter), counter:
+        solve(measure, model, batches, smap, steps, rho)
+    return counter
+
+
+def _plain(model: torch.nn.Module, batch: dict) -> dict[str, int]:
+    counter = OpCounter()
+    with counter:
+        loss = model(**batch).loss
+        loss.backward()
+    model.zero_grad(set_to_none=True)
+    return _summary(counter.ops, "outside", 1)
+
+
+def _summary(ops: Counter, place: str, per: float) -> dict[str, float]:
+    kinds = ("kernel", "view", "sync", "upload")
+    counts = {k: ops[place, k] / per for k in kinds}
+    return {"ops": sum(counts.values()), "kernels": counts["kernel"], "syncs": counts["sync"] + counts["upload"],
+            "uploads": counts["upload"]}
+
+
+def _difference(long: Counter, short: Counter, steps: int) -> Counter:
+    return Counter({k: (long[k] - short[k]) / steps for k in set(long) | set(short)})
+
+
+def count_shape(size: ModelSize, measures: tuple[str, ...] = MEASURES, device: str = "cpu",
+                rho: float = 0.1) -> dict[str, Any]:
+    """The counts of one shape: the plain forward+backward and, per measure, per step outside and inside."""
+    model = bert_classifier(size, device=device)
+    batches = bert_batches(model, n_batches=1, batch_size=BATCH, seq_len=SEQ)
+    smap, _ = symmetry_map(model)
+    plain = _plain(model, batches[0])
+    row: dict[str, Any] = {"shape": size.name, "n_params": sum(p.numel() for p in model.parameters()),
+                           "plain_forward_backward": plain, "measures": {}}
+    for measure in measures:
+        short = _count(measure, model, batches, smap, SHORT, rho)
+        long = _count(measure, model, batches, smap, LONG, rho)
+        ops = _difference(long.ops, short.ops, LONG - SHORT)
+        calls = (long.model_calls - short.model_calls) / (LONG - SHORT)
+        inside = Counter()
+        for (place, kind), n in ops.items():
+            if place != "outside":
+                inside["inside", kind] += n
+        files = _difference(long.files, short.files, LONG - SHORT)
+        syncs = _difference(long.syncs, short.syncs, LONG - SHORT)
+        row["measures"][measure] = {
+            "outside": _summary(ops, "outside", 1),
+            "inside": _summary(inside, "inside", 1),
+            "model_calls_per_step": calls,
+            "syncs_by_op": {f"{p}:{name}": n for (p, name), n in sorted(syncs.items()) if n},
+            "outside_kernels_by_file": {f: n for f, n in sorted(files.items(), key=lambda kv: -kv[1]) if n},
+        }
+    del model
+    return row
+
+
+def run(cfg: RunConfig) -> dict[str, Any]:
+    shapes = cfg.pick(SHAPES, SHAPES[:2])
+    return {"suite": "launch", "batch": [BATCH, SEQ], "steps": [SHORT, LONG],
+            "rows": [count_shape(s, device=cfg.device, rho=cfg.rho) for s in shapes]}
+
+
+def table(result: dict[str, Any]) -> str:
+    lines = ["| shape | plain fwd+bwd ops (kernels) | measure | outside ops | outside kernels | outside syncs | "
+             "inside ops (kernels) | inside syncs | model calls |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        p = r["plain_forward_backward"]
+        for name, m in r["measures"].items():
+            o, i = m["outside"], m["inside"]
+            lines.append(f"| {r['shape']} | {p['ops']:.0f} ({p['kernels']:.0f}) | {name} | {o['ops']:.0f} | "
+                         f"{o['kernels']:.0f} | {o['syncs']:g} | {i['ops']:.0f} ({i['kernels']:.0f}) | "
+                         f"{i['syncs']:g} | {m['model_calls_per_step']:g} |")
+    lines.append("\nper solver step (6 steps - 2 steps, / 4), 2 x 16 tokens; outside = the solver step outside the "
+                 "model's forward and backward; inside = within them (model and engine together; compare the plain "
+                 "forward+backward); syncs include uploads of host data.")
+    return "\n".join(lines)

@@ -1,0 +1,62 @@
+"""Launch counts of a solver step (benchmarks/launch.py): what does not grow with depth, and where the host waits.
+
+Counted with a ``TorchDispatchMode`` on tiny random-init BERTs of 2 and 6 layers; per step = the difference between
+a 6-step and a 2-step solve, over 4. Counts, not times: they are the same on every machine.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import launch
+from benchmarks.models import ModelSize
+
+#: The pair geometry's operations: one stacked batch per pair group (one head chunk where the workspace has room),
+#: so their kernels per step must not grow with depth.
+PAIR_FILES = ("engine/geometry/gl_quotient.py",)
+
+
+@pytest.fixture(scope="module")
+def counts() -> dict[int, dict]:
+    return {layers: launch.count_shape(ModelSize(f"tiny-{layers}", layers, 32, 4), ("geodesic_inv",))
+            for layers in (2, 6)}
+
+
+def _pair_kernels(row: dict) -> float:
+    files = row["measures"]["geodesic_inv"]["outside_kernels_by_file"]
+    return sum(files.get(f, 0.0) for f in PAIR_FILES)
+
+
+def test_pair_geometry_kernels_do_not_grow_with_depth(counts):
+    shallow, deep = _pair_kernels(counts[2]), _pair_kernels(counts[6])
+    assert shallow > 0  # the pairs were counted
+    assert deep == shallow  # three times the pairs, the same operations: one chunk per group at both depths
+
+
+def test_no_sync_added_inside_the_model(counts):
+    """The engine's embedding lookups (answered from the used rows) make the host wait at no forward of a step:
+    inside the model's calls the syncs are the plain model's own."""
+    for row in counts.values():
+        m = row["measures"]["geodesic_inv"]
+        plain = row["plain_forward_backward"]["syncs"]
+        assert m["inside"]["syncs"] == plain * m["model_calls_per_step"]
+
+
+def test_no_upload_in_a_step(counts):
+    """No tensor is built from host data during a step (the solver's coefficients are written on the device)."""
+    for row in counts.values():
+        assert row["measures"]["geodesic_inv"]["outside"]["uploads"] == 0
+
+
+def test_classification_of_ops():
+    import torch
+
+    aten = torch.ops.aten
+    x = torch.ones(3)
+    assert launch.classify(aten.view.default, (x, [3]), {}) == "view"
+    assert launch.classify(aten.add_.Tensor, (x, x), {}) == "kernel"
+    assert launch.classify(aten.mul.Tensor, (x, x), {}) == "kernel"
+    assert launch.classify(aten._local_scalar_dense.default, (x[0],), {}) == "sync"
+    assert launch.classify(aten.nonzero.default, (x,), {}) == "sync"
+    assert launch.classify(aten.empty.memory_format, ([3],), {}) == "view"
+    assert launch.classify(aten.lift_fresh.default, (x,), {}) == "upload"
