@@ -164,7 +164,7 @@ def test_every_result_carries_stderr_and_convergence(mode):
             assert isinstance(res.converged, bool) and res.steps_used == 3 and res.stationarity_gap >= 0
         else:
             assert res.stderr > 0 and res.converged and res.steps_used is None
-        assert "+-" in str(res)
+        assert "±" in str(res)  # the error bar, as the one display rule shows it
     if mode == "worst":
         assert math.isnan(single.stderr)
     else:  # one batch: over its samples

@@ -149,7 +149,11 @@ class SharpnessResult:
     certificate: str = "not_iterative"
 
     def to_dict(self) -> dict[str, Any]:
-        """The result as plain data (JSON-ready apart from NaN), without the perturbations (parameter-sized)."""
+        """The result as plain data.
+
+        Returns:
+            Every field by name (JSON-ready apart from NaN), without the perturbations (parameter-sized).
+        """
         return {f.name: _plain(getattr(self, f.name)) for f in fields(self) if f.name != "perturbations"}
 
     def __str__(self) -> str:
