@@ -302,7 +302,7 @@ def test_every_worst_case_number_shows_its_certificate(app, zoo_cache, tmp_path)
     from hf_geosharp.engine.result import certificate_words
 
     space = app.Space("mini", zoo_cache, tmp_path)
-    table, _, plot, card_yaml, status = space.measure("mini-01", "", app.BUNDLED, "", "train", 64, 0.5,
+    table, _, plot, card_yaml, status, *_ = space.measure("mini-01", "", app.BUNDLED, "", "train", 64, 0.5,
                                                       [MIX, ADAPTIVE], 1, progress=lambda *a, **k: None)
     rows = {row["measure"]: row for _, row in table.iterrows()}
     assert list(table.columns) == app.RESULT_COLUMNS
