@@ -254,12 +254,16 @@ def certified(result: SharpnessResult | Mapping[str, Any]) -> bool | None:
     return bool(get("converged")) if mode == "worst" else None
 
 
-def shown(value: float, certified: bool | None, digits: int = 4, stderr: float | None = None) -> str:
+def shown(value: float, certified: bool | None, digits: int = 4, stderr: float | None = None,
+          compact: bool = False) -> str:
     """A value with its certificate, as every face prints it: ``"0.1234"`` when certified or without a certificate,
     ``"≥ 0.1234 (not certified)"`` when a worst case is not certified (its value is a lower bound of the maximum).
-    A finite ``stderr`` is shown after the value with 2 significant digits (``"≥ 0.1234 ± 0.0021 (not certified)"``)."""
+    A finite ``stderr`` is shown after the value with 2 significant digits (``"≥ 0.1234 ± 0.0021 (not certified)"``);
+    ``compact`` drops the words (``"≥ 0.1234"``) for table cells whose table explains the sign."""
     text = f"{value:.{digits}g}" + (f" ± {stderr:.2g}" if stderr is not None and math.isfinite(stderr) else "")
-    return f"≥ {text} ({NOT_CERTIFIED})" if certified is False else text
+    if certified is not False:
+        return text
+    return f"≥ {text}" if compact else f"≥ {text} ({NOT_CERTIFIED})"
 
 
 def certificate_words(certified: bool | None) -> str:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..durable import atomic_path, write_json, write_text
+from ..engine.result import LOWER_BOUND, NOT_CERTIFIED, shown
 from .run import TRIVIAL, Leaderboard
 
 
@@ -26,11 +27,21 @@ def _fmt(value: Any, spec: str = ".4g") -> str:
 
 
 def table_markdown(board: Leaderboard) -> str:
-    """The ranked table as Markdown."""
+    """The ranked table as Markdown; an uncertified worst case shows as a lower bound (``≥``, the one display rule)."""
     table = ranked(board)
     cols = list(table[0])
+    uncertified = set(board.not_converged())
+
+    def cell(row: dict[str, Any], col: str) -> str:
+        value = row[col]
+        if (row["model"], col) in uncertified and isinstance(value, float) and not math.isnan(value):
+            return shown(value, False, compact=True)
+        return _fmt(value)
+
     lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
-    lines += ["| " + " | ".join(_fmt(row[c]) for c in cols) + " |" for row in table]
+    lines += ["| " + " | ".join(cell(row, c) for c in cols) + " |" for row in table]
+    if uncertified:
+        lines.append(f"\n≥: {NOT_CERTIFIED} ({LOWER_BOUND}).")
     return "\n".join(lines) + "\n"
 
 
