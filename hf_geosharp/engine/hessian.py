@@ -131,7 +131,7 @@ def hessian_top_eigenvalue(
         value=sum(per_batch) / len(per_batch), per_batch=per_batch, clean_loss=_mean([o[-1] for o in outcomes]),
         per_batch_clean_loss=[o[-1] for o in outcomes], measure="hessian_top_eigenvalue", config=config,
         stderr=batch_stderr(per_batch), converged=not unconverged, convergence_note=note,
-        steps_used=max(o[1] for o in outcomes),
+        steps_used=max(o[1] for o in outcomes), certificate="not_certified" if unconverged else "certified",
     )
 
 
