@@ -124,7 +124,10 @@ def _main(argv: list[str] | None) -> int:
         parser.print_help()
         return 2
     prepare(args.command, level_of(args))
-    return int(args.func(args) or 0)
+    from .engine.result import command_line_words
+
+    with command_line_words():  # advice names options (--steps auto), not Python arguments
+        return int(args.func(args) or 0)
 
 
 def prepare(command: str, level: int) -> None:
