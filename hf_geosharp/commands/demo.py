@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 from ..api import collected_convergence_notes
 from ..data import DataSpec, load_batches, load_model, load_processor
 from ..durable import OutputPathError, check_writable
+from ..engine.progress import bar_disabled
 from ..hide import hide_and_seek, seek_figure, seek_lines
 from ..hub.cards import card_yaml, dataset_info, eval_result
 from ..leaderboard import GapSpec, Leaderboard, convergence_fix, ranked
@@ -98,7 +99,7 @@ def _hide_and_seek(args: argparse.Namespace, zoo, data: DataSpec, board) -> None
     # condition-1000 element their Gram matrices leave the range where the default relaxation is exactly covariant
     # (cond > 1e10), and mix then moved by up to 8 % on one model (docs/method.md); inv stayed within 1e-9
     settings = Settings(rho=args.rho, steps=args.hide_steps, seed=args.seed, epsilon=HIDE_EPSILON)
-    with tqdm(total=len(names), desc="hide & seek", unit="model", disable=args.quiet) as bar:
+    with tqdm(total=len(names), desc="hide & seek", unit="model", disable=bar_disabled(not args.quiet)) as bar:
         def on_model(name: str) -> None:
             bar.update(names.index(name) - bar.n)
             bar.set_postfix(model=name)

@@ -57,6 +57,7 @@ from .model_function.objective import (
     to_device,
 )
 from .placement.single import reparametrized
+from .progress import bar_disabled
 from .result import NotConvergedWarning, SharpnessResult, average_stderr, batch_stderr
 from .runner import batch_seed
 from .settings import PARAMS_CHOICES, Params
@@ -343,7 +344,7 @@ def _per_batch(model: nn.Module, batches: Iterable[Any], params: Params, loss_fn
         if switched:
             logger.info("%s: attention switched from %s to eager for the call (no double backward in %s)", measure,
                         ", ".join(sorted(set(switched))), ", ".join(sorted(set(switched))))
-        for index, batch in enumerate(tqdm(batches, desc=measure, unit="batch", disable=not progress)):
+        for index, batch in enumerate(tqdm(batches, desc=measure, unit="batch", disable=bar_disabled(progress))):
             torch.manual_seed(batch_seed(seed, index))  # the forked global RNG: random models repeat
             generator = torch.Generator().manual_seed(batch_seed(seed, index))
             with _batch_hessian(model, chosen, to_device(batch, device), loss_fn) as (hessian, clean):
