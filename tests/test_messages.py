@@ -128,3 +128,17 @@ def test_register_says_which_module_cache_it_serves_and_what_to_do_under_another
     out = capsys.readouterr().out
     assert str(tmp_path / "hf" / "modules") in out and "under another HF_HOME run `geosharp register` again" in out
     assert "EVALUATE_MODULE_SCRIPT" in out
+
+
+def test_the_readme_says_where_the_demos_caches_are(monkeypatch):
+    """The zoo's cache and the results' cache (the demo's --out), as the code defaults them, are named in the README
+    and docs/demo.md, so a reader knows which runs share them."""
+    from hf_geosharp.zoo import cache_root
+
+    monkeypatch.delenv("HF_GEOSHARP_CACHE", raising=False)
+    out = cli.build_parser(["demo"]).parse_args(["demo"]).out
+    zoo = "~/" + str((cache_root() / "zoo").relative_to(Path.home()))
+    root = Path(__file__).resolve().parents[1]
+    for page in (root / "README.md", root / "docs" / "demo.md"):
+        text = page.read_text()
+        assert f"`{zoo}`" in text and "HF_GEOSHARP_CACHE" in text and f"`{out}/" in text, page.name

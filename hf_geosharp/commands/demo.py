@@ -52,7 +52,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--cache-dir", type=folder_path,
                    help=f"zoo cache (default: $HF_GEOSHARP_CACHE/zoo or {cache_root()}/zoo)")
     p.add_argument("--out", type=folder_path, default=Path("outputs/demo"),
-                   help="output folder (default: outputs/demo)")
+                   help="output folder, also the cache of the measured results (default: outputs/demo, under the "
+                   "working directory)")
     p.add_argument("--threads", type=positive(int), default=1,
                    help="torch threads (default: 1; tiny models gain nothing more)")
     add_data_arguments(p, n_examples=256, batch_size=64)
