@@ -142,3 +142,11 @@ def test_the_readme_says_where_the_demos_caches_are(monkeypatch):
     for page in (root / "README.md", root / "docs" / "demo.md"):
         text = page.read_text()
         assert f"`{zoo}`" in text and "HF_GEOSHARP_CACHE" in text and f"`{out}/" in text, page.name
+
+
+def test_the_leaderboards_advice_speaks_the_readers_interface():
+    from hf_geosharp.leaderboard import convergence_fix
+
+    assert convergence_fix(20).startswith("steps='auto'") and "--rho" not in convergence_fix("auto")
+    with command_line_words():
+        assert convergence_fix(20).startswith("--steps auto") and "--rho" in convergence_fix("auto")

@@ -180,9 +180,12 @@ def _naming(ref: ModelRef) -> Iterator[None]:
 
 
 def convergence_fix(steps: int | str) -> str:
-    """What to change when some worst-case results are not certified at ``steps``."""
-    return ("--steps auto continues until certified or says why not" if steps != "auto"
-            else "a lower --rho is certified more easily")
+    """What to change when some worst-case results are not certified at ``steps``, in the reader's words (options
+    under ``geosharp``, arguments in Python)."""
+    from ..engine.result import setting
+
+    return (f"{setting('steps', 'auto')} continues until certified or says why not" if steps != "auto"
+            else f"a lower {setting('rho')} is certified more easily")
 
 
 def _compute_missing(
