@@ -19,8 +19,8 @@ EXTRAS = set(tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["op
 NAMING = (r"hf_geosharp\[([\w,-]+)\]", r"\.\[([\w,-]+)\]", r"scripts/install\.sh ([\w,-]+)", r"`([\w-]+)` extras?\b")
 TABLE = re.compile(r"^\| extra \|.*?(?:\n(?!\|).*|\Z)", re.S | re.M)
 #: Documented commands that need an extra's package, and that extra.
-NEEDS = {r"python\S* spaces_demo/app\.py": "space", r"report_to=\"tensorboard\"": "tensorboard",
-         r"\bmkdocs (serve|build)": "test"}
+NEEDS = {r"python\S* spaces_demo/app\.py": "space", r"geosharp export-space DIR": "space",
+         r"report_to=\"tensorboard\"": "tensorboard", r"\bmkdocs (serve|build)": "test"}
 #: How far from such a command (in lines) the page must name its extra.
 NEAR = 8
 
