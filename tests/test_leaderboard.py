@@ -297,7 +297,7 @@ def test_outputs_rank_by_the_first_measure_and_plot_one_panel_per_predictor(tmp_
     assert taus["versus_param_norm"]["other"]["difference"] == 0.0 and "| other | " in text
     assert set(taus["versus_param_norm"]) == {"sharp", "other"}
     width, height = Image.open(paths["plot"]).size
-    assert width == pytest.approx(3.2 * 4 * 120, abs=2) and height == pytest.approx(3.2 * 120, abs=2)
+    assert width == pytest.approx(3.4 * 2 * 120, abs=2) and height == pytest.approx(3.0 * 2 * 120, abs=2)  # 2 x 2
 
 
 # ------------------------------------------------------------------------------------------- inputs and gap

@@ -81,7 +81,8 @@ def write_csv(board: Leaderboard, path: Path) -> None:
         writer.writerows({k: repr(v) if isinstance(v, float) else v for k, v in row.items()} for row in table)
 
 
-#: Panels per row of the scatter figure: six predictors make a 2 x 3 grid that stays legible at a README's width.
+#: Most panels per row of the scatter figure: six predictors make a 2 x 3 grid that stays legible at a README's
+#: width.
 SCATTER_COLUMNS = 3
 
 
@@ -111,8 +112,8 @@ def scatter_plot(board: Leaderboard, path: Path) -> None:
 
 
 def scatter_figure(board: Leaderboard) -> Any:
-    """One panel per predictor in a grid of :data:`SCATTER_COLUMNS` columns, the gap on the shared y axis, the public
-    name with tau and its interval in the title (like the paper's Figs 3-5).
+    """One panel per predictor in a grid of at most :data:`SCATTER_COLUMNS` columns, the gap on the shared y axis, the
+    public name with tau and its interval in the title (like the paper's Figs 3-5).
 
     Args:
         board: a leaderboard with its taus.
@@ -124,8 +125,8 @@ def scatter_figure(board: Leaderboard) -> Any:
     from matplotlib.ticker import MaxNLocator
 
     names = board.predictors
-    columns = min(SCATTER_COLUMNS, len(names))
-    rows = -(-len(names) // columns)
+    rows = -(-len(names) // SCATTER_COLUMNS)
+    columns = -(-len(names) // rows)  # rows as full as they can be: four panels make 2 x 2
     fig = Figure(figsize=(3.4 * columns, 3.0 * rows))
     axes = fig.subplots(rows, columns, squeeze=False, sharey=True).ravel()
     gap = [r["gap"] for r in board.rows]
