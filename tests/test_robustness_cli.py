@@ -409,11 +409,12 @@ def test_python_side_needs_trust_remote_code_too(files, tmp_path):
 # ------------------------------------------------------------------------------------------- Ctrl-C
 @pytest.mark.usefixtures("ctrl_c_raises")
 def test_ctrl_c_exits_130_with_one_line_and_keeps_finished_measures(files, tmp_path):
-    """SIGINT once the first measure has finished (the baseline's bar shows up on stderr): exit 130, one line naming
-    what was kept, no traceback; the finished measure is in --json, marked interrupted."""
+    """SIGINT once the first measure has finished (the baseline's bar shows up on stderr, which --progress asks for
+    where stderr is a pipe): exit 130, one line naming what was kept, no traceback; the finished measure is in --json,
+    marked interrupted."""
     out = tmp_path / "out.json"
     argv = ["run", "--model", str(files["model"]), "--dataset", str(files["csv"]), "--n-examples", "8",
-            "--batch-size", "4", "--steps", "300", "--metric", "inv", "--json", str(out)]
+            "--batch-size", "4", "--steps", "300", "--metric", "inv", "--json", str(out), "--progress"]
     proc = subprocess.Popen([sys.executable, "-m", "hf_geosharp", *argv], env=env(tmp_path), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
     seen = b""
