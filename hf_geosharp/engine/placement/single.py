@@ -22,7 +22,7 @@ from torch.nn.utils import stateless
 from ...symmetry.base import PairBlock
 from ..model_function.embedding_rows import RowLookup
 from ..settings import RunSettings
-from ..solvers.apgd import BYTES_MARGIN, BYTES_PER_PARAMETER_GOAL
+from ..solvers.memory import BYTES_MARGIN, BYTES_PER_PARAMETER_GOAL
 from ..space.workspace import Workspace
 from .base import Backward, Holding
 

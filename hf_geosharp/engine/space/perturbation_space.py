@@ -233,7 +233,7 @@ class PerturbationSpace:
     def held_bytes(self) -> int:
         """What the space holds besides the solver's vectors: the pairs' ``h x h`` caches, index maps and copies of
         the base point, and the workspace they use (an input of the solver's memory rule,
-        :func:`hf_geosharp.engine.solvers.apgd.keeps_best_gradient`)."""
+        :func:`hf_geosharp.engine.solvers.memory.keeps_best_gradient`)."""
         tensors = []
         for group in self.pairs:
             tensors += [*vars(group.geometry).values(), *vars(group.geometry).get("_low", {}).values(),
