@@ -18,7 +18,8 @@ LOWEST = ("engine/defaults.py", "engine/geometry/elementwise.py", "engine/geomet
           "engine/geometry/lie.py", "engine/space/workspace.py", "engine/model_function/embedding_rows.py",
           "engine/solvers/apgd.py", "engine/solvers/as23.py", "engine/solvers/average.py",
           "engine/solvers/certificate.py", "engine/solvers/interface.py", "engine/solvers/memory.py",
-          "engine/solvers/pool.py", "engine/checks.py", "engine/result.py")
+          "engine/solvers/pool.py", "engine/solvers/schedule.py", "engine/solvers/climb.py",
+          "engine/solvers/device_climb.py", "engine/checks.py", "engine/result.py")
 
 
 def _module(path: Path) -> str:

@@ -54,10 +54,10 @@ def solve(settings: RunSettings, space: PerturbationSpace, objective: Objective,
     if settings.variant == "as23":
         return apgd_as23(space.elementwise.scale, objective, rho=settings.rho, steps=first, on_step=on_step,
                          max_steps=budget, tol=settings.tol)
-    return apgd(space, objective, rho=settings.rho, steps=first, step_normalization=settings.step_normalization,
-                on_step=on_step, max_steps=budget, tol=settings.tol, generator=generator,
-                keep_best_gradient=gradient_rule(space, objective.model), keep_best_point=keep_best_point,
-                loss_dtype=loss_dtype(objective.model, space.dtype))
+    return apgd(space, objective.on_device, rho=settings.rho, steps=first,
+                step_normalization=settings.step_normalization, on_step=on_step, max_steps=budget, tol=settings.tol,
+                generator=generator, keep_best_gradient=gradient_rule(space, objective.model),
+                keep_best_point=keep_best_point, loss_dtype=loss_dtype(objective.model, space.dtype))
 
 
 def batch_seed(seed: int, index: int) -> int:

@@ -165,9 +165,9 @@ class SingleProcess:
         if missing:
             torch._foreach_zero_(missing)
 
-    def batch_loss(self, loss: Tensor, batch: Any) -> tuple[float, Tensor]:
-        """The loss itself."""
-        return float(loss.detach()), loss
+    def batch_loss(self, loss: Tensor, batch: Any) -> tuple[Tensor, Tensor]:
+        """The loss itself (its value detached, on the device)."""
+        return loss.detach(), loss
 
 
 def _aliased(flat: Tensor, offset: int, shape: torch.Size) -> Tensor:

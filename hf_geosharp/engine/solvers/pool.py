@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 
@@ -59,3 +60,20 @@ class Pool:
         for i in rest:
             out.add_(self.rows[i], alpha=merged[i])
 
+    def combine_on_device(self, out: Tensor, scale: Tensor | None, terms: list[tuple[Tensor, Tensor]]) -> None:
+        """:meth:`combine_into` with coefficients that stay on the device (0-dim tensors; ``scale`` None for 0):
+        ``out <- scale * out + sum coef * row``, rounded as ``combine_into`` rounds it (``scale * out`` first, the
+        first two rows in pool order by one ``addmv``, a third by one more pass); ``out`` must not be a term."""
+        merged: dict[int, Tensor] = {}
+        for coef, row in terms:
+            i = self.position(row)
+            merged[i] = merged[i] + coef if i in merged else coef
+        order = sorted(merged)  # the order of stacked()'s rows
+        first, rest = order[:2], order[2:]
+        coefs = self._coefs[: len(first)]
+        coefs.copy_(torch.stack([merged[i] for i in first]))
+        if scale is not None:
+            out.mul_(scale)
+        out.addmv_(self.stacked([self.rows[i] for i in first]).t(), coefs, beta=0.0 if scale is None else 1.0)
+        for i in rest:
+            out.addcmul_(self.rows[i], merged[i].to(out.dtype))
