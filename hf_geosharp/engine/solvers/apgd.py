@@ -58,6 +58,7 @@ def apgd(
     keep_best_point: bool = False,
     loss_dtype: str | None = None,
     host_steps: bool = False,
+    compile_backend: str | None = None,
 ) -> SolveResult:
     """Worst case ``max_{xi in S} L(Exp(w0; xi)) - L(w0)`` by Auto-PGD, zero init, ``eta0 = 2 rho``.
 
@@ -99,6 +100,8 @@ def apgd(
     check (a step-size checkpoint, a block's end), never inside a step. ``host_steps=True`` runs the reference
     instead (:class:`~.climb.Climb`, every quantity read as it is computed), which takes the same decisions on the
     same float64 numbers. The objective's loss may be a float or a 0-dim tensor the host does not read.
+    ``compile_backend`` (opt-in, e.g. ``"inductor"`` on CUDA) captures the step's scalar updates with
+    ``torch.compile(fullgraph=True)``.
     """
     auto = max_steps is not None
     pool = Pool(space.empty(), 4)
@@ -113,10 +116,11 @@ def apgd(
         raise non_finite_loss(clean_loss, None)
     keep = rule(work, activations[0]) if rule is not None else bool(keep_best_gradient)
     dtype = loss_dtype or str(work.dtype).removeprefix("torch.")
-    kind = Climb if host_steps else DeviceClimb
-    climb = kind(space, objective, pool, work, rho=rho, momentum=momentum, step_normalization=step_normalization,
-                 min_update_ratio=min_update_ratio, on_step=on_step, tol=tol, clean_loss=clean_loss,
-                 keep_best_gradient=keep, dtype=dtype)
+    options = dict(rho=rho, momentum=momentum, step_normalization=step_normalization,
+                   min_update_ratio=min_update_ratio, on_step=on_step, tol=tol, clean_loss=clean_loss,
+                   keep_best_gradient=keep, dtype=dtype)
+    climb = (Climb(space, objective, pool, work, **options) if host_steps
+             else DeviceClimb(space, objective, pool, work, compile_backend=compile_backend, **options))
     budget = max_steps if auto else steps
     best = climb.run(xi, 0.0, clean_loss, egrad, steps=min(steps, budget), budget=budget, auto=auto)
     starts = _Starts(climb, best, clean_loss, dtype)

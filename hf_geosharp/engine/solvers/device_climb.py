@@ -16,7 +16,9 @@ and the host drops the losses of the steps it ran past the stop (at most ``CHECK
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -82,6 +84,18 @@ class _Read:
 class DeviceClimb(Climb):
     """Auto-PGD from one start at a time, its step free of host reads (see the module's docstring)."""
 
+    def __init__(self, *args: Any, compile_backend: str | None = None, **kwargs: Any) -> None:
+        """As :class:`.climb.Climb`; with ``compile_backend`` (a ``torch.compile`` backend: ``"inductor"``, or
+        ``"aot_eager"`` to check the capture on a CPU) the step's scalar updates run as captured graphs
+        (``fullgraph=True``): a few fused kernels instead of about a hundred tiny ones."""
+        super().__init__(*args, **kwargs)
+        self.clean = torch.full((), self.clean_loss, dtype=torch.float64, device=self.work.device)
+        self.scalars: Callable[..., tuple[Tensor, ...]] = _step_scalars
+        self.book: Callable[..., tuple[Tensor, ...]] = _bookkeep
+        if compile_backend is not None:
+            self.scalars = torch.compile(_step_scalars, fullgraph=True, backend=compile_backend)
+            self.book = torch.compile(_bookkeep, fullgraph=True, backend=compile_backend)
+
     def run(self, xi: Tensor, sq_xi: float, loss: float, egrad: Tensor | None, *, steps: int, budget: int,
             auto: bool) -> Best:
         """As :meth:`.climb.Climb.run`: the best point found, with its gap."""
@@ -130,24 +144,25 @@ class DeviceClimb(Climb):
         is the best point (and under ``auto`` whether to stop there), and the next iterate in its row."""
         if egrad is None:  # after a restart from an earlier best point
             egrad = self.best_gradient(rows.b)
-        x_best = state.at == AT_X
         if self.keep_best_gradient:  # the gradient at the best point, for a restart from it
             kept = self.kept_gradient()
-            torch.where(x_best, egrad, kept, out=kept)
-        c: Tensor | float = eta
+            torch.where(state.at == AT_X, egrad, kept, out=kept)
+        grad_norm = None
         if self.step_normalization == "euclidean":  # read before the direction consumes the gradient
-            c = _over(eta, torch.dot(egrad, egrad).double().clamp_min(0.0).sqrt() + 1e-12)
+            grad_norm = torch.dot(egrad, egrad).double().clamp_min(0.0).sqrt()
         sq_d, d_xi, d_prev = self.direction_sums(rows, state, egrad)
-        sharpness = state.best_loss - self.clean_loss
-        live = x_best & ~state.done
-        state.best_gap.copy_(torch.where(live, _relative_gap(self.rho, sq_d, d_xi, sharpness), state.best_gap))
-        if auto:
-            stop = live & self.stationary(state, sharpness, sq_d, d_xi)
-            state.stop.copy_(torch.where(stop, k, state.stop))
-            state.done.logical_or_(stop)
-        if self.step_normalization == "riemannian":
-            c = _over(eta, sq_d.sqrt() + 1e-12)
-        self.advance_on_device(rows, state, c, sq_d, d_xi, d_prev, k)
+        device = dict(dtype=torch.float64, device=sq_d.device)
+        gap, done, stop, a, b, g, sq_new, cross = self.scalars(
+            state.sq, state.sq_prev, state.cross, state.best_loss, state.best_sq, state.best_gap, state.at,
+            state.done, state.stop, sq_d, d_xi, d_prev, grad_norm, torch.full((), eta, **device),
+            torch.full((), k, dtype=torch.int64, device=sq_d.device), self.clean, first=k == 0, auto=auto,
+            normalization=self.step_normalization, rho=self.rho, momentum=self.momentum, tol=self.tol,
+            start_stop=self.start_stop, slope_stop=self.slope_stop,
+            floor_eps=PRECISION_FACTOR * torch.finfo(getattr(torch, self.dtype)).eps)
+        state.best_gap.copy_(gap)
+        state.done.copy_(done)
+        state.stop.copy_(stop)
+        self.advance_on_device(rows, state, (a, b, None if k == 0 else g), sq_new, cross)
 
     def direction_sums(self, rows: _Rows, state: _State, egrad: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The direction into the working row, and ``<d, d>``, ``<d, xi>``, ``<d, xi_prev>`` (0 for a zero row)."""
@@ -171,26 +186,12 @@ class DeviceClimb(Climb):
 
         return sq_d, product(rows.x, state.sq), product(rows.p, state.sq_prev)
 
-    def stationary(self, state: _State, sharpness: Tensor, sq_d: Tensor, d_best: Tensor) -> Tensor:
-        """:meth:`.climb.Climb.stationary_enough` at the best point (the iterate), on the device."""
-        tangential = torch.where(state.best_sq > 0, sq_d - d_best * d_best / state.best_sq, sq_d)
-        slope = torch.where(sharpness > 0, self.rho * tangential.clamp_min(0.0).sqrt() / sharpness, math.inf)
-        scaled = slope * self.slope_stop
-        measure = torch.where(scaled > state.best_gap, scaled, state.best_gap)
-        eps = torch.finfo(getattr(torch, self.dtype)).eps
-        floor = PRECISION_FACTOR * eps * state.best_loss.abs().clamp_min(abs(self.clean_loss))
-        return (measure <= self.tol * self.start_stop) | (
-            (sharpness > 0) & (measure * sharpness <= self.start_stop * floor))
-
-    def advance_on_device(self, rows: _Rows, state: _State, c: Tensor | float, sq_d: Tensor, d_xi: Tensor,
-                          d_prev: Tensor, k: int) -> None:
-        """Write the next iterate into the previous iterate's row (its best point moved to the best row first), or,
-        where that row is the iterate's or the best point's, into a free row; rotate the roles."""
-        a, b, g, sq_new = _momentum(k, c, self.rho, self.momentum, state.sq, sq_d, state.sq_prev, d_xi, d_prev,
-                                    state.cross)
-        new_cross = a * state.sq + b * d_xi + g * state.cross  # <xi_new, xi>
-        a = torch.where(state.sq > 0, a, 0.0)
-        g = torch.where(state.sq_prev > 0, g, 0.0) if k > 0 else None  # (exactly 0 at step 0)
+    def advance_on_device(self, rows: _Rows, state: _State, coefs: tuple[Tensor, Tensor, Tensor | None],
+                          sq_new: Tensor, new_cross: Tensor) -> None:
+        """Write the next iterate ``a xi + b d + g xi_prev`` (``g`` None at step 0) into the previous iterate's row
+        (its best point moved to the best row first), or, where that row is the iterate's, into a free row; rotate
+        the roles."""
+        a, b, g = coefs
         terms = [(a, rows.x), (b, self.work)]
         if rows.p is not rows.x:  # combine over xi_prev, its best point (if it is) moved to the best row first
             if rows.b is rows.p:  # (the row of a start or a restart): the best row moves to a free one
@@ -213,12 +214,10 @@ class DeviceClimb(Climb):
     def bookkeep(self, state: _State, value: Tensor | float) -> Tensor:
         """Take the loss at the new iterate: the best point moves there where it is higher (unless stopped)."""
         loss = value.detach().double() if isinstance(value, Tensor) else state.sq.new_tensor(value)
-        better = (loss > state.best_loss) & ~state.done
-        state.best_loss.copy_(torch.where(better, loss, state.best_loss))
-        state.best_sq.copy_(torch.where(better, state.sq, state.best_sq))
-        state.best_gap.copy_(torch.where(better, math.nan, state.best_gap))
-        state.at.copy_(torch.where(better, AT_X, state.at))
-        state.updates.add_(better)
+        updated = self.book(loss, state.sq, state.best_loss, state.best_sq, state.best_gap, state.at, state.updates,
+                            state.done)
+        for target, new in zip((state.best_loss, state.best_sq, state.best_gap, state.at, state.updates), updated):
+            target.copy_(new)
         return loss
 
     def check(self, state: _State, pending: list[Tensor], k: int) -> _Read:
@@ -281,19 +280,61 @@ def _over(number: float, tensor: Tensor) -> Tensor:
     return torch.full_like(tensor, number).div_(tensor)
 
 
+def _step_scalars(sq: Tensor, sq_prev: Tensor, cross: Tensor, best_loss: Tensor, best_sq: Tensor, best_gap: Tensor,
+                  at: Tensor, done: Tensor, stop: Tensor, sq_d: Tensor, d_xi: Tensor, d_prev: Tensor,
+                  grad_norm: Tensor | None, eta: Tensor, k: Tensor, clean: Tensor, *, first: bool, auto: bool,
+                  normalization: str, rho: float, momentum: float, tol: float, start_stop: float, slope_stop: float,
+                  floor_eps: float) -> tuple[Tensor, ...]:
+    """A step's scalars from its direction's Gram entries, as the host reference computes them: the best point's
+    gap (where the iterate is the best point), under ``auto`` whether the start stops there (and at step ``k``),
+    and the coefficients ``(a, b, g)`` of the next iterate with its squared norm and its product with the iterate.
+    A pure function of tensors (``torch.compile(fullgraph=True)`` captures it)."""
+    sharpness = best_loss - clean
+    live = (at == AT_X) & ~done
+    best_gap = torch.where(live, _relative_gap(rho, sq_d, d_xi, sharpness), best_gap)
+    if auto:  # Climb.stationary_enough at the best point (the iterate)
+        tangential = torch.where(best_sq > 0, sq_d - d_xi * d_xi / best_sq, sq_d)
+        slope = torch.where(sharpness > 0, rho * tangential.clamp_min(0.0).sqrt() / sharpness, math.inf)
+        scaled = slope * slope_stop
+        measure = torch.where(scaled > best_gap, scaled, best_gap)
+        floor = floor_eps * best_loss.abs().clamp_min(clean.abs())
+        halt = live & ((measure <= tol * start_stop) | ((sharpness > 0) & (measure * sharpness <= start_stop * floor)))
+        stop = torch.where(halt, k, stop)
+        done = done | halt
+    c = eta
+    if normalization == "riemannian":
+        c = eta / (sq_d.sqrt() + 1e-12)
+    elif normalization == "euclidean":
+        c = eta / (grad_norm + 1e-12)
+    a, b, g, sq_new = _momentum(first, c, rho, momentum, sq, sq_d, sq_prev, d_xi, d_prev, cross)
+    new_cross = a * sq + b * d_xi + g * cross  # <xi_new, xi>
+    a = torch.where(sq > 0, a, 0.0)
+    g = torch.where(sq_prev > 0, g, 0.0)
+    return best_gap, done, stop, a, b, g, sq_new, new_cross
+
+
+def _bookkeep(loss: Tensor, sq: Tensor, best_loss: Tensor, best_sq: Tensor, best_gap: Tensor, at: Tensor,
+              updates: Tensor, done: Tensor) -> tuple[Tensor, ...]:
+    """The best point after the loss at the new iterate (it moves there where the loss is higher, unless stopped),
+    and the count of improvements. A pure function of tensors."""
+    better = (loss > best_loss) & ~done
+    return (torch.where(better, loss, best_loss), torch.where(better, sq, best_sq),
+            torch.where(better, math.nan, best_gap), torch.where(better, AT_X, at), updates + better)
+
+
 def _relative_gap(rho: float, sq_d: Tensor, d_xi: Tensor, sharpness: Tensor) -> Tensor:
     """:func:`.certificate.relative_gap` on the device."""
     gap = (rho * sq_d.clamp_min(0.0).sqrt() - d_xi).clamp_min(0.0)
     return torch.where(gap == 0, 0.0, torch.where(sharpness > 0, gap / sharpness, math.inf))
 
 
-def _momentum(k: int, c: Tensor | float, rho: float, momentum: float, sq_xi: Tensor, sq_d: Tensor, sq_prev: Tensor,
-              d_xi: Tensor, d_prev: Tensor, cross: Tensor) -> tuple[Tensor, Tensor, Tensor | float, Tensor]:
-    """:func:`.climb._momentum_step` on the device (the same operations in the same order)."""
+def _momentum(first: bool, c: Tensor, rho: float, momentum: float, sq_xi: Tensor, sq_d: Tensor, sq_prev: Tensor,
+              d_xi: Tensor, d_prev: Tensor, cross: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """:func:`.climb._momentum_step` on the device (the same operations in the same order; ``first``: step 0)."""
     sq_z = (sq_xi + 2 * c * d_xi + c * c * sq_d).clamp_min(0.0)
     s1 = torch.where(sq_z > rho * rho, _over(rho, sq_z.sqrt()), 1.0)
-    if k == 0:
-        return s1, s1 * c, 0.0, s1 * s1 * sq_z
+    if first:
+        return s1, s1 * c, torch.zeros_like(s1), s1 * s1 * sq_z
     a, b, g = 2 * (1 - momentum) + momentum * s1, momentum * s1 * c, -(1 - momentum)
     sq_y = (a * a * sq_xi + b * b * sq_d + g * g * sq_prev + 2 * (a * b * d_xi + a * g * cross + b * g * d_prev)
             ).clamp_min(0.0)
