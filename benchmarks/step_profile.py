@@ -89,7 +89,7 @@ class StageClock:
 # (owner, attribute, stage, stage of the function it returns): the engine's stages, patched for the duration of one
 # profiled solve only; exp_point returns the pullback of the curvature terms
 PATCHES = [
-    (objective_module.Objective, "__call__", "substitution", None),
+    (objective_module.Objective, "on_device", "substitution", None),  # (a call goes through it too)
     (single.SingleProcess, "stream_backward", "backward", None),
     (space.PerturbationSpace, "exp_point", "weights", "pair geometry"),
     (space.PerturbationSpace, "ascent_direction", "direction", None),
