@@ -20,7 +20,7 @@ from .geometry.gl_quotient import Metric
 from .solvers.apgd import AUTO_MAX_STEPS
 from .solvers.certificate import CONVERGENCE_TOL
 from .solvers.interface import StepNormalization
-from .space.perturbation_space import SpaceOptions
+from .space.perturbation_space import BALLS, SpaceOptions
 
 Mode = Literal["worst", "average"]
 Steps = int | Literal["auto"]
@@ -98,6 +98,7 @@ class RunSettings:
         options = self.options
         if options is not None:
             _choice("metric", options.metric, METRICS)
+            _choice("ball", options.ball, BALLS)
             if not _finite_real(options.epsilon) or options.epsilon < 0:
                 raise ValueError(f"epsilon must be a finite number >= 0, got {options.epsilon!r}.")
             options = dataclasses.replace(options, epsilon=float(options.epsilon))
@@ -131,7 +132,7 @@ class RunSettings:
         if self.options is None:
             return {**common, "variant": self.variant}
         o = self.options
-        return {**common, "metric": o.metric, "epsilon": o.epsilon, "second_order": o.second_order,
+        return {**common, "metric": o.metric, "ball": o.ball, "epsilon": o.epsilon, "second_order": o.second_order,
                 "riemannian_norm": o.riemannian_norm, "horizontal_projection": o.horizontal_projection,
                 "elementwise_curvature": o.elementwise_curvature, "step_normalization": self.step_normalization}
 
