@@ -40,7 +40,9 @@ from .engine.model_function.objective import LossFn
 from .engine.result import NotConvergedWarning, SharpnessResult, collected_convergence_notes, warn_at_caller
 from .engine.runner import run
 from .engine.settings import Mode, Params, RunSettings, Steps, Variant
-from .engine.solvers.apgd import AUTO_MAX_STEPS, CONVERGENCE_TOL, StepNormalization
+from .engine.solvers.apgd import AUTO_MAX_STEPS
+from .engine.solvers.certificate import CONVERGENCE_TOL
+from .engine.solvers.interface import StepNormalization
 from .engine.space.perturbation_space import Ball, SpaceOptions
 from .symmetry.base import SymmetryMap
 

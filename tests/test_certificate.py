@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import hf_geosharp as gs
-from hf_geosharp.engine.solvers.apgd import (
+from hf_geosharp.engine.solvers.certificate import (
     AT_PRECISION,
     CERTIFIED,
     NOT_CERTIFIED,

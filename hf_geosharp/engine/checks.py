@@ -254,3 +254,19 @@ def check_inputs(model: Any, batches: Any) -> list[Any]:
     for i, batch in enumerate(batches):
         check_batch(model, batch, i)
     return batches
+
+
+def non_finite_loss(value: float, rho: float | None) -> FloatingPointError:
+    """The error for a loss that is not finite, with its fix: at the unperturbed weights (``rho`` None), or at a
+    point perturbed within radius ``rho``.
+
+    Args:
+        value: the loss.
+        rho: the radius, or None at the unperturbed weights.
+
+    Returns:
+        The error to raise."""
+    if rho is None:
+        return FloatingPointError(f"The loss is {value} at the unperturbed weights; check the inputs, the labels and "
+                                  "the model's buffers (e.g. BatchNorm statistics).")
+    return FloatingPointError(f"The loss is {value} at a perturbed point (rho={rho}); lower rho.")
