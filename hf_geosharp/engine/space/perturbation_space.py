@@ -11,9 +11,9 @@ Performance and memory: a solver step must cost one forward and one backward plu
 vector is large (1e8 entries), so
 
 * pair blocks of equal shape (every layer of a BERT) are stacked into one group, and every geometric operation runs
-  on a few heads of a group at a time, with temporaries from the space's
-  :class:`~hf_geosharp.engine.space.workspace.Workspace`: nothing pair-sized is allocated per step and the peak does not
-  grow with the pairs;
+  once on the whole group (a few heads at a time only where memory requires it, :meth:`Workspace.plan`), with
+  temporaries from the space's :class:`~hf_geosharp.engine.space.workspace.Workspace`: nothing pair-sized is allocated
+  per step, and the count of operations per step does not grow with depth;
 * the space stores nothing parameter-sized: it reads the base point from the weights and recomputes ``w^2`` in
   each pass;
 * :meth:`PerturbationSpace.exp_point` writes the perturbed point into a caller's buffer without autograd; the
@@ -40,14 +40,14 @@ from torch import Tensor
 from ...symmetry.base import PairBlock
 from ..defaults import ELEMENTWISE_CURVATURE, EPSILON, METRIC
 from ..geometry.elementwise import Curvature, ElementwiseGeometry, per_segment
-from ..geometry.gl_quotient import GLQuotient, Metric
+from ..geometry.gl_quotient import GLQuotient, Metric, RowSums, gl_quotient
 from .coordinates import Factor, stack_alike
 from .pair_group import PairGroup
 from .workspace import Workspace
 
 Pullback = Callable[[Tensor], None]
 Pair = tuple[Tensor, Tensor]
-#: Head-sized temporaries one operation holds at most (the pullback: base point, cotangent, point and result).
+#: Group-sized temporaries one operation holds at most (the pullback: base point, cotangent, point and result).
 _TEMPORARIES = 4
 
 
@@ -166,31 +166,29 @@ class PerturbationSpace:
         flat = torch.cat([b.to(self.dtype) for b in self.base])
         probe = torch.Generator().manual_seed(probe_seed)
         groups, stacked = [], stack_alike(blocks)
-        # one chunk per group where the workspace may grow so far (Workspace.sized_for)
-        self.workspace.reserve(_TEMPORARIES * max(gi.shape[0] * (gi.shape[1] + hi.shape[1]) * gi.shape[2]
-                                                  for gi, hi, _ in stacked))
+        # global sizes: every rank decides and chunks alike
+        keep = self.workspace.plan([gi.shape[0] * (gi.shape[1] + hi.shape[1]) * gi.shape[2] for gi, hi, _ in stacked],
+                                   _TEMPORARIES)
         for gi, hi, basis in stacked:
             if self.shard is None:
                 g, h = Factor.of(gi, self.device), Factor.of(hi, device=self.device)
-                rows, global_rows = None, None
+                rows = None
             else:
                 g, nG, rows_G, n_global_G = self.shard.pair_factors(gi, self.device)
                 h, nH, rows_H, n_global_H = self.shard.pair_factors(hi, self.device)
-                rows, global_rows = (nG, nH), (rows_G, rows_H, n_global_G, n_global_H)
+                rows = RowSums((nG, nH), self._reduce, (rows_G, rows_H), (n_global_G, n_global_H))
             G = g.gather(flat, torch.empty(g.shape, dtype=self.dtype, device=self.device))
             H = h.gather(flat, torch.empty(h.shape, dtype=self.dtype, device=self.device))
-            geometry = GLQuotient(G, H, self.options.metric, self.options.epsilon, basis, probe,
-                                  reduce=None if self.shard is None else self._reduce, reduce_rows=rows,
-                                  global_rows=global_rows)
             views, shared = (g.segment_views(self.base), h.segment_views(self.base)), (None, None)
             rows_shared = sum(f.shape[1] - f.n_own for f in (g, h))  # copied anyway (heads cut across ranks, biases)
-            if None in views or 2 * rows_shared > g.shape[1] + h.shape[1]:
+            if keep or None in views or 2 * rows_shared > g.shape[1] + h.shape[1]:
                 views = None  # the geometry keeps its copy of the base point
             else:  # read from the weights, a head chunk at a time
                 shared = tuple(F[:, f.n_own :].clone() if f.shared is not None else None for F, f in ((G, g), (H, h)))
-                geometry.G = geometry.H = None
+            geometry = gl_quotient(G, H, self.options.metric, self.options.epsilon, basis, probe, rows=rows,
+                                   keep_base=views is None)
             per_head = (gi.shape[1] + hi.shape[1]) * gi.shape[2]  # global sizes: every rank chunks alike
-            step = self.workspace.heads_per_chunk(per_head, _TEMPORARIES)
+            step = self.workspace.heads_per_chunk(per_head, _TEMPORARIES - 1 if keep else _TEMPORARIES)
             chunks = [slice(k, min(k + step, gi.shape[0])) for k in range(0, gi.shape[0], step)]
             groups.append(PairGroup(g, h, geometry, chunks, views, shared))
         return groups
@@ -236,8 +234,8 @@ class PerturbationSpace:
         :func:`hf_geosharp.engine.solvers.apgd.keeps_best_gradient`)."""
         tensors = []
         for group in self.pairs:
-            tensors += [*vars(group.geometry).values(), *vars(group.geometry).get("_low", {}).values(),
-                        *group.shared_base]
+            geometry = vars(group.geometry)
+            tensors += [*geometry.values(), *geometry.get("_low", {}).values(), *group.shared_base]
             for factor in (group.g, group.h):
                 tensors += [factor.index, None if factor.shared is None else factor.shared.positions]
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
@@ -420,7 +418,7 @@ class PerturbationSpace:
                 x = group.gather(xi, self.workspace, heads)
                 correction, pull = geometry.exp2_correction_with_pullback(x, out=self._like(x))
                 group.write(out, correction, heads, add=True)
-                pulls.append((group, heads, pull, geometry))
+                pulls.append((group, heads, pull))
         if not need_grad or (curvature is None and not pulls):
             return None
 
@@ -428,11 +426,11 @@ class PerturbationSpace:
             # Every product reads dL/dtheta before any is added to it: the curvature's product is made first, and
             # each head chunk reads and writes only its own coordinates.
             extra = None if curvature is None else torch.autograd.grad(curvature[0], curvature[1], grad)[0]
-            for group, heads, pull, geometry in pulls:
+            for group, heads, pull in pulls:
                 ws = self.workspace.fresh()
-                group.part(ws, heads, geometry)  # the base point again (the workspace was used in between)
+                base = group.base(ws, heads)  # the base point again (the workspace was used in between)
                 x = group.gather(xi, ws, heads)
-                group.write(grad, pull(group.gather(grad, ws, heads), x, self._like(x)), heads, add=True)
+                group.write(grad, pull(group.gather(grad, ws, heads), x, self._like(x), base), heads, add=True)
             if extra is not None:
                 grad.add_(extra)
 
@@ -461,6 +459,5 @@ class PerturbationSpace:
             z = z + self.pair_elementwise.random_tangent_vector(generator, draw)
         else:
             for group in self.pairs:
-                with group.whole_base() as geometry:
-                    group.write(z, geometry.random_tangent_vector(generator), slice(None))
+                group.write(z, group.whole().random_tangent_vector(generator), slice(None))
         return self.horizontal(z)
