@@ -34,6 +34,9 @@ class PairGroup:
     base_views: tuple[list, list] | None = None
     #: With ``base_views`` on a shard: the base point's shared rows of ``G`` and ``H`` (a copy; None without any).
     shared_base: tuple[Tensor | None, Tensor | None] = (None, None)
+    #: Each head's calibration weight of the metric (float64 ``[k]``, see
+    #: :func:`~hf_geosharp.engine.space.perturbation_space.pair_weights`); None: the paper's unweighted metric.
+    weight: Tensor | None = None
 
     def base(self, ws: Workspace, heads: slice) -> Pair | None:
         """The base point of ``heads`` read into ``ws`` where the geometry does not keep it; None where it does."""
