@@ -30,10 +30,11 @@ from .api import (
     symmetry_note_given,
     symmetry_noted,
 )
-from .engine.defaults import ADAPTIVE_VARIANT, EPSILON, MODE, N_SAMPLES, RHO, SEED, STEPS
+from .engine.defaults import ADAPTIVE_VARIANT, BALL, EPSILON, MODE, N_SAMPLES, RHO, SEED, STEPS
 from .engine.hessian import hessian_top_eigenvalue, hessian_trace
 from .engine.relative_flatness import relative_flatness
 from .engine.settings import MODES, VARIANTS, Mode, Steps, Variant, measure_name
+from .engine.space.perturbation_space import BALLS, Ball
 
 logger = logging.getLogger(__name__)
 
@@ -86,10 +87,10 @@ DEFAULT_MEASURES: tuple[str, ...] = ("geodesic_sharpness_inv", "geodesic_sharpne
 BOARD_MEASURES: tuple[str, ...] = (*DEFAULT_MEASURES, "relative_flatness")
 
 
-def _declared(default: Any, meaning: str) -> Any:
-    """A field of :class:`Settings`: its default (from :mod:`hf_geosharp.engine.defaults`) and what it means, the
-    one text every face shows for it (``geosharp`` option help, the evaluate module's argument list)."""
-    return dataclasses.field(default=default, metadata={"help": meaning})
+def _declared(default: Any, meaning: str, choices: tuple[str, ...] | None = None) -> Any:
+    """A field of :class:`Settings`: its default (from :mod:`hf_geosharp.engine.defaults`), what it means (the one
+    text every face shows for it, e.g. ``geosharp`` option help) and, for a choice, the values allowed."""
+    return dataclasses.field(default=default, metadata={"help": meaning, "choices": choices})
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,8 @@ class Settings:
         n_samples: random directions per batch (average case).
         seed: seeds every random draw (per batch, independent of the process that solves it).
         epsilon: relaxation of the geodesic metric's Gram matrices.
+        ball: the geodesic ball's radius convention, ``"calibrated"`` or ``"paper"`` (docs/method.md, "Radius
+            convention").
         adaptive_variant: the adaptive baseline's solver (``"clean"``; ``"as23"`` reproduces the reference code,
             which stalls below the maximum).
     """
@@ -117,11 +120,24 @@ class Settings:
     n_samples: int = _declared(N_SAMPLES, "random directions per batch (average case)")
     seed: int = _declared(SEED, "seeds the example shuffle and every random draw")
     epsilon: float = _declared(EPSILON, "regulariser of the geodesic metric's Gram matrices")
+    ball: Ball = _declared(BALL, "radius convention of the geodesic ball: calibrated (rho comparable with adaptive's) "
+                                 "or paper (the paper's unweighted metrics)", choices=BALLS)
     adaptive_variant: Variant = _declared(ADAPTIVE_VARIANT, "the adaptive baseline's solver: clean or as23")
 
     def as_dict(self) -> dict[str, Any]:
-        """The settings as a plain dict (results files, cache keys)."""
-        return dataclasses.asdict(self)
+        """The settings as a plain dict (results files, cache keys). ``ball`` is left out when it is the paper's:
+        settings recorded before the convention existed hold none and were the paper's, so they keep their keys
+        and read back as what they were (:meth:`from_dict`)."""
+        out = dataclasses.asdict(self)
+        if out["ball"] == "paper":
+            del out["ball"]
+        return out
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> Settings:
+        """The settings of :meth:`as_dict` (unknown keys ignored; no ``ball``: the paper's)."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{"ball": "paper", **{k: v for k, v in values.items() if k in fields}})
 
 
 def setting_help(name: str) -> str:
@@ -196,8 +212,8 @@ def run_measure(
         return hessian_top_eigenvalue(model, batches, seed=settings.seed, **kept)
     if measure.family == "geodesic":
         with symmetry_note_given():
-            return geodesic_sharpness(model, batches, metric=measure.metric, epsilon=settings.epsilon, **kwargs,
-                                      **options)
+            return geodesic_sharpness(model, batches, metric=measure.metric, epsilon=settings.epsilon,
+                                      ball=settings.ball, **kwargs, **options)
     options.pop("symmetry_map", None)
     return adaptive_sharpness(model, batches, variant=settings.adaptive_variant, **kwargs, **options)
 

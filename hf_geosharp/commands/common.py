@@ -173,6 +173,9 @@ def add_measure_options(parser: argparse.ArgumentParser, default_measures: tuple
                                      f"(default: {field.default})")
         elif field.name == "mode":
             parser.add_argument(flag, choices=MODES, default=field.default, help=f"{meaning} (default: %(default)s)")
+        elif field.metadata.get("choices"):
+            parser.add_argument(flag, choices=field.metadata["choices"], default=field.default,
+                                help=f"{meaning} (default: %(default)s)")
         elif field.name in SETTING_TYPES:
             parser.add_argument(flag, type=SETTING_TYPES[field.name], default=field.default,
                                 help=f"{meaning} (default: %(default)s)")
@@ -193,7 +196,8 @@ def settings_of(args: argparse.Namespace, **fixed: Any) -> Any:
     from ..measures import Settings
 
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(Settings)
-             if f.name in SETTING_TYPES or (f.name == "mode" and isinstance(getattr(args, "mode", None), str))}
+             if (f.name in SETTING_TYPES or f.metadata.get("choices")) and hasattr(args, f.name)
+             or (f.name == "mode" and isinstance(getattr(args, "mode", None), str))}
     return Settings(**{**given, **fixed})
 
 
