@@ -21,7 +21,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from ..defaults import ELEMENTWISE_CURVATURE
+from ..defaults import ELEMENTWISE_CURVATURE, ZERO_TOL
 
 Curvature = Literal["none", "second_order", "exact_exp"]
 #: Per segment: every coordinate (True), none (False), or a bool mask over the segment.
@@ -60,7 +60,7 @@ class ElementwiseGeometry:
         w: Tensor | Sequence[Tensor],
         mask: Tensor | None = None,
         curvature: Curvature = ELEMENTWISE_CURVATURE,
-        zero_tol: float = 1e-12,
+        zero_tol: float = ZERO_TOL,
         *,
         measure: list[Selection] | None = None,
         keep: list[Selection] | None = None,
