@@ -27,6 +27,7 @@ from .model_function.objective import LossFn, Objective, default_loss, preserved
 from .placement.base import Placement
 from .placement.fsdp import FsdpPlacement
 from .placement.single import SingleProcess
+from .progress import bar_disabled
 from .result import NOT_ITERATIVE, Profile, SharpnessResult, average_stderr, batch_stderr, warn_not_converged
 from .settings import RunSettings
 from .solvers.apgd import AT_PRECISION, AUTO_BLOCK, CERTIFIED, NOT_CERTIFIED, SolveResult, apgd, average_case
@@ -131,7 +132,7 @@ def _solve_batches(space: PerturbationSpace, objective: Objective, settings: Run
     reading of the best point or None)}``."""
     n_steps = settings.n_samples if settings.mode == "average" else settings.steps
     results: dict[int, tuple] = {}
-    bar = tqdm(list(mine), desc=settings.measure, unit="batch", disable=not progress)
+    bar = tqdm(list(mine), desc=settings.measure, unit="batch", disable=bar_disabled(progress))
     for index in bar:
         objective.batch = to_device(batches[index], space.device)
         generator = torch.Generator().manual_seed(batch_seed(settings.seed, index))
