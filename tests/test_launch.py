@@ -24,7 +24,7 @@ PATH_SLACK = 2.0
 
 @pytest.fixture(scope="module")
 def counts() -> dict[int, dict]:
-    return {layers: launch.count_shape(ModelSize(f"tiny-{layers}", layers, 32, 4), ("adaptive_clean", "geodesic_inv"))
+    return {layers: launch.count_shape(ModelSize(f"tiny-{layers}", layers, 32, 4), ("adaptive_clean", "geodesic_inv", "geodesic_mix"))
             for layers in (2, 6)}
 
 
@@ -41,9 +41,8 @@ def test_pair_geometry_kernels_do_not_grow_with_depth(counts):
 
 @pytest.mark.parametrize("measure", [
     "adaptive_clean",
-    pytest.param("geodesic_inv", marks=pytest.mark.xfail(
-        strict=True, reason="the base point's pair factors are read from the weights one strided piece per layer "
-                            "(Factor.gather_views in engine/space/coordinates.py)")),
+    "geodesic_inv",
+    "geodesic_mix",
 ])
 def test_step_kernels_outside_the_model_do_not_grow_with_depth(counts, measure):
     """The whole solver step outside the model (geometry, direction, update, substitution) issues as many kernels
