@@ -13,10 +13,11 @@ import hf_geosharp as gs
 import hf_geosharp.api as api
 from hf_geosharp.cli import build_parser
 from hf_geosharp.engine import defaults
-from hf_geosharp.engine.geometry.gl_quotient import GLQuotient
+from hf_geosharp.engine.geometry.gl_quotient import gl_quotient
 from hf_geosharp.engine.settings import RunSettings
-from hf_geosharp.engine.solvers.apgd import apgd, average_case
+from hf_geosharp.engine.solvers.apgd import apgd
 from hf_geosharp.engine.solvers.as23 import apgd_as23
+from hf_geosharp.engine.solvers.average import average_case
 from hf_geosharp.engine.space.perturbation_space import SpaceOptions
 from hf_geosharp.integrations import GeodesicSharpnessCallback, measure_trainer
 from hf_geosharp.measures import Settings
@@ -50,7 +51,7 @@ def test_the_engine_defaults_to_the_constants():
     options = SpaceOptions()
     assert (options.metric, options.epsilon, options.elementwise_curvature, options.ball) == (
         defaults.METRIC, defaults.EPSILON, defaults.ELEMENTWISE_CURVATURE, defaults.BALL)
-    assert _defaults(GLQuotient)["epsilon"] == defaults.EPSILON and _defaults(GLQuotient)["metric"] == defaults.METRIC
+    assert _defaults(gl_quotient)["epsilon"] == defaults.EPSILON and _defaults(gl_quotient)["metric"] == defaults.METRIC
     assert _defaults(apgd)["steps"] == _defaults(apgd_as23)["steps"] == defaults.STEPS
     assert _defaults(apgd)["step_normalization"] == defaults.STEP_NORMALIZATION
     assert _defaults(average_case)["n_samples"] == defaults.N_SAMPLES
