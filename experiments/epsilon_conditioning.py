@@ -72,7 +72,8 @@ def gram_condition(model: torch.nn.Module) -> float:
 def value(model: torch.nn.Module, data: list, metric: str, epsilon: float) -> gs.SharpnessResult:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", gs.NotConvergedWarning)
-        return gs.geodesic_sharpness(model, data, metric=metric, epsilon=epsilon, rho=0.1, steps=STEPS,
+        # the paper's ball, under which the stored figures were measured (docs/method.md, "Radius convention")
+        return gs.geodesic_sharpness(model, data, metric=metric, epsilon=epsilon, ball="paper", rho=0.1, steps=STEPS,
                                      progress=False)
 
 

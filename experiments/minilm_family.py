@@ -125,6 +125,8 @@ class Config:
     n_test: int = 384
     rho: float = 0.1
     steps: int | str = "auto"  # geodesic inv and mix, clean adaptive: certified
+    #: the geodesic ball's radius convention of the stored numbers: the paper's (docs/method.md, "Radius convention")
+    ball: str = "paper"
     max_steps: int | None = None  # the step budget of ``steps="auto"`` per batch (None: the engine's)
     #: a ``steps="auto"`` number that ``max_steps`` left uncertified is measured again with this budget; the report
     #: shows the second measurement, and the first beside it
@@ -161,7 +163,8 @@ class Config:
         """The registry settings of measure ``name`` at ``rho`` (default the main one)."""
         _, variant = PLAN[name]
         steps = self.as23_steps if variant == "as23" else self.steps
-        return Settings(rho=self.rho if rho is None else rho, steps=steps, seed=0, adaptive_variant=variant)
+        return Settings(rho=self.rho if rho is None else rho, steps=steps, seed=0, ball=self.ball,
+                        adaptive_variant=variant)
 
     def first_budget(self, name: str) -> int | None:
         """The step budget of measure ``name``'s first measurement (None: the engine's, or a fixed ``steps``)."""

@@ -126,18 +126,12 @@ class Settings:
 
     def as_dict(self) -> dict[str, Any]:
         """The settings as a plain dict (results files, cache keys). ``ball`` is left out when it is the paper's:
-        settings recorded before the convention existed hold none and were the paper's, so they keep their keys
-        and read back as what they were (:meth:`from_dict`)."""
+        settings recorded before the convention existed hold none and were the paper's, so they keep their keys,
+        and a record without ``ball`` reads as the paper's."""
         out = dataclasses.asdict(self)
         if out["ball"] == "paper":
             del out["ball"]
         return out
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> Settings:
-        """The settings of :meth:`as_dict` (unknown keys ignored; no ``ball``: the paper's)."""
-        fields = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{"ball": "paper", **{k: v for k, v in values.items() if k in fields}})
 
 
 def setting_help(name: str) -> str:

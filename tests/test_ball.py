@@ -180,3 +180,17 @@ def test_settings_check_and_carry_the_ball():
     assert RunSettings(0.1, options=SpaceOptions("inv", ball="paper")).config()["ball"] == "paper"
     with pytest.raises(ValueError, match="ball must be 'calibrated' or 'paper'"):
         RunSettings(0.1, options=SpaceOptions("inv", ball="adaptive"))  # type: ignore[arg-type]
+
+
+def test_the_papers_ball_keeps_the_keys_of_settings_recorded_before_the_convention():
+    """A stored result is keyed by its settings' dict: the paper's ball leaves ``ball`` out, so a key made before the
+    convention existed (no ``ball``) is the paper's key; the calibrated ball is another key."""
+    from hf_geosharp.leaderboard.run import fingerprint_settings
+    from hf_geosharp.measures import Settings
+
+    paper, calibrated = Settings(ball="paper"), Settings()
+    before = {"rho": paper.rho, "mode": paper.mode, "steps": paper.steps, "n_samples": paper.n_samples,
+              "seed": paper.seed, "epsilon": paper.epsilon, "adaptive_variant": paper.adaptive_variant}
+    assert paper.as_dict() == before
+    assert calibrated.as_dict() == {**before, "ball": "calibrated"}
+    assert fingerprint_settings(paper) != fingerprint_settings(calibrated)

@@ -16,12 +16,15 @@ from huggingface_hub.repocard_data import model_index_to_eval_results
 from hf_geosharp import __version__, cli
 from hf_geosharp.hub import publish
 from hf_geosharp.hub.cards import (
+    BALL_NOTE,
     TEMPLATE_DIR,
     CardError,
     DatasetInfo,
     dataset_info,
     eval_result,
     known_task,
+    merge,
+    new_card,
     read_results,
 )
 from hf_geosharp.measures import MEASURES
@@ -62,7 +65,8 @@ def _result(measure: str, value: float, rho: float = 0.1, stderr: float = 0.01, 
             **config) -> dict:
     geodesic = measure.startswith("geodesic")
     base = {"rho": rho, "mode": "worst", "steps": 20, "seed": 0, "n_samples": 20, "params": "all", "n_batches": 2}
-    base.update({"metric": measure.split("_")[1], "epsilon": 1e-6} if geodesic else {"variant": "clean"})
+    base.update({"metric": measure.split("_")[1], "epsilon": 1e-6, "ball": "calibrated"} if geodesic
+                else {"variant": "clean"})
     if measure == "relative_flatness":  # no rho and no solver: a layer and Hutchinson samples
         base = {"layer": "classifier", "n_samples": 20, "seed": 0, "n_batches": 2}
     if measure.startswith("hessian"):  # no rho: power iterations, or Hutchinson samples
@@ -108,7 +112,8 @@ def test_every_measure_gets_its_own_leaderboard_key_after_a_round_trip(tmp_path,
     inv = next(e for e in ours if e.metric_type == "geodesic_sharpness_inv")
     assert inv.metric_config == "geodesic_inv_worst" and inv.metric_value == 0.1
     assert inv.metric_args == {"rho": 0.1, "mode": "worst", "steps": 20, "seed": 0, "n_batches": 2,
-                               "epsilon": 1e-6, "params": "all", "stderr": 0.01, "certified": True}
+                               "epsilon": 1e-6, "ball": "calibrated", "params": "all", "stderr": 0.01,
+                               "certified": True}
     assert inv.dataset_args == {"n_examples": 64, "batch_size": 32, "seed": 0}
     assert inv.source_url is None and inv.source_name is None  # the package has no homepage: no invented source
 
@@ -140,7 +145,9 @@ def test_an_uncertified_value_is_published_as_a_lower_bound_in_both_formats(tmp_
     torch.manual_seed(0)
     batches = [{"input_ids": torch.randint(0, 100, (4, 8)), "labels": torch.tensor([0, 1, 0, 1])}]
     with pytest.warns(gs.NotConvergedWarning):
-        lower = gs.geodesic_sharpness(tiny_bert(), batches, metric="mix", steps=1, progress=False).to_dict()
+        # the paper's mix ball at rho 0.1 is large on this model: one step is far from stationary
+        lower = gs.geodesic_sharpness(tiny_bert(), batches, metric="mix", ball="paper", steps=1,
+                                      progress=False).to_dict()
     assert lower["converged"] is False  # the engine's own verdict: one step is not stationary
     run = _run_json(tmp_path / "run.json", lower, _result("geodesic_inv_worst", 0.2),
                     _result("relative_flatness", 3.0))
@@ -393,3 +400,20 @@ def test_a_local_card_that_cannot_be_read_stops_everything(tmp_path, capsys):
     assert cli.main(args) == 2
     assert "cannot be read" in capsys.readouterr().err
     assert (tmp_path / "m" / "README.md").read_text() == broken and not (tmp_path / "m" / ".eval_results").exists()
+
+
+def test_the_ball_is_published_and_a_record_without_one_is_the_papers():
+    """Two geodesic numbers are comparable only under the same radius convention: the card's args and display name
+    say it; a record made before the convention existed (no ``ball``) was the paper's; adaptive has none."""
+    info = DatasetInfo("glue", "train")
+    calibrated = eval_result(_result("geodesic_mix_worst", 1.0), info, "text-classification")
+    record = _result("geodesic_mix_worst", 2.0)
+    del record["config"]["ball"]
+    old = eval_result(record, info, "text-classification")
+    adaptive = eval_result(_result("adaptive_clean_worst", 1.0), info, "text-classification")
+    assert calibrated.metric_args["ball"] == "calibrated" and "calibrated ball" in calibrated.metric_name
+    assert old.metric_args["ball"] == "paper" and "paper ball" in old.metric_name
+    assert "ball" not in adaptive.metric_args and "ball" not in adaptive.metric_name
+    card = merge(new_card("m"), [calibrated, old], "m")
+    assert len(card.data.eval_results) == 2  # not one measurement replacing the other
+    assert BALL_NOTE in card.text and "`ball`" in BALL_NOTE

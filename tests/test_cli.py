@@ -280,7 +280,8 @@ def test_results_file_carries_provenance_in_the_harness_layout(files, capsys):
 
     folder = files["root"] / "results"
     code = geosharp("run", "--model", files["bert"], "--dataset", files["csv"], "--n-examples", 4, "--batch-size", 4,
-                    "--metric", "inv", "--no-baseline", "--quiet", "--output-path", folder, *FAST)  # fmt: skip
+                    "--metric", "inv", "--no-baseline", "--quiet", "--output-path", folder, "--ball", "paper",
+                    *FAST)  # fmt: skip
     assert code == 0, capsys.readouterr().err
     (written,) = (folder / "bert").glob("results_*.json")  # DIR/<model>/results_<timestamp>.json
     report = json.loads(written.read_text())
@@ -297,6 +298,8 @@ def test_results_file_carries_provenance_in_the_harness_layout(files, capsys):
     assert len(report["model_source"]["content"]) == 64
     assert report["environment"]["device"] == "cpu" and report["config"]["settings"]["steps"] == 3
     assert "n_samples" not in report["config"]["settings"]  # not a worst-case setting
+    assert report["config"]["settings"]["ball"] == "paper"  # said explicitly, though a key would leave it out
+    assert report["results"]["geodesic_sharpness_inv"]["config"]["ball"] == "paper"
     assert report["results"]["geodesic_sharpness_inv"]["geodesic_sharpness_inv_stderr"] is None  # one batch
 
 

@@ -300,7 +300,11 @@ def test_output_keys_are_stable_and_defaults_are_the_bundles(tmp_path, module_fr
     config = default["config"]
     assert config["measures"] == list(DEFAULT_MEASURES)
     defaults = Settings()
-    assert (config["rho"], config["mode"], config["seed"]) == (defaults.rho, defaults.mode, defaults.seed)
+    assert (config["rho"], config["mode"], config["seed"], config["ball"]) == (
+        defaults.rho, defaults.mode, defaults.seed, defaults.ball)
+    paper = module_from_checkout_root.compute(**data, measures="mix", ball="paper")
+    assert paper["config"]["ball"] == "paper" == paper["config"]["results"]["geodesic_sharpness_mix"]["config"]["ball"]
+    assert paper["geodesic_sharpness_mix"] != only_mix["geodesic_sharpness_mix"]  # the ball is applied
 
 
 def test_int_labels_of_a_classifier_and_the_clear_errors(tmp_path, module_from_checkout_root):

@@ -282,6 +282,7 @@ API_CASES = [
     Case("epsilon-negative", default(epsilon=-1e-6), ValueError, "epsilon must be"),
     Case("epsilon-nan", default(epsilon=float("nan")), ValueError, "epsilon must be"),
     Case("metric-unknown", default(metric="euclid"), ValueError, "metric must be"),
+    Case("ball-unknown", default(ball="adaptive"), ValueError, "ball must be 'calibrated' or 'paper'"),
     Case("params-unknown", default(params="some"), ValueError, "params must be"),
     Case("curvature-unknown", default(elementwise_curvature="cubic"), ValueError, "elementwise_curvature must be"),
     Case("loss-not-scalar", default(loss_fn=lambda m, b: m(**b).logits.sum(-1)), TypeError, "scalar tensor"),

@@ -182,7 +182,7 @@ def payload(c: RunContext, timed: list[tuple[str, Any, float]], *, interrupted: 
         entry.setdefault("converged", getattr(res, "converged", None))  # (older engines: no convergence report)
         results[key] = {**fields, **entry, "seconds": seconds}
     settings = {k: v for k, v in s.as_dict().items() if not (k == "n_samples" and s.mode == "worst")
-                and not (k == "steps" and s.mode == "average")}  # fmt: skip
+                and not (k == "steps" and s.mode == "average")} | {"ball": s.ball}  # fmt: skip
     now = datetime.datetime.now(datetime.timezone.utc)
     return {
         "results": results,

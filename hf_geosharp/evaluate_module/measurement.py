@@ -115,6 +115,9 @@ Args:
     max_length (`int`, default {DEFAULT_MAX_LENGTH}): truncation length when tokenizing `predictions`.
     seed (`int`, default {DEFAULTS.seed}): every batch's randomness is seeded from (seed, batch index).
     epsilon (`float`, default {DEFAULTS.epsilon:g}): regulariser of the geodesic metric's Gram matrices.
+    ball (`str`, default "{DEFAULTS.ball}"): the geodesic ball's radius convention: "calibrated" (each attention
+        pair's metric weighted so that equal `rho` is a comparable neighbourhood for inv, mix and adaptive) or "paper"
+        (the paper's unweighted metrics, the numbers of 0.6.0).
     loss_fn (`callable`, *optional*): `loss_fn(model, batch) -> scalar tensor` instead of the model's own loss.
     accelerator (`accelerate.Accelerator`, *optional*): created automatically when torch.distributed is running.
     fsdp (`bool`, default False): under `torchrun`, load `model_id` on every rank and shard it with FSDP2 before
@@ -305,7 +308,7 @@ def _output(results: dict, settings: Settings, keys: list[str], config: dict[str
     first = next(iter(results.values()))
     out["clean_loss"], out["clean_loss_per_batch"] = first.clean_loss, list(first.per_batch_clean_loss)
     out["config"] = {
-        **settings.as_dict(), "measures": keys, **config,
+        **settings.as_dict(), "ball": settings.ball, "measures": keys, **config,
         "results": {key: {"measure": res.measure, "converged": res.converged, "convergence_note": res.convergence_note,
                           "steps_used": res.steps_used, "config": res.config} for key, res in results.items()},
         "unmapped_attention": [{"module": f.module, "reason": f.reason} for f in (smap.fallbacks if smap else [])],
@@ -386,13 +389,14 @@ class GeodesicSharpness(evaluate.Measurement):
         max_length: int = DEFAULT_MAX_LENGTH,
         seed: int | None = None,
         epsilon: float | None = None,
+        ball: str | None = None,
         loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None,
         accelerator: Any = None,
         progress: bool = False,
         fsdp: bool = False,
     ) -> dict[str, Any]:
         keys = _keys(measures, metric, baseline)
-        given = dict(rho=rho, mode=mode, steps=steps, n_samples=n_samples, seed=seed, epsilon=epsilon)
+        given = dict(rho=rho, mode=mode, steps=steps, n_samples=n_samples, seed=seed, epsilon=epsilon, ball=ball)
         settings = dataclasses.replace(DEFAULTS, **{k: v for k, v in given.items() if v is not None})
         model = _model(model, model_id, device, fsdp)
         task = task_of(model)

@@ -84,6 +84,11 @@ _SETTINGS = tuple(dict.fromkeys(
      *(k for k in config_keys() if k not in _NOT_SHOWN), "n_batches", "layer"]))
 _DATA_ARGS = ("n_examples", "batch_size", "seed")
 _LOCAL_SUFFIXES = {".csv", ".tsv", ".json", ".jsonl", ".parquet", ".arrow", ".txt"}
+#: What a new card says of the geodesic ball, so that two published numbers can be compared.
+BALL_NOTE = ("Geodesic sharpness depends on its radius convention, the `ball` argument of each entry: `calibrated` "
+             "weighs each attention pair's metric so that scaling the pair's weights by 1 + t has the norm adaptive "
+             "sharpness gives it (equal rho is a comparable neighbourhood for inv, mix and adaptive); `paper` is the "
+             "paper's unweighted metric (hf_geosharp 0.6.0 and earlier). Compare numbers only at equal rho and ball.")
 #: The first huggingface_hub release with the ``.eval_results`` classes (imported only where they are used).
 EVAL_RESULTS_HUB = "1.4.0"
 
@@ -175,6 +180,8 @@ def settings_args(result: dict[str, Any]) -> dict[str, Any]:
     the metric's args."""
     config = result.get("config") or {}
     args = {k: config[k] for k in _SETTINGS if config.get(k) is not None and _finite(config[k])}
+    if "ball" not in args and (key := key_of(result.get("measure", ""))) and MEASURES[key].family == "geodesic":
+        args["ball"] = "paper"  # recorded before the radius convention existed: the paper's unweighted metrics
     budget = "steps" if args.get("mode") == "worst" else "n_samples"  # the solver effort that matters in this mode
     args.pop("n_samples" if budget == "steps" else "steps", None)
     stderr = result.get("stderr")
@@ -191,6 +198,7 @@ def eval_result(result: dict[str, Any], dataset: DatasetInfo, task: str, *, url:
     key = key_of_result(result)
     args = settings_args(result)
     name = ", ".join([MEASURES[key].title, *([f"rho={args['rho']}"] if "rho" in args else []),
+                      *([f"{args['ball']} ball"] if "ball" in args else []),
                       *([f"{args['mode']} case"] if "mode" in args else []),
                       *([certificate_words(False)] if args.get("certified") is False else [])])
     url = source_url(url)
@@ -258,7 +266,8 @@ def parse_card(text: str, where: str) -> ModelCard:
 
 def new_card(name: str) -> ModelCard:
     """An empty card for a model that has none, tagged ``hf_geosharp``."""
-    return ModelCard(f"---\ntags:\n- hf_geosharp\n---\n\n# {name}\n\nSharpness measured with hf_geosharp.\n")
+    return ModelCard(f"---\ntags:\n- hf_geosharp\n---\n\n# {name}\n\nSharpness measured with hf_geosharp.\n\n"
+                     f"{BALL_NOTE}\n")
 
 
 def readme_path(target: str | Path) -> Path:

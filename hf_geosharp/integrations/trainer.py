@@ -117,7 +117,7 @@ class GeodesicSharpnessCallback(TrainerCallback):
         n_examples: size of the subset (a cap: a smaller dataset is used whole, with a warning).
         batch_size: examples per batch (default: ``per_device_eval_batch_size``).
         seed: draws the subset; also the solver's seed unless ``settings`` is given.
-        settings: the measures' shared settings (radius, steps, ...); default the bundle's defaults.
+        settings: the measures' shared settings (radius, ball, steps, ...); default the bundle's defaults.
         data_collator: collates ``eval_dataset`` rows (default: the training dataloader's collator).
         trainer: optional; without it the callback finds the Trainer's callback handler when training begins.
         metric_key_prefix: the logged keys' prefix, as in ``Trainer.evaluate`` (``"eval"``: ``eval/`` in the
@@ -282,7 +282,7 @@ def measure_trainer(
         n_examples: rows to draw (a cap: a smaller dataset is used whole, with a warning).
         dataset: rows to draw from (default: the trainer's eval dataset, else its train dataset).
         measures: measure keys or short forms (``"inv,mix,adaptive"``); default the bundle's defaults.
-        settings: the measures' shared settings (radius, steps, ...); default the bundle's defaults.
+        settings: the measures' shared settings (radius, ball, steps, ...); default the bundle's defaults.
         batch_size: examples per batch (default: the trainer's ``per_device_eval_batch_size``).
         seed: draws the rows; also the solver's seed unless ``settings`` is given.
         progress: show a progress bar.
