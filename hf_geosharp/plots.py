@@ -181,11 +181,14 @@ def rho_sweep_figure(sweep: Mapping[str, Any], title: str = "") -> Figure:
     bottom.minorticks_off()
     ball = sweep.get("settings", {}).get("ball")
     bottom.set_xlabel(f"radius rho{f' ({ball} ball)' if ball else ''}; dotted: the leaderboard's rho", fontsize=10)
-    top.legend(fontsize=9, loc="best")
+    handles, labels = top.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper center", ncol=len(labels), fontsize=9, frameon=False,
+               bbox_to_anchor=(0.5, 0.925))
     what = f": {title}" if title else ""
-    fig.suptitle(f"The reading depends on the radius{what} ({sweep['n_models']} models, gap: test minus train "
-                 f"{sweep['gap_metric']})", fontsize=11)
-    fig.tight_layout()
+    examples = f", {sweep['n_examples']} examples each" if sweep.get("n_examples") else ""
+    fig.suptitle(f"The reading depends on the radius{what}\n{sweep['n_models']} models{examples}; gap: test minus "
+                 f"train {sweep['gap_metric']}", fontsize=11, y=0.99)
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
     return fig
 
 

@@ -349,6 +349,7 @@ def test_rho_sweep_draws_each_radius_measures_tau_and_certified_fraction(zoo, tm
     sweep = json.loads((out / "rho_sweep.json").read_text())
     assert (out / "rho_sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sweep["rhos"] == [0.01, 0.1, 1.0] and sweep["rho"] == 0.1 and sweep["n_models"] == 4
+    assert sweep["n_examples"] == 32
     names = ["geodesic_inv_worst", "geodesic_mix_worst", "adaptive_clean_worst"]
     assert list(sweep["measures"]) == names  # relative flatness has no radius
 
@@ -373,7 +374,7 @@ def test_rho_sweep_draws_each_radius_measures_tau_and_certified_fraction(zoo, tm
     fig = rho_sweep_figure(sweep)
     top, bottom = fig.axes
     assert top.get_xscale() == bottom.get_xscale() == "log"
-    assert [t.get_text() for t in top.get_legend().get_texts()] == [
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == [
         "Geodesic sharpness (inv)", "Geodesic sharpness (mix)", "Adaptive sharpness"]
     drawn = [list(line.get_ydata()) for line in bottom.get_lines() if len(line.get_xdata()) == 3]
     assert drawn == [[c / 4 for c in sweep["measures"][n]["certified"]] for n in names]

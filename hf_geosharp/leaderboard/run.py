@@ -192,14 +192,16 @@ def rho_sweep(
 
     Returns:
         Plain data (JSON): ``rhos`` (sorted), ``rho`` (the leaderboard's), ``gap_metric``, ``n_models``,
-        ``settings`` (the shared settings but the radius) and per column name ``measures[name]``: its registry
-        ``key`` and, one entry per radius, ``tau``, ``ci_low``, ``ci_high``, ``p_value``, ``certified`` and ``total``.
+        ``n_examples`` (measured on), ``settings`` (the shared settings but the radius) and per column name
+        ``measures[name]``: its registry ``key`` and, one entry per radius, ``tau``, ``ci_low``, ``ci_high``,
+        ``p_value``, ``certified`` and ``total``.
     """
     columns = radius_columns(columns)
     if not columns:
         raise ValueError("a rho sweep needs a measure with a radius (inv, mix or adaptive).")
     grid = sorted({float(r) for r in rhos} | {float(settings.rho)})
     out: dict[str, Any] = {"rhos": grid, "rho": float(settings.rho), "gap_metric": gap.metric, "n_models": len(models),
+                           "n_examples": data.n_examples,
                            "settings": {k: v for k, v in fingerprint_settings(settings).items() if k != "rho"},
                            "measures": {}}
     for rho in grid:
