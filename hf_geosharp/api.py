@@ -23,6 +23,7 @@ from torch import nn
 from .engine.checks import check_inputs
 from .engine.defaults import (
     ADAPTIVE_VARIANT,
+    BALL,
     ELEMENTWISE_CURVATURE,
     EPSILON,
     METRIC,
@@ -41,7 +42,7 @@ from .engine.result import NotConvergedWarning, SharpnessResult, collected_conve
 from .engine.runner import run
 from .engine.settings import Mode, Params, RunSettings, Steps, Variant
 from .engine.solvers.apgd import AUTO_MAX_STEPS, CONVERGENCE_TOL, StepNormalization
-from .engine.space.perturbation_space import SpaceOptions
+from .engine.space.perturbation_space import Ball, SpaceOptions
 from .symmetry.base import SymmetryMap
 
 __all__ = ["NoSymmetryWarning", "NotConvergedWarning", "SharpnessResult", "adaptive_sharpness",
@@ -93,6 +94,7 @@ def geodesic_sharpness(
     *,
     rho: float = RHO,
     metric: Metric = METRIC,
+    ball: Ball = BALL,
     mode: Mode = MODE,
     steps: Steps = STEPS,
     seed: int = SEED,
@@ -127,6 +129,10 @@ def geodesic_sharpness(
             ``loss_fn`` accepts. Each batch is solved separately and the values are averaged.
         rho: radius of the geodesic ball.
         metric: ``"inv"`` (paper Eq. 9) or ``"mix"`` (Eq. 10).
+        ball: the radius convention: ``"calibrated"`` (default) weighs each attention pair's metric so that
+            scaling the pair's weights by ``1 + t`` has the norm adaptive sharpness gives it, which makes equal
+            ``rho`` comparable across inv, mix and adaptive; ``"paper"``: the paper's unweighted metrics (the
+            numbers of 0.6.0). docs/method.md, "Radius convention".
         mode: ``"worst"`` (Auto-PGD, ``steps`` iterations) or ``"average"`` (``n_samples`` Gaussian directions).
         steps: solver iterations per batch (worst case), exactly that many from one start as in AS23;
             ``converged`` then certifies that the best point is stationary (Frank-Wolfe gap at most ``tol``). Or
@@ -167,7 +173,8 @@ def geodesic_sharpness(
         ``steps_used``). A model with no attention head pair mapped gets a :class:`NoSymmetryWarning`: the value is
         adaptive sharpness's.
     """
-    options = SpaceOptions(metric, epsilon, second_order, riemannian_norm, horizontal_projection, elementwise_curvature)
+    options = SpaceOptions(metric, epsilon, second_order, riemannian_norm, horizontal_projection, elementwise_curvature,
+                           ball)
     settings = RunSettings(rho, mode, steps, seed, params, n_samples, tol, max_steps, options, step_normalization)
     if symmetry_map is None:  # mapped here (as the builder would map it) after the inputs are checked
         from .symmetry import map_symmetries

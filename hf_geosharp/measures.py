@@ -28,10 +28,11 @@ from .api import (
     symmetry_note_given,
     symmetry_noted,
 )
-from .engine.defaults import ADAPTIVE_VARIANT, EPSILON, MODE, N_SAMPLES, RHO, SEED, STEPS
+from .engine.defaults import ADAPTIVE_VARIANT, BALL, EPSILON, MODE, N_SAMPLES, RHO, SEED, STEPS
 from .engine.hessian import hessian_top_eigenvalue, hessian_trace
 from .engine.relative_flatness import relative_flatness
 from .engine.settings import MODES, VARIANTS, Mode, Steps, Variant, measure_name
+from .engine.space.perturbation_space import Ball
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +98,8 @@ class Settings:
         n_samples: random directions per batch (average case).
         seed: seeds every random draw (per batch, independent of the process that solves it).
         epsilon: relaxation of the geodesic metric's Gram matrices.
+        ball: the geodesic ball's radius convention, ``"calibrated"`` or ``"paper"`` (docs/method.md, "Radius
+            convention").
         adaptive_variant: the adaptive baseline's solver (``"clean"``; ``"as23"`` reproduces the reference code,
             which stalls below the maximum).
     """
@@ -107,11 +110,23 @@ class Settings:
     n_samples: int = N_SAMPLES
     seed: int = SEED
     epsilon: float = EPSILON
+    ball: Ball = BALL
     adaptive_variant: Variant = ADAPTIVE_VARIANT
 
     def as_dict(self) -> dict[str, Any]:
-        """The settings as a plain dict (results files, cache keys)."""
-        return dataclasses.asdict(self)
+        """The settings as a plain dict (results files, cache keys). ``ball`` is left out when it is the paper's:
+        settings recorded before the convention existed hold none and were the paper's, so they keep their keys
+        and read back as what they were (:meth:`from_dict`)."""
+        out = dataclasses.asdict(self)
+        if out["ball"] == "paper":
+            del out["ball"]
+        return out
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> Settings:
+        """The settings of :meth:`as_dict` (unknown keys ignored; no ``ball``: the paper's)."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{"ball": "paper", **{k: v for k, v in values.items() if k in fields}})
 
 
 def spec(key: str) -> MeasureSpec:
@@ -174,8 +189,8 @@ def run_measure(
         return hessian_top_eigenvalue(model, batches, seed=settings.seed, **kept)
     if measure.family == "geodesic":
         with symmetry_note_given():
-            return geodesic_sharpness(model, batches, metric=measure.metric, epsilon=settings.epsilon, **kwargs,
-                                      **options)
+            return geodesic_sharpness(model, batches, metric=measure.metric, epsilon=settings.epsilon,
+                                      ball=settings.ball, **kwargs, **options)
     options.pop("symmetry_map", None)
     return adaptive_sharpness(model, batches, variant=settings.adaptive_variant, **kwargs, **options)
 

@@ -82,7 +82,10 @@ def test_fig7_protocol_at_the_default_settings_geodesic_is_invariant_and_adaptiv
 @pytest.mark.parametrize("metric", ["inv", "mix"])
 def test_default_relaxation_is_invariant_under_badly_conditioned_group_elements(metric):
     """Condition-1000 elements (what the hide & seek demo applies) square the Gram matrices' condition numbers' growth:
-    the relaxation's eigenvalue guard must stay inactive there, so the default number does not move."""
+    the relaxation's eigenvalue guard must stay inactive there, so the default number does not move. The paper's
+    ball: under the calibrated one this model's batch 0 stalls for 12 steps and leaves the stall at step 18, where
+    rounding decides which way (the iterates agree to 5e-9 up to step 17); tests/test_ball.py checks the calibrated
+    ball's invariance at condition 1000 at a fixed step count."""
     from transformers import BertConfig, BertForSequenceClassification
 
     torch.manual_seed(0)
@@ -97,8 +100,8 @@ def test_default_relaxation_is_invariant_under_badly_conditioned_group_elements(
     batches = _batches(rows=8, seq=16)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        before = gs.geodesic_sharpness(model, batches, metric=metric, progress=False).value
-        after = gs.geodesic_sharpness(moved, batches, metric=metric, progress=False).value
+        before = gs.geodesic_sharpness(model, batches, metric=metric, ball="paper", progress=False).value
+        after = gs.geodesic_sharpness(moved, batches, metric=metric, ball="paper", progress=False).value
     assert abs(after - before) <= 1e-4 * abs(before), (before, after)
 
 

@@ -21,7 +21,9 @@ from .fixtures.intact import tiny_bert
 
 REL = 1e-10
 MODELS = ("bert", "llama_gqa")  # llama_gqa: the qk blocks have the RoPE commutant as their Lie basis
-CASES = [(name, metric, eps) for name in MODELS for metric in ("inv", "mix") for eps in (0.0, 1e-6, 1e-2)]
+#: (model, metric, epsilon, ball): every case under the default (calibrated) ball, the paper's ball at the default eps
+CASES = [(name, metric, eps, "calibrated") for name in MODELS for metric in ("inv", "mix") for eps in (0.0, 1e-6, 1e-2)]
+CASES += [(name, metric, 1e-6, "paper") for name in MODELS for metric in ("inv", "mix")]
 
 
 @functools.cache
@@ -36,12 +38,12 @@ def _model(name: str) -> tuple[torch.Tensor, list[PairBlock]]:
     return theta, blocks
 
 
-@pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0]}-{c[1]}-eps{c[2]:g}")
+@pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0]}-{c[1]}-eps{c[2]:g}-{c[3]}")
 def spaces(request) -> tuple[PerturbationSpace, ReferenceSpace, torch.Tensor]:
     """The fast space (head by head in a 7-entry workspace when epsilon > 0) and the reference, same inputs."""
-    name, metric, eps = request.param
+    name, metric, eps, ball = request.param
     theta, blocks = _model(name)
-    options = SpaceOptions(metric, eps)
+    options = SpaceOptions(metric, eps, ball=ball)
     workspace = Workspace(torch.float64, "cpu", 7) if eps else None
     fast = PerturbationSpace(theta, blocks, options, workspace=workspace)
     assert not eps or all(len(group.chunks) == group.g.shape[0] for group in fast.pairs)

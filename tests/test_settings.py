@@ -27,7 +27,7 @@ from .fixtures.intact import FAST, assert_intact, snapshot, tiny_batches, tiny_b
 #: Each keyword of the public functions and the constant that is its default.
 API_DEFAULTS = {"rho": defaults.RHO, "mode": defaults.MODE, "steps": defaults.STEPS, "seed": defaults.SEED,
                 "n_samples": defaults.N_SAMPLES, "params": defaults.PARAMS}
-GEODESIC_DEFAULTS = {"epsilon": defaults.EPSILON, "metric": defaults.METRIC,
+GEODESIC_DEFAULTS = {"epsilon": defaults.EPSILON, "metric": defaults.METRIC, "ball": defaults.BALL,
                      "step_normalization": defaults.STEP_NORMALIZATION,
                      "elementwise_curvature": defaults.ELEMENTWISE_CURVATURE}
 
@@ -48,8 +48,8 @@ def test_the_engine_defaults_to_the_constants():
         defaults.MODE, defaults.STEPS, defaults.SEED, defaults.N_SAMPLES, defaults.PARAMS, defaults.STEP_NORMALIZATION)
     assert run.variant == defaults.ADAPTIVE_VARIANT  # adaptive sharpness (no space options) with the default solver
     options = SpaceOptions()
-    assert (options.metric, options.epsilon, options.elementwise_curvature) == (
-        defaults.METRIC, defaults.EPSILON, defaults.ELEMENTWISE_CURVATURE)
+    assert (options.metric, options.epsilon, options.elementwise_curvature, options.ball) == (
+        defaults.METRIC, defaults.EPSILON, defaults.ELEMENTWISE_CURVATURE, defaults.BALL)
     assert _defaults(GLQuotient)["epsilon"] == defaults.EPSILON and _defaults(GLQuotient)["metric"] == defaults.METRIC
     assert _defaults(apgd)["steps"] == _defaults(apgd_as23)["steps"] == defaults.STEPS
     assert _defaults(apgd)["step_normalization"] == defaults.STEP_NORMALIZATION
@@ -60,14 +60,14 @@ def test_every_face_defaults_to_the_constants():
     bundle = Settings()
     assert bundle.as_dict() == {"rho": defaults.RHO, "mode": defaults.MODE, "steps": defaults.STEPS,
                                 "n_samples": defaults.N_SAMPLES, "seed": defaults.SEED, "epsilon": defaults.EPSILON,
-                                "adaptive_variant": defaults.ADAPTIVE_VARIANT}
+                                "ball": defaults.BALL, "adaptive_variant": defaults.ADAPTIVE_VARIANT}
     parser = build_parser()
     run = parser.parse_args(["run", "--model", "m", "--dataset", "d"])
     board = parser.parse_args(["leaderboard", "m", "--dataset", "d"])
     demo = parser.parse_args(["demo"])
     for args in (run, board, demo):
-        assert (args.rho, args.steps, args.n_samples, args.seed, args.epsilon) == (
-            bundle.rho, bundle.steps, bundle.n_samples, bundle.seed, bundle.epsilon)
+        assert (args.rho, args.steps, args.n_samples, args.seed, args.epsilon, args.ball) == (
+            bundle.rho, bundle.steps, bundle.n_samples, bundle.seed, bundle.epsilon, bundle.ball)
     assert run.mode == bundle.mode and board.mode == demo.mode == [bundle.mode]
     hide = parser.parse_args(["reparametrize", "m", "out"])
     assert (hide.rho, hide.seed) == (bundle.rho, bundle.seed)

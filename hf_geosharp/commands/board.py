@@ -11,6 +11,7 @@ from pathlib import Path
 from ..data import DataError, DataSpec
 from ..durable import OutputPathError, check_writable
 from ..engine.settings import MODES
+from ..engine.space.perturbation_space import BALLS
 from ..leaderboard import (
     Column,
     GapSpec,
@@ -83,6 +84,9 @@ def add_data_arguments(p: argparse.ArgumentParser, n_examples: int, batch_size: 
                    help="random directions per batch, average case (default: %(default)s)")
     p.add_argument("--epsilon", type=non_negative(float), default=DEFAULTS.epsilon,
                    help="regulariser of the geodesic metric (default: %(default)s)")
+    p.add_argument("--ball", choices=BALLS, default=DEFAULTS.ball,
+                   help="radius convention of the geodesic ball: calibrated (rho comparable with adaptive's) or paper "
+                   "(the paper's unweighted metrics) (default: %(default)s)")
     p.add_argument("--seed", type=seed, default=DEFAULTS.seed,
                    help="seed of the example shuffle, solver and bootstrap (default: %(default)s)")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no table")
@@ -95,7 +99,8 @@ def columns_of(args: argparse.Namespace) -> list[Column]:
 
 def settings_of(args: argparse.Namespace) -> Settings:
     """The settings every column shares (each column has its own mode)."""
-    return Settings(rho=args.rho, steps=args.steps, n_samples=args.n_samples, seed=args.seed, epsilon=args.epsilon)
+    return Settings(rho=args.rho, steps=args.steps, n_samples=args.n_samples, seed=args.seed, epsilon=args.epsilon,
+                    ball=args.ball)
 
 
 def sweep_data(args: argparse.Namespace, data: DataSpec) -> DataSpec:

@@ -102,7 +102,7 @@ def _hide_and_seek(args: argparse.Namespace, zoo, data: DataSpec, board) -> None
     # epsilon 0, the exact quotient metric: some of the tiny ViTs' heads are so ill-conditioned that after a
     # condition-1000 element their Gram matrices leave the range where the default relaxation is exactly covariant
     # (cond > 1e10), and mix then moved by up to 8 % on one model (docs/method.md); inv stayed within 1e-9
-    settings = Settings(rho=args.rho, steps=args.hide_steps, seed=args.seed, epsilon=HIDE_EPSILON)
+    settings = Settings(rho=args.rho, steps=args.hide_steps, seed=args.seed, epsilon=HIDE_EPSILON, ball=args.ball)
     with tqdm(total=len(names), desc="hide & seek", unit="model", disable=args.quiet) as bar:
         def on_model(name: str) -> None:
             bar.update(names.index(name) - bar.n)

@@ -39,6 +39,7 @@ from ..data import (
 )
 from ..durable import OutputPathError, check_writable, write_json
 from ..engine.settings import MODES
+from ..engine.space.perturbation_space import BALLS
 from ..measures import (
     DEFAULT_MEASURES,
     MEASURES,
@@ -148,6 +149,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="random directions per batch (average case)")  # fmt: skip
     p.add_argument("--epsilon", type=non_negative(float), default=DEFAULTS.epsilon,
                    help="regulariser of the geodesic metric")  # fmt: skip
+    p.add_argument("--ball", choices=BALLS, default=DEFAULTS.ball,
+                   help="radius convention of the geodesic ball: calibrated (rho comparable with adaptive's) or paper "
+                   "(the paper's unweighted metrics)")  # fmt: skip
     p.add_argument("--seed", type=seed, default=DEFAULTS.seed, help="seed of the example shuffle, solver and --head")
     p.add_argument("--no-shuffle", action="store_true", help="take the first --n-examples rows in file order")
     p.add_argument("--max-length", type=positive(int), default=DataSpec.max_length, help="tokenizer truncation length")
@@ -333,7 +337,7 @@ def _what_to_run(args: argparse.Namespace) -> tuple[list[str], Settings, DataSpe
     keys = args.measures or parse_measures(args.metric + (["adaptive"] if args.baseline else []))
     settings = Settings(
         rho=args.rho, mode=args.mode, steps=args.steps, n_samples=args.n_samples, seed=args.seed,
-        epsilon=args.epsilon,
+        epsilon=args.epsilon, ball=args.ball,
     )  # fmt: skip
     spec_ = DataSpec(
         dataset=args.dataset, config=args.config, split=args.split, n_examples=args.n_examples,

@@ -25,6 +25,9 @@ SEED: Final = 0
 EPSILON: Final = 1e-6
 #: The geodesic metric: the paper's Eq. 9.
 METRIC: Final = "inv"
+#: The radius convention of the geodesic ball: each attention pair's metric calibrated so that scaling the pair's
+#: factors has the norm it has in adaptive sharpness (``"paper"``: the unweighted metrics of the paper).
+BALL: Final = "calibrated"
 #: Geodesic for the parameters outside attention pairs: first order, as the paper.
 ELEMENTWISE_CURVATURE: Final = "none"
 #: The adaptive baseline's solver: the clean Auto-PGD (``"as23"`` reproduces the reference code).

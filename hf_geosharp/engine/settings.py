@@ -18,7 +18,7 @@ import numpy as np
 from .defaults import ADAPTIVE_VARIANT, MODE, N_SAMPLES, PARAMS, SEED, STEP_NORMALIZATION, STEPS
 from .geometry.gl_quotient import Metric
 from .solvers.apgd import AUTO_MAX_STEPS, CONVERGENCE_TOL, StepNormalization
-from .space.perturbation_space import SpaceOptions
+from .space.perturbation_space import BALLS, SpaceOptions
 
 Mode = Literal["worst", "average"]
 Steps = int | Literal["auto"]
@@ -96,6 +96,7 @@ class RunSettings:
         options = self.options
         if options is not None:
             _choice("metric", options.metric, METRICS)
+            _choice("ball", options.ball, BALLS)
             if not _finite_real(options.epsilon) or options.epsilon < 0:
                 raise ValueError(f"epsilon must be a finite number >= 0, got {options.epsilon!r}.")
             options = dataclasses.replace(options, epsilon=float(options.epsilon))
@@ -129,7 +130,7 @@ class RunSettings:
         if self.options is None:
             return {**common, "variant": self.variant}
         o = self.options
-        return {**common, "metric": o.metric, "epsilon": o.epsilon, "second_order": o.second_order,
+        return {**common, "metric": o.metric, "ball": o.ball, "epsilon": o.epsilon, "second_order": o.second_order,
                 "riemannian_norm": o.riemannian_norm, "horizontal_projection": o.horizontal_projection,
                 "elementwise_curvature": o.elementwise_curvature, "step_normalization": self.step_normalization}
 

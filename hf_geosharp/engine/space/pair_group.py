@@ -34,6 +34,9 @@ class PairGroup:
     base_views: tuple[list, list] | None = None
     #: With ``base_views`` on a shard: the base point's shared rows of ``G`` and ``H`` (a copy; None without any).
     shared_base: tuple[Tensor | None, Tensor | None] = (None, None)
+    #: Each head's calibration weight of the metric (float64 ``[k]``, see
+    #: :func:`~hf_geosharp.engine.space.perturbation_space.pair_weights`); None: the paper's unweighted metric.
+    weight: Tensor | None = None
 
     def part(self, ws: Workspace, heads: slice, geometry: GLQuotient | None = None) -> GLQuotient:
         """The geometry of ``heads`` (or ``geometry`` again), with its base point read into ``ws`` if not kept."""

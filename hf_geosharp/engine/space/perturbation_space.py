@@ -32,13 +32,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol, get_args
 
 import torch
 from torch import Tensor
 
 from ...symmetry.base import PairBlock
-from ..defaults import ELEMENTWISE_CURVATURE, EPSILON, METRIC
+from ..defaults import BALL, ELEMENTWISE_CURVATURE, EPSILON, METRIC
 from ..geometry.elementwise import Curvature, ElementwiseGeometry, per_segment
 from ..geometry.gl_quotient import GLQuotient, Metric
 from .coordinates import Factor, stack_alike
@@ -47,6 +47,8 @@ from .workspace import Workspace
 
 Pullback = Callable[[Tensor], None]
 Pair = tuple[Tensor, Tensor]
+Ball = Literal["calibrated", "paper"]
+BALLS: tuple[Ball, ...] = get_args(Ball)
 #: Head-sized temporaries one operation holds at most (the pullback: base point, cotangent, point and result).
 _TEMPORARIES = 4
 
@@ -62,6 +64,8 @@ class SpaceOptions:
         riemannian_norm: measure pairs in the quotient metric (True) or elementwise like adaptive sharpness.
         horizontal_projection: restrict pair perturbations to the horizontal space.
         elementwise_curvature: geodesic used for the non-pair coordinates.
+        ball: the radius convention: ``"calibrated"`` multiplies each pair's metric by its weight
+            (:func:`pair_weights`), ``"paper"`` keeps the paper's unweighted metric.
     """
 
     metric: Metric | None = METRIC
@@ -70,6 +74,37 @@ class SpaceOptions:
     riemannian_norm: bool = True
     horizontal_projection: bool = True
     elementwise_curvature: Curvature = ELEMENTWISE_CURVATURE
+    ball: Ball = BALL
+
+
+def pair_weights(GtG: Tensor, HtH: Tensor, metric: Metric, n: int, m: int) -> Tensor:
+    """Each head's calibration weight of the metric under ``ball="calibrated"`` (float64 ``[k]``).
+
+    The weight makes the norm of scaling a head's factors, ``(G, H) -> (1 + t)(G, H)``, what adaptive sharpness gives
+    it, ``t sqrt((n + m) h)``: the inv metric gives that direction ``2 t^2 h``, so ``w = (n + m) / 2``; the mix
+    metric gives ``2 t^2 tr(G^T G H^T H) = 2 t^2 ||G H^T||_F^2``, so ``w = (n + m) h / (2 ||G H^T||_F^2)``. Both are
+    invariant under the group (``G H^T`` is), and a constant factor per head leaves the horizontal space and the
+    geodesics of the metric unchanged (docs/method.md, "Radius convention").
+
+    Args:
+        GtG: ``[k, h, h]`` the unrelaxed ``G^T G`` (summed over the ranks on a shard).
+        HtH: ``[k, h, h]`` the unrelaxed ``H^T H``.
+        metric: ``"inv"`` or ``"mix"``.
+        n: the rows of ``G`` (all ranks together).
+        m: the rows of ``H``.
+
+    Returns:
+        ``[k]`` float64, positive. A head with ``G H^T = 0`` (no function to be invariant about) uses
+        ``h ((tr G^T G + tr H^T H) / 2h)^2`` for ``||G H^T||_F^2``, as the relaxation does.
+    """
+    h = GtG.shape[-1]
+    if metric == "inv":
+        return torch.full(GtG.shape[:1], (n + m) / 2, dtype=torch.float64, device=GtG.device)
+    GtG, HtH = GtG.double(), HtH.double()
+    product = (GtG * HtH).sum((-2, -1))  # tr(G^T G H^T H) = ||G H^T||_F^2
+    traces = GtG.diagonal(0, -2, -1).sum(-1) + HtH.diagonal(0, -2, -1).sum(-1)
+    product = torch.where(product > 0, product, h * (traces / (2 * h)).square())
+    return (n + m) * h / (2 * product.clamp_min(torch.finfo(torch.float64).tiny))
 
 
 class Shard(Protocol):
@@ -192,8 +227,35 @@ class PerturbationSpace:
             per_head = (gi.shape[1] + hi.shape[1]) * gi.shape[2]  # global sizes: every rank chunks alike
             step = self.workspace.heads_per_chunk(per_head, _TEMPORARIES)
             chunks = [slice(k, min(k + step, gi.shape[0])) for k in range(0, gi.shape[0], step)]
-            groups.append(PairGroup(g, h, geometry, chunks, views, shared))
+            calibrated = self.options.ball == "calibrated" and self.options.riemannian_norm
+            weight = self._pair_weights(G, H, rows, global_rows) if calibrated else None
+            groups.append(PairGroup(g, h, geometry, chunks, views, shared, weight))
         return groups
+
+    def _pair_weights(self, G: Tensor, H: Tensor, rows: tuple[int, int] | None,
+                      global_rows: tuple[Tensor, Tensor, int, int] | None) -> Tensor:
+        """:func:`pair_weights` of a group from its gathered factors (on a shard: the rows this rank counts, summed
+        over the ranks, and the factors' global row counts)."""
+        nG, nH = rows or (G.shape[1], H.shape[1])
+        G64, H64 = G[:, :nG].double(), H[:, :nH].double()
+        GtG, HtH = self._reduce(G64.mT @ G64), self._reduce(H64.mT @ H64)
+        n, m = (G.shape[1], H.shape[1]) if global_rows is None else global_rows[2:]
+        return pair_weights(GtG, HtH, self.options.metric, n, m)
+
+    @staticmethod
+    def _weighted(group: PairGroup, heads: slice, values: Tensor) -> Tensor:
+        """Per-head ``values`` (``[k]``) times the heads' calibration weights (unchanged under the paper's ball)."""
+        return values if group.weight is None else values * group.weight[heads]
+
+    @staticmethod
+    def _unweighted(group: PairGroup, heads: slice, pair: Pair) -> Pair:
+        """``pair``'s heads divided by their calibration weights, in place (the Riemannian gradient of a metric
+        multiplied by ``w`` is divided by ``w``)."""
+        if group.weight is not None:
+            scale = group.weight[heads].reciprocal().to(pair[0].dtype)[:, None, None]
+            pair[0].mul_(scale)
+            pair[1].mul_(scale)
+        return pair
 
     # ------------------------------------------------------------------ helpers
     def zero(self) -> Tensor:
@@ -268,7 +330,8 @@ class PerturbationSpace:
             return total + self._reduce(self.pair_elementwise.inner_product(a, b))
         for group, heads, geometry in self._chunks():
             ws = self.workspace
-            total = total + geometry.inner_product(group.gather(a, ws, heads), group.gather(b, ws, heads)).sum()
+            products = geometry.inner_product(group.gather(a, ws, heads), group.gather(b, ws, heads))
+            total = total + self._weighted(group, heads, products).sum()
         return total
 
     def norm(self, xi: Tensor) -> Tensor:
@@ -288,12 +351,15 @@ class PerturbationSpace:
             if self.options.horizontal_projection:
                 self._map_pairs(r, r, lambda g, x: g.projection(x))
             return r
-        self._map_pairs(egrad, r, self._pair_gradient)
+        for group, heads, geometry in self._chunks():
+            group.write(r, self._pair_gradient(group, heads, geometry, group.gather(egrad, self.workspace, heads)),
+                        heads)
         return r
 
-    def _pair_gradient(self, geometry: GLQuotient, egrad: Pair) -> Pair:
+    def _pair_gradient(self, group: PairGroup, heads: slice, geometry: GLQuotient, egrad: Pair) -> Pair:
         rp = geometry.euclidean_to_riemannian_gradient(egrad)
-        return geometry.projection(rp) if self.options.horizontal_projection else rp
+        rp = geometry.projection(rp) if self.options.horizontal_projection else rp
+        return self._unweighted(group, heads, rp)
 
     def ascent_direction(self, egrad: Tensor, vectors: Tensor, out: Tensor,
                          save: Tensor | None = None) -> tuple[Tensor, float, list[float]]:
@@ -322,6 +388,7 @@ class PerturbationSpace:
                                                                  self.workspace.take(e[1].shape)))
             if self.options.horizontal_projection:
                 geometry.projection(r, in_place=True)
+            self._unweighted(group, heads, r)
             sums[0] += group.own_dot(e, r)
             group.write(out, r, heads)
         square, *products = self._reduce(sums).tolist()
@@ -365,7 +432,7 @@ class PerturbationSpace:
                 x, y = group.gather(a, ws, heads), group.gather(b, ws, heads)
                 plain.append(sum((p * q).sum(dim=(1, 2), dtype=torch.float64) for p, q in zip(x, y)))
                 if scale_sq is None:
-                    metric.append(geometry.inner_product(x, y).to(torch.float64).reshape(-1))
+                    metric.append(self._weighted(group, heads, geometry.inner_product(x, y).to(torch.float64)))
                 else:
                     sq = group.gather(scale_sq, ws, heads)
                     metric.append(sum(torch.where(s > 0, p * q / s, 0.0).sum(dim=(1, 2), dtype=torch.float64)
@@ -453,7 +520,8 @@ class PerturbationSpace:
 
     # ------------------------------------------------------------------ sampling
     def random_tangent_vector(self, generator: torch.Generator) -> Tensor:
-        """A metric-isotropic Gaussian horizontal vector; equivariant under the pairs' group actions."""
+        """A metric-isotropic Gaussian horizontal vector; equivariant under the pairs' group actions (a pair's draw is
+        divided by the square root of its calibration weight, isotropic in the weighted metric)."""
         seed = int(torch.randint(2**62, (1,), generator=generator))
         draw = lambda i: self._draw(i, seed)  # noqa: E731
         z = self.elementwise.random_tangent_vector(generator, draw)
@@ -462,5 +530,9 @@ class PerturbationSpace:
         else:
             for group in self.pairs:
                 with group.whole_base() as geometry:
-                    group.write(z, geometry.random_tangent_vector(generator), slice(None))
+                    draw_pair = geometry.random_tangent_vector(generator)
+                    if group.weight is not None:
+                        scale = group.weight.rsqrt().to(draw_pair[0].dtype)[:, None, None]
+                        draw_pair = (draw_pair[0] * scale, draw_pair[1] * scale)
+                    group.write(z, draw_pair, slice(None))
         return self.horizontal(z)

@@ -8,7 +8,9 @@ no ``<R e, v>_g = <e, v>`` shortcut):
 * each head of a GL(h) pair block is gathered by fancy indexing into one vector of its ``(n + m) h`` coordinates
   (the rows of ``G``, then the rows of ``H``);
 * the metric of that head at the base point is an explicit matrix (``kron(I_n, P_eps^-1) (+) kron(I_m, Q_eps^-1)``
-  for inv, ``kron(I_n, Q_eps) (+) kron(I_m, P_eps)`` for mix, with ``GLQuotient.relaxed_grams``);
+  for inv, ``kron(I_n, Q_eps) (+) kron(I_m, P_eps)`` for mix, with ``GLQuotient.relaxed_grams``), times the head's
+  calibration weight under ``ball="calibrated"`` (:func:`calibration_weight`, computed from the dense factors; a
+  constant held at its base-point value, like the relaxation terms);
 * the vertical space is spanned by explicit vectors ``(G E, -H E^T)`` for a basis ``E`` of ``R^{h x h}`` (or of the
   block's Lie algebra), and the horizontal projection removes the g-orthogonal projection onto it, a dense
   least-squares solve in the metric;
@@ -65,10 +67,25 @@ class _Head:
     metric: Tensor
     chol: Tensor
     vertical: Tensor
+    weight: float
 
     def split(self, x: Tensor) -> tuple[Tensor, Tensor]:
         n, m, h = self.shapes
         return x[: n * h].reshape(n, h), x[n * h :].reshape(m, h)
+
+
+def calibration_weight(G: Tensor, H: Tensor, metric: str) -> float:
+    """The head's metric weight under ``ball="calibrated"``: what makes ``||(t G, t H)||_g^2 = t^2 (n + m) h``, the
+    adaptive norm of scaling every entry of the pair by ``1 + t``. Written out: ``||(G, H)||_g^2`` is
+    ``tr(P^-1 G^T G) + tr(Q^-1 H^T H) = 2 h`` for inv and ``tr(Q G^T G) + tr(P H^T H) = 2 ||G H^T||_F^2`` for mix
+    (unrelaxed ``P = G^T G``, ``Q = H^T H``)."""
+    (n, h), m = G.shape, H.shape[0]
+    if metric == "inv":
+        return (n + m) / 2
+    square = float(torch.linalg.matrix_norm(G @ H.mT).square())
+    if square == 0:  # a dead head: the relaxation's stand-in scale
+        square = h * (float(G.square().sum() + H.square().sum()) / (2 * h)) ** 2
+    return (n + m) * h / (2 * square)
 
 
 def _build_head(theta: Tensor, G_index: Tensor, H_index: Tensor, basis: Tensor, options: SpaceOptions) -> _Head:
@@ -77,13 +94,14 @@ def _build_head(theta: Tensor, G_index: Tensor, H_index: Tensor, basis: Tensor, 
     GtG, HtH = G.mT @ G, H.mT @ H
     P, Q = GLQuotient.relaxed_grams(GtG[None], HtH[None], options.epsilon)
     relax = (P[0] - GtG, Q[0] - HtH)
-    M = metric_matrix(G, H, relax, options.metric)
+    weight = calibration_weight(G, H, options.metric) if options.ball == "calibrated" else 1.0
+    M = weight * metric_matrix(G, H, relax, options.metric)
     M = 0.5 * (M + M.mT)
     VG, VH = G @ basis, -H @ basis.mT  # [b, n, h], [b, m, h]: the vertical vectors of the basis
     vertical = torch.cat([VG.flatten(1), VH.flatten(1)], 1).mT
     index = torch.cat([G_index.reshape(-1), H_index.reshape(-1)])
     return _Head(index, (G.shape[0], H.shape[0], G.shape[1]), theta[index], relax, M, torch.linalg.cholesky(M),
-                 vertical)
+                 vertical, weight)
 
 
 class ReferenceSpace:
@@ -208,7 +226,7 @@ class ReferenceSpace:
         ``xi``. ``(D_xi M) xi`` is a Jacobian-vector product made of two vector-Jacobian products."""
         with torch.enable_grad():
             w = head.w.clone().requires_grad_(True)
-            M = metric_matrix(*head.split(w), head.relax, self.options.metric)
+            M = head.weight * metric_matrix(*head.split(w), head.relax, self.options.metric)
             (grad_quadratic,) = torch.autograd.grad(xi @ M @ xi, w, create_graph=True)
             u = torch.zeros_like(xi, requires_grad=True)
             (jt_u,) = torch.autograd.grad(M @ xi, w, u, create_graph=True)
