@@ -453,14 +453,8 @@ def measure_key(row: dict[str, Any], name: str, settings: Settings, stage: str, 
     hidden = hide_options(config) if stage.startswith("hidden") else None
     budget = {} if max_steps is None else {"max_steps": max_steps}
     return _digest(member=Path(row["folder"]).name, weights=row["weights_digest"], name=name,
-                   settings=settings_key(settings), stage=stage, hide=hidden,
+                   settings=settings.as_dict(), stage=stage, hide=hidden,  # no ball: the paper's, as stored
                    measuring=config.measuring, protocol=PROTOCOL, library=library or __version__, **budget)
-
-
-def settings_key(settings: Settings) -> dict[str, Any]:
-    """The settings as they key a number: the paper ball is left out, so that the numbers stored before the radius
-    convention existed (all under the paper ball) keep their keys."""
-    return {k: v for k, v in settings.as_dict().items() if not (k == "ball" and v == PAPER_BALL)}
 
 
 def needs_more_steps(record: dict[str, Any], config: Config) -> bool:
