@@ -24,7 +24,7 @@ import math
 import torch
 from torch import nn
 
-from hf_geosharp.engine.solvers.apgd import as23_checkpoints
+from hf_geosharp.engine.solvers.schedule import as23_checkpoints
 
 
 def _weighted_norm(delta: dict[str, torch.Tensor], inv_w: dict[str, torch.Tensor]) -> float:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 import hf_geosharp as gs
-from hf_geosharp.engine.solvers.apgd import Pool
+from hf_geosharp.engine.solvers.pool import Pool
 from hf_geosharp.engine.space.perturbation_space import PerturbationSpace, SpaceOptions
 from hf_geosharp.symmetry.base import PairBlock
 

@@ -16,7 +16,7 @@ the space, the Gram factors) drops out. The stages, each timed exclusive of the 
 - ``solver``: everything else of a step (bookkeeping, Python, the copy of a kept best-point gradient).
 
 Each row also says whether the solver's memory rule kept the best point's gradient
-(:func:`hf_geosharp.engine.solvers.apgd.keeps_best_gradient`): where it does, a restart from an earlier best point
+(:func:`hf_geosharp.engine.solvers.memory.keeps_best_gradient`): where it does, a restart from an earlier best point
 costs a copy instead of a forward and backward, and the model calls per step approach ``1 + 1 / steps``.
 
 Times are the calling thread's CPU time (``time.thread_time``), which other processes' load barely changes: the
@@ -37,7 +37,8 @@ import torch
 from hf_geosharp.engine.geometry import elementwise, gl_quotient
 from hf_geosharp.engine.model_function import objective as objective_module
 from hf_geosharp.engine.placement import single
-from hf_geosharp.engine.solvers import apgd as solver
+from hf_geosharp.engine.solvers import memory as solver
+from hf_geosharp.engine.solvers import pool as solver_pool
 from hf_geosharp.engine.space import pair_group
 from hf_geosharp.engine.space import perturbation_space as space
 
@@ -88,7 +89,7 @@ class StageClock:
 # (owner, attribute, stage, stage of the function it returns): the engine's stages, patched for the duration of one
 # profiled solve only; exp_point returns the pullback of the curvature terms
 PATCHES = [
-    (objective_module.Objective, "__call__", "substitution", None),
+    (objective_module.Objective, "on_device", "substitution", None),  # (a call goes through it too)
     (single.SingleProcess, "stream_backward", "backward", None),
     (space.PerturbationSpace, "exp_point", "weights", "pair geometry"),
     (space.PerturbationSpace, "ascent_direction", "direction", None),
@@ -97,7 +98,7 @@ PATCHES = [
     (gl_quotient.GLQuotient, "projection", "pair geometry", None),
     (gl_quotient.GLQuotient, "exp2_correction_with_pullback", "pair geometry", None),
     (elementwise.ElementwiseGeometry, "riemannian_gradient_pass", "direction", None),
-    (solver.Pool, "combine_into", "vectors", None),
+    (solver_pool.Pool, "combine_into", "vectors", None),
 ]
 
 

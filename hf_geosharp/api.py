@@ -13,7 +13,6 @@ measures say it once themselves and run the measures inside :func:`symmetry_note
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Iterable, Iterator
 from contextvars import ContextVar
 from typing import Any
@@ -38,10 +37,12 @@ from .engine.defaults import (
 from .engine.geometry.elementwise import Curvature
 from .engine.geometry.gl_quotient import Metric
 from .engine.model_function.objective import LossFn
-from .engine.result import NotConvergedWarning, SharpnessResult, collected_convergence_notes
+from .engine.result import NotConvergedWarning, SharpnessResult, collected_convergence_notes, warn_at_caller
 from .engine.runner import run
 from .engine.settings import Mode, Params, RunSettings, Steps, Variant
-from .engine.solvers.apgd import AUTO_MAX_STEPS, CONVERGENCE_TOL, StepNormalization
+from .engine.solvers.apgd import AUTO_MAX_STEPS
+from .engine.solvers.certificate import CONVERGENCE_TOL
+from .engine.solvers.interface import StepNormalization
 from .engine.space.perturbation_space import Ball, SpaceOptions
 from .symmetry.base import SymmetryMap
 
@@ -184,7 +185,7 @@ def geodesic_sharpness(
     result = run(model, batches, settings, loss_fn=loss_fn, accelerator=accelerator, progress=progress,
                  symmetry_map=symmetry_map, return_perturbation=return_perturbation, profile_points=profile_points)
     if (note := no_symmetry_note(symmetry_map)) and not symmetry_noted():  # after the run has checked the map
-        warnings.warn(note, NoSymmetryWarning, stacklevel=2)
+        warn_at_caller(note, NoSymmetryWarning)
     return result
 
 

@@ -12,10 +12,13 @@ bars are turned off, so that what the command prints is its own.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
+import os
 import sys
 import warnings
+from collections.abc import Iterator
 
 from ._version import __version__
 from .commands.common import Parser, exit_process, invoke, quiet_libraries
@@ -71,6 +74,9 @@ def _add_verbosity(parser: argparse.ArgumentParser, default: object) -> None:
                         help="more log lines from hf_geosharp: -v info, -vv debug")  # fmt: skip
     parser.add_argument("--verbosity", choices=LEVELS, default=default,
                         help="log level of hf_geosharp's own messages (default: warning)")  # fmt: skip
+    parser.add_argument("--progress", action="store_true", default=default,
+                        help="progress bars also when stderr is not a terminal (a log file, CI; default: on a "
+                        "terminal only; HF_GEOSHARP_PROGRESS=1 does the same)")  # fmt: skip
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
@@ -124,7 +130,27 @@ def _main(argv: list[str] | None) -> int:
         parser.print_help()
         return 2
     prepare(args.command, level_of(args))
-    return int(args.func(args) or 0)
+    from .engine.result import command_line_words
+
+    with command_line_words(), _progress_forced(bool(getattr(args, "progress", None))):
+        return int(args.func(args) or 0)  # advice names options (--steps auto), not Python arguments
+
+
+@contextlib.contextmanager
+def _progress_forced(forced: bool) -> Iterator[None]:
+    """With ``--progress``: ``HF_GEOSHARP_PROGRESS=1`` while the command runs (its launched processes inherit it)."""
+    if not forced:
+        yield
+        return
+    name, previous = "HF_GEOSHARP_PROGRESS", os.environ.get("HF_GEOSHARP_PROGRESS")
+    os.environ[name] = "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = previous
 
 
 def prepare(command: str, level: int) -> None:

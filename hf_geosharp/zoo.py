@@ -47,6 +47,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .durable import staged_dir, write_json, write_text
+from .engine.progress import bar_disabled
 
 if TYPE_CHECKING:
     from transformers import ViTImageProcessorPil
@@ -338,7 +339,7 @@ def build_zoo(
         todo = [m for m in members if not _cached(root / m.name, m)]
         if todo:
             logger.info("training %d of %d zoo models into %s (cached ones are reused)", len(todo), len(members), root)
-            with tqdm(total=len(todo), desc="training zoo", unit="model", disable=not progress) as bar:
+            with tqdm(total=len(todo), desc="training zoo", unit="model", disable=bar_disabled(progress)) as bar:
                 results = train_portably(todo, root)
                 try:
                     for metrics in results:

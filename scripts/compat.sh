@@ -2,8 +2,8 @@
 # Install hf_geosharp into .compat/KIND and run the compatibility subset there (CI runs both kinds):
 #   bash scripts/compat.sh floors   # every dependency at the lower bound pyproject.toml declares (uv lowest-direct)
 #   bash scripts/compat.sh newest   # every dependency at its newest release
-# "Every dependency" is the core ones and those of the extras (hf_geosharp[space,test]: gradio, pandas, peft,
-# gradio_client, playwright, ruff, setuptools, pytest, pytest-timeout), each at the same resolution.
+# "Every dependency" is the core ones and those of the extras (hf_geosharp[space,tensorboard,test]: gradio, pandas,
+# tensorboard, peft, gradio_client, playwright, ruff, setuptools, pytest, pytest-timeout), each at the same resolution.
 # torch too: floors installs the declared floor (torch>=2.11 -> 2.11.0), newest the newest release on the index. Both
 # come from uv, which reads no pip configuration: the pip constraints file some machines carry (/etc/xdg/pip, capping
 # torch below the newest release) does not bind it, and nothing under /etc is edited. The index's Linux torch wheels
@@ -43,7 +43,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 # refuse the torch==2.15.0 the requirements pin. An empty PIP_CONSTRAINT does not lift a configured constraint file.
 export PIP_CONSTRAINT=/dev/null
 "$venv/bin/pip" install -q uv
-"$venv/bin/uv" pip install -q --python "$venv/bin/python" --resolution "$resolution" -e ".[space,test]"
+"$venv/bin/uv" pip install -q --python "$venv/bin/python" --resolution "$resolution" -e ".[space,tensorboard,test]"
 "$venv/bin/python" scripts/supported_versions.py record "$kind"
 export HF_HOME="$PWD/$venv/hf_home"
 export HF_HUB_OFFLINE=1 HF_EVALUATE_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 GRADIO_ANALYTICS_ENABLED=False

@@ -293,6 +293,28 @@ def test_push_offline_fails_clearly_and_writes_nothing(tmp_path, monkeypatch, ca
     assert not (tmp_path / "model").exists()
 
 
+def test_dry_run_prints_the_files_and_the_pull_request_and_writes_and_sends_nothing(tmp_path, monkeypatch, capsys):
+    """Offline too: the dry run reads no remote file and needs no network; the title and body it prints are the ones
+    a push sends (one function makes both)."""
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(publish, "HfApi", lambda *a, **k: pytest.fail("HfApi used by a dry run"))
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "README.md").write_text(EXISTING)
+    run = _run_json(tmp_path / "run.json", _result("geodesic_inv_worst", 0.25))
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    args = ["card", str(model), "--results", str(run), "--format", "both", "--benchmark", "me/b",
+            "--push", "me/my-vit", "--results-repo", "me/results", "--dry-run"]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    title, body = publish.pull_request_text(["README.md", ".eval_results/me__b.yaml"])
+    assert f"title: {title}" in out and f"body: {body}" in out and "would open a pull request on me/my-vit" in out
+    assert f"into {model / 'README.md'}" in out and str(model / ".eval_results" / "me__b.yaml") in out
+    assert "geodesic_sharpness_inv" in out and "would commit" in out and "me/results" in out
+    assert out.rstrip().endswith("nothing was written or sent")
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+
+
 class FakeApi:
     """The part of HfApi that publishing uses: downloads of the repo's files and commits (recorded)."""
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import hf_geosharp as gs
-from hf_geosharp.engine.solvers.apgd import (
+from hf_geosharp.engine.solvers.certificate import (
     AT_PRECISION,
     CERTIFIED,
     NOT_CERTIFIED,
@@ -42,9 +42,10 @@ def _flat_bert() -> tuple[torch.nn.Module, list[dict]]:
 
 
 def test_a_float32_value_at_the_loss_resolution_is_certified_at_precision_within_a_small_budget():
-    """In float32 the starts differ in the last bits of the loss (they used to spin to the 640-step budget, not
-    converged): now certified at precision within 160 steps, and the statement is true: the float64 maximum of the
-    same model is within the stated resolution. The float64 run is certified within ``tol``, as before."""
+    """In float32 the starts differ in the last bits of the loss, so they cannot agree within ``tol`` (they would
+    spin to the 640-step budget, not converged): they are certified at precision within 160 steps, and the statement
+    is true: the float64 maximum of the same model is within the stated resolution. The float64 run is certified
+    within ``tol``."""
     model, batches = _flat_bert()
     res = gs.geodesic_sharpness(model, batches, steps="auto", max_steps=160, progress=False)
     assert res.certificate == AT_PRECISION and res.converged, res.convergence_note

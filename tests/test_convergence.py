@@ -12,7 +12,8 @@ import torch
 
 import hf_geosharp as gs
 from experiments.convergence_audit import independent_maximum
-from hf_geosharp.engine.solvers.apgd import apgd, relative_gap
+from hf_geosharp.engine.solvers.apgd import apgd
+from hf_geosharp.engine.solvers.certificate import relative_gap
 from hf_geosharp.engine.space.perturbation_space import PerturbationSpace, SpaceOptions
 
 from .fixtures.hf_models import one_thread, tiny_bert  # noqa: F401  (autouse: one torch thread for tiny models)

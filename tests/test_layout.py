@@ -16,7 +16,10 @@ FACES = ("api", "measures", "cli", "zoo", "commands", "data", "evaluate_module",
 #: The engine's lowest layers: torch (numpy) and the defaults at most.
 LOWEST = ("engine/defaults.py", "engine/geometry/elementwise.py", "engine/geometry/gl_quotient.py",
           "engine/geometry/lie.py", "engine/space/workspace.py", "engine/model_function/embedding_rows.py",
-          "engine/solvers/apgd.py", "engine/solvers/as23.py", "engine/checks.py", "engine/result.py")
+          "engine/solvers/apgd.py", "engine/solvers/as23.py", "engine/solvers/average.py",
+          "engine/solvers/certificate.py", "engine/solvers/interface.py", "engine/solvers/memory.py",
+          "engine/solvers/pool.py", "engine/solvers/schedule.py", "engine/solvers/climb.py",
+          "engine/solvers/device_climb.py", "engine/checks.py", "engine/result.py")
 
 
 def _module(path: Path) -> str:

@@ -242,6 +242,27 @@ def test_kendall_taus_and_intervals():
     assert few.taus["s"]["tau"] == 1.0 and math.isnan(few.taus["s"]["ci_low"])  # too few models to resample
 
 
+def test_the_scatter_is_a_grid_titled_with_public_names_and_legible_ticks(tmp_path):
+    """Six predictors (the demo's): two rows of three panels, each titled with the name a reader knows (the measure's
+    public key, not the engine's name), ticks at 9 pt; the PNG no wider than three panels."""
+    from hf_geosharp.leaderboard.report import scatter_figure, scatter_plot
+
+    rng = np.random.default_rng(0)
+    gap = rng.random(12).tolist()
+    engine = ["geodesic_inv_worst", "geodesic_mix_worst", "adaptive_clean_worst", "relative_flatness"]
+    board = _board(gap, **{name: rng.random(12).tolist() for name in [*engine, *TRIVIAL]})
+    fig = scatter_figure(board)
+    shown = [ax for ax in fig.axes if ax.get_visible()]
+    assert len(shown) == 6 and {ax.get_subplotspec().get_geometry()[:2] for ax in shown} == {(2, 3)}
+    titles = [ax.get_title().split("\n")[0] for ax in shown]
+    assert titles == ["geodesic_sharpness_inv", "geodesic_sharpness_mix", "adaptive_sharpness", "relative_flatness",
+                      "param_norm", "clean_loss"]
+    assert all(label.get_fontsize() >= 9 for ax in shown for label in ax.get_xticklabels() + ax.get_yticklabels())
+    scatter_plot(board, tmp_path / "scatter.png")
+    width, height = (int.from_bytes((tmp_path / "scatter.png").read_bytes()[i:i + 4], "big") for i in (16, 20))
+    assert width <= 1300 and width / height < 2  # the one-row figure was 2304 x 384
+
+
 def test_tau_differences_are_paired():
     """The difference of two taus over the same resampled models: zero with a zero-width interval for a predictor
     against itself, the difference of the two taus at the point, and an interval above zero for a predictor that
@@ -276,7 +297,7 @@ def test_outputs_rank_by_the_first_measure_and_plot_one_panel_per_predictor(tmp_
     assert taus["versus_param_norm"]["other"]["difference"] == 0.0 and "| other | " in text
     assert set(taus["versus_param_norm"]) == {"sharp", "other"}
     width, height = Image.open(paths["plot"]).size
-    assert width == pytest.approx(3.2 * 4 * 120, abs=2) and height == pytest.approx(3.2 * 120, abs=2)
+    assert width == pytest.approx(3.4 * 2 * 120, abs=2) and height == pytest.approx(3.0 * 2 * 120, abs=2)  # 2 x 2
 
 
 # ------------------------------------------------------------------------------------------- inputs and gap

@@ -409,11 +409,12 @@ def test_python_side_needs_trust_remote_code_too(files, tmp_path):
 # ------------------------------------------------------------------------------------------- Ctrl-C
 @pytest.mark.usefixtures("ctrl_c_raises")
 def test_ctrl_c_exits_130_with_one_line_and_keeps_finished_measures(files, tmp_path):
-    """SIGINT once the first measure has finished (the baseline's bar shows up on stderr): exit 130, one line naming
-    what was kept, no traceback; the finished measure is in --json, marked interrupted."""
+    """SIGINT once the first measure has finished (the baseline's bar shows up on stderr, which --progress asks for
+    where stderr is a pipe): exit 130, one line naming what was kept, no traceback; the finished measure is in --json,
+    marked interrupted."""
     out = tmp_path / "out.json"
     argv = ["run", "--model", str(files["model"]), "--dataset", str(files["csv"]), "--n-examples", "8",
-            "--batch-size", "4", "--steps", "300", "--metric", "inv", "--json", str(out)]
+            "--batch-size", "4", "--steps", "300", "--metric", "inv", "--json", str(out), "--progress"]
     proc = subprocess.Popen([sys.executable, "-m", "hf_geosharp", *argv], env=env(tmp_path), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
     seen = b""
@@ -485,7 +486,7 @@ def _wait_for(condition, proc: subprocess.Popen, what: str, timeout: float = 300
 def test_ctrl_c_while_the_zoo_trains_keeps_finished_members_and_leaves_nothing_half_done(tmp_path, presses):
     """Ctrl-C (to the whole process group, as a terminal sends it; twice in quick succession too) once the first
     member is saved: exit 130, one line saying exactly which members stay cached, no hidden staging folder, no
-    training child left, no traceback (a second Ctrl-C used to surface as torch's "trying to pop from empty mode
+    training child left, no traceback (a second Ctrl-C must not surface as torch's "trying to pop from empty mode
     stack"); a rerun reuses the finished members."""
     from hf_geosharp.zoo import METRICS_FILE, build_zoo, cached_members
 
@@ -535,8 +536,8 @@ def test_the_training_child_dies_with_a_killed_demo_and_a_rerun_removes_stale_st
 @pytest.mark.usefixtures("ctrl_c_raises")
 def test_ctrl_c_while_the_process_exits_says_the_command_had_finished(files, tmp_path):
     """A Ctrl-C after ``reparametrize`` wrote OUT and printed its result, while the process exits (held open here by
-    a slow exit handler), ends with one line saying the work is complete, exit 130: it used to kill the process
-    without a word (Python's signal handling is off while modules are torn down, which ``geosharp`` now skips)."""
+    a slow exit handler), ends with one line saying the work is complete, exit 130, never a silent kill (Python's
+    signal handling is off while modules are torn down, which ``geosharp`` skips)."""
     out = tmp_path / "moved"
     code = ("import atexit, sys, time; atexit.register(time.sleep, 30); "
             f"sys.argv = ['geosharp', 'reparametrize', {str(files['model'])!r}, {str(out)!r}]; "

@@ -70,7 +70,7 @@ def test_a_damaged_store_is_reported_and_the_rest_is_used(setup, caplog):
                          ids=["NaN", "null", "string", "list", "object", "true", "inf"])
 def test_a_wrongly_typed_record_is_named_by_line_never_ranked_and_a_rerun_succeeds(setup, caplog, capsys, value):
     """A record whose ranked number is not a finite number (NaN would drop the model to last place; null, a string or
-    a list used to fail every run at its end with "rerun to resume") is reported with file, line and reason, never
+    a list must not fail the run at its end with "rerun to resume") is reported with file, line and reason, never
     ranked, and measured again; the next run reports the superseded line and which line to delete."""
     assert setup["board"]() == 0
     good = records(setup["store"])

@@ -15,8 +15,9 @@ from hf_geosharp.cli import build_parser
 from hf_geosharp.engine import defaults
 from hf_geosharp.engine.geometry.gl_quotient import GLQuotient
 from hf_geosharp.engine.settings import RunSettings
-from hf_geosharp.engine.solvers.apgd import apgd, average_case
+from hf_geosharp.engine.solvers.apgd import apgd
 from hf_geosharp.engine.solvers.as23 import apgd_as23
+from hf_geosharp.engine.solvers.average import average_case
 from hf_geosharp.engine.space.perturbation_space import SpaceOptions
 from hf_geosharp.integrations import GeodesicSharpnessCallback, measure_trainer
 from hf_geosharp.measures import Settings

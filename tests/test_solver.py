@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from hf_geosharp.engine.solvers.apgd import Footprint, as23_checkpoints, keeps_best_gradient
+from hf_geosharp.engine.solvers.memory import Footprint, keeps_best_gradient
+from hf_geosharp.engine.solvers.schedule import as23_checkpoints
 from hf_geosharp.engine.space.perturbation_space import PerturbationSpace, SpaceOptions
 from hf_geosharp.symmetry import map_symmetries
 
@@ -50,7 +51,7 @@ def test_blocked_ellipsoid_projection_matches_the_reference_formula(monkeypatch)
 def test_blocked_as23_gap_matches_the_whole_vector_formula(monkeypatch):
     """AS23's Frank-Wolfe gap, summed block by block, against ``relative_gap`` on whole float64 vectors."""
     from hf_geosharp.engine.solvers import as23 as solver
-    from hf_geosharp.engine.solvers.apgd import relative_gap
+    from hf_geosharp.engine.solvers.certificate import relative_gap
 
     monkeypatch.setattr(solver, "_BLOCK", 1000)  # many blocks, and a ragged last one
     g = torch.Generator().manual_seed(1)
@@ -134,13 +135,13 @@ def test_kept_best_gradient_gives_the_same_bits_as_its_recomputation(dtype, metr
 
 
 def test_default_rule_keeps_the_gradient_where_it_fits_and_recomputes_where_it_does_not(monkeypatch):
-    """With ``keep_best_gradient=None`` the solver measures its footprint at the clean point and follows the rule:
+    """The runner passes the memory rule, which measures the footprint at the clean point:
     a model whose vectors are short next to its parameters (most embedding rows unused) and whose batch has large
     activations keeps the gradient; the tiny geodesic space, whose workspace alone exceeds the bytes goal,
     recomputes it. Either way the number is the one of a solve that recomputes."""
     import hf_geosharp as gs
     from hf_geosharp.engine.model_function import objective as objective_module
-    from hf_geosharp.engine.solvers import apgd as solver
+    from hf_geosharp.engine.solvers import memory as solver
 
     wide = tiny_bert(torch.float64)
     wide.resize_token_embeddings(4000, mean_resizing=False)  # rows no batch looks up: short vectors
@@ -149,13 +150,13 @@ def test_default_rule_keeps_the_gradient_where_it_fits_and_recomputes_where_it_d
              "recomputed": (lambda: gs.geodesic_sharpness(tiny_bert(torch.float64), tiny_batches(1), metric="inv",
                                                           rho=5.0, steps=20, progress=False))}
     gradients = [0]
-    call = objective_module.Objective.__call__
+    call = objective_module.Objective.on_device  # what the runner hands the solver
 
     def counted(self, xi, need_grad, out=None):
         gradients[0] += need_grad
         return call(self, xi, need_grad, out=out)
 
-    monkeypatch.setattr(objective_module.Objective, "__call__", counted)
+    monkeypatch.setattr(objective_module.Objective, "on_device", counted)
     rule = solver.keeps_best_gradient
     for expected, measure in cases.items():
         runs = []
@@ -315,8 +316,9 @@ def test_auto_certifies_within_tol_of_the_maximum_where_the_loss_rises_steeply_o
     """A start stopped at a gap of ``tol`` would sit 0.6 % below the maximum here, and a second start agreed with it
     (certified, wrongly); a start stops at a tenth of ``tol`` instead, and only where its slope along the sphere is
     small too, and the certified value is within ``tol``."""
-    from hf_geosharp.engine.solvers import apgd as solver
-    from hf_geosharp.engine.solvers.apgd import START_STOP_FRACTION, apgd
+    from hf_geosharp.engine.solvers import climb as solver
+    from hf_geosharp.engine.solvers.apgd import apgd
+    from hf_geosharp.engine.solvers.climb import START_STOP_FRACTION
 
     bowl = _Bowl(200, rho=0.3, radial=10.0, a=1.0, s=2.0, c=0.1)
     res = apgd(bowl, bowl.objective, rho=bowl.rho, steps=20, max_steps=640, keep_best_gradient=False,

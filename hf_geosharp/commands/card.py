@@ -43,7 +43,7 @@ from ..hub.cards import (
     write_card,
     write_eval_results,
 )
-from ..hub.publish import Publication, push, require_online
+from ..hub.publish import Publication, details_path, proposed_paths, pull_request_text, push, require_online
 from .common import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
 
 FORMATS = ("model-index", "eval-results", "both")
@@ -79,12 +79,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--results-repo", metavar="DATASET_ID",
                    help="with --push: also commit the run JSON to this results dataset (<org>/<model>/results_*.json)")
     p.add_argument("--token", help="Hub token for --push (default: the one from `hf auth login` / HF_TOKEN)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the entries, the files and (with --push) the pull request's title and body; write and "
+                   "send nothing (works offline)")
     p.set_defaults(func=run)
 
 
 def _prepare(args: argparse.Namespace) -> tuple[list, list, dict]:
     """All checks and entries, before anything is written."""
-    if args.push:
+    if args.push and not args.dry_run:
         require_online(args.push)  # before anything is written: a failed command changes nothing
     if args.format != "model-index" and not args.benchmark:
         raise CardError(f"--format {args.format} needs --benchmark DATASET_ID: .eval_results entries point at a "
@@ -119,6 +122,35 @@ def _prepare(args: argparse.Namespace) -> tuple[list, list, dict]:
     return index, entries, meta
 
 
+def dry_run(args: argparse.Namespace, index: list, entries: list, meta: dict) -> None:
+    """Print what the command would write and propose, touching no file and no network.
+
+    Args:
+        args: the parsed command line.
+        index: the model-index entries.
+        entries: the ``.eval_results`` entries.
+        meta: the card metadata a new card would get.
+    """
+    folder = _folder(args.model)
+    if index:
+        print(card_yaml(index, args.model_name or folder.resolve().name))
+        print(f"would write {len(index)} model-index entr{'y' if len(index) == 1 else 'ies'} into "
+              f"{readme_path(args.model)}")
+    if entries:
+        print(entries_yaml(entries))
+        print(f"would write {len(entries)} eval result(s) into "
+              f"{', '.join(str(folder / eval_results_file(b)) for b in dict.fromkeys(e.dataset_id for e in entries))}")
+    if args.push:
+        pub = Publication(args.push, index, entries, meta)
+        paths = proposed_paths(pub)
+        title, body = pull_request_text(paths)
+        print(f"would open a pull request on {args.push} changing {', '.join(paths)} (the entries merged into the "
+              f"repo's current files)\n  title: {title}\n  body: {body}")
+        if args.results_repo:
+            print(f"would commit {args.results} to the dataset {args.results_repo} as {details_path(args.push)}")
+    print("dry run: nothing was written or sent")
+
+
 def _folder(model: Path) -> Path:
     return model if model.is_dir() or not model.suffix else model.parent
 
@@ -136,6 +168,9 @@ def run(args: argparse.Namespace) -> int:
     except CardError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    if args.dry_run:
+        dry_run(args, index, entries, meta)
+        return EXIT_OK
     try:
         if index:
             path = write_card(args.model, index, args.model_name, meta)

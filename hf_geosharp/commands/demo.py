@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 from ..api import collected_convergence_notes
 from ..data import DataSpec, load_batches, load_model, load_processor
 from ..durable import OutputPathError, check_writable
+from ..engine.progress import bar_disabled
 from ..hide import hide_and_seek, seek_figure, seek_lines
 from ..hub.cards import card_yaml, dataset_info, eval_result
 from ..leaderboard import GapSpec, Leaderboard, convergence_fix, ranked
@@ -51,7 +52,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--cache-dir", type=folder_path,
                    help=f"zoo cache (default: $HF_GEOSHARP_CACHE/zoo or {cache_root()}/zoo)")
     p.add_argument("--out", type=folder_path, default=Path("outputs/demo"),
-                   help="output folder (default: outputs/demo)")
+                   help="output folder, also the cache of the measured results (default: outputs/demo, under the "
+                   "working directory)")
     p.add_argument("--threads", type=positive(int), default=1,
                    help="torch threads (default: 1; tiny models gain nothing more)")
     add_data_arguments(p, n_examples=256, batch_size=64, rho_sweep=RHO_SWEEP,
@@ -103,7 +105,7 @@ def _hide_and_seek(args: argparse.Namespace, zoo, data: DataSpec, board) -> None
     # condition-1000 element their Gram matrices leave the range where the default relaxation is exactly covariant
     # (cond > 1e10), and mix then moved by up to 8 % on one model (docs/method.md); inv stayed within 1e-9
     settings = Settings(rho=args.rho, steps=args.hide_steps, seed=args.seed, epsilon=HIDE_EPSILON, ball=args.ball)
-    with tqdm(total=len(names), desc="hide & seek", unit="model", disable=args.quiet) as bar:
+    with tqdm(total=len(names), desc="hide & seek", unit="model", disable=bar_disabled(not args.quiet)) as bar:
         def on_model(name: str) -> None:
             bar.update(names.index(name) - bar.n)
             bar.set_postfix(model=name)

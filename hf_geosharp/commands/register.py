@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..evaluate_module.register import NAME, register_evaluate_module
+from ..evaluate_module.register import NAME, modules_cache, register_evaluate_module
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -35,5 +35,8 @@ def run(args: argparse.Namespace) -> int:
         )
         return 1
     if not args.quiet:
-        print(f'registered {NAME}: evaluate.load("{NAME}") now resolves to {target}')
+        print(f'registered {NAME}: evaluate.load("{NAME}") now resolves to {target}\n'
+              f"It resolves in every process whose evaluate module cache is {modules_cache()} (from HF_HOME or "
+              f"HF_MODULES_CACHE); under another HF_HOME run `geosharp register` again, or load the module by path "
+              "from any: evaluate.load(hf_geosharp.EVALUATE_MODULE_SCRIPT).")
     return 0

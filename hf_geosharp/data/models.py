@@ -41,10 +41,15 @@ def require_task(model: torch.nn.Module) -> Task:
     """:func:`task_of`, for faces that can only use the model's own loss."""
     task = task_of(model)
     if task is None:
+        from ..engine.result import on_command_line
+
+        encoder = ("`geosharp run --head --num-labels N` measures an encoder (a sentence-transformers folder, a bare "
+                   "BertModel) with a new linear head initialised from --seed" if on_command_line() else
+                   "pass loss_fn=(model, batch) -> loss to gs.geodesic_sharpness for any other loss")
         raise DataError(
             f"{type(model).__name__} has no supported task head, so its outputs carry no loss to measure sharpness on. "
             "Save a model with a sequence- or image-classification, causal-LM or masked-LM head (e.g. "
-            "BertForSequenceClassification), or call the Python API with loss_fn=."
+            f"BertForSequenceClassification); or {encoder}."
         )
     return task
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -22,6 +21,7 @@ from ..symmetry.base import PairBlock, SymmetryMap
 from .model_function.embedding_rows import UsedRows, scan_used_rows
 from .model_function.objective import LossFn, Objective, measured_parameters, to_device
 from .placement.base import Holding, Placement
+from .result import on_command_line, warn_at_caller
 from .settings import RunSettings
 from .space.coordinates import pair_parameters
 from .space.perturbation_space import PerturbationSpace, SpaceOptions
@@ -110,14 +110,13 @@ def _pair_blocks(model: nn.Module, names: list[str], settings: RunSettings,
 def _warn_half_precision(params: list[Tensor]) -> None:
     half = sorted({p.dtype for p in params if p.dtype in (torch.float16, torch.bfloat16)}, key=str)
     if half:
-        warnings.warn(
+        fix = "pass --dtype float32" if on_command_line() else "cast the model to float32 (model.float())"
+        warn_at_caller(
             f"The model computes in {', '.join(map(str, half))}. The perturbation is built in float32 (the h x h "
             "algebra in float64) but the weights are rounded to the model's dtype for each forward pass, so "
             f"perturbations below its resolution (relative {max(torch.finfo(d).eps for d in half):.0e} per weight) "
-            "vanish and loss differences are quantised: small rho can give exactly 0. Cast the model to float32 "
-            "(model.float()) to measure it.",
+            f"vanish and loss differences are quantised: small rho can give exactly 0. To measure it, {fix}.",
             UserWarning,
-            stacklevel=5,
         )
 
 

@@ -52,14 +52,60 @@ def check_buffers(model: nn.Module) -> None:
             )
 
 
+#: What turns rows into batches, named in every error about rows that were not batched.
+BATCHING_FIX = (
+    "batch the rows into tensors first: list(dataset.with_format('torch').iter(batch_size=8)) for rows of equal "
+    "length, or torch.utils.data.DataLoader(dataset, batch_size=8, collate_fn=transformers.DataCollatorWithPadding("
+    "tokenizer)) to pad them; keep only the model's inputs and labels (dataset.remove_columns([...]))"
+)
+
+
+def check_not_rows(batches: Any) -> None:
+    """Refuse a ``datasets`` dataset passed as the batches: it iterates over single rows (lists of token ids, an int
+    label), which a model's forward fails on deep inside (``'list' object has no attribute 'size'``)."""
+    module = type(batches).__module__.split(".")[0]
+    if module == "datasets" and hasattr(batches, "column_names"):
+        raise TypeError(
+            f"batches is a datasets.{type(batches).__name__}, whose items are single rows, not batches; "
+            f"{BATCHING_FIX}."
+        )
+
+
+def _is_transformers_model(model: nn.Module) -> bool:
+    return getattr(model, "config", None) is not None and callable(getattr(model, "get_input_embeddings", None))
+
+
+def check_collated(model: nn.Module, batch: Mapping, i: int) -> None:
+    """A transformers model takes ``[batch, ...]`` tensors: a model input or the labels given as a list (rows, or a
+    DataLoader's default collate of rows that hold lists) or as one example's 1-D token ids fails inside its forward
+    (``'list' object has no attribute 'size'``, an unpacking error)."""
+    if not _is_transformers_model(model):  # a loss_fn may take any batch
+        return
+    for key in (*_TOKEN_INPUTS, "pixel_values", "labels", "label"):
+        value = batch.get(key)
+        if isinstance(value, (list, tuple)):
+            raise ValueError(
+                f"Batch {i} is not collated: {key!r} is a {type(value).__name__} of {len(value)} items, not a tensor "
+                "(single rows, or rows a DataLoader grouped without a collate_fn for them); "
+                f"{BATCHING_FIX}."
+            )
+    ids = batch.get("input_ids")
+    if isinstance(ids, Tensor) and ids.dim() == 1:
+        raise ValueError(
+            f"Batch {i} is one example: its input_ids have shape {list(ids.shape)}, and the model takes [batch, "
+            f"sequence]; {BATCHING_FIX}."
+        )
+
+
 def check_batch(model: nn.Module, batch: Any, i: int) -> None:
     """Refuse, before any work, the batches that would otherwise fail deep inside the model or the loss.
 
-    Empty batches; rows that disagree in number (dimension 0; size 1 may broadcast); class labels outside the
-    classifier's range, which cross-entropy reports as a bare index error on the CPU and as a device-side assert,
-    that poisons the CUDA context, on a GPU."""
+    Rows that were not batched (:func:`check_collated`); empty batches; rows that disagree in number (dimension 0;
+    size 1 may broadcast); class labels outside the classifier's range, which cross-entropy reports as a bare index
+    error on the CPU and as a device-side assert, that poisons the CUDA context, on a GPU."""
     if not isinstance(batch, Mapping):
         return
+    check_collated(model, batch, i)
     tensors = {k: v for k, v in batch.items() if isinstance(v, Tensor)}
     if not batch or any(v.numel() == 0 for v in tensors.values()):
         raise ValueError(f"Batch {i} is empty; drop it or check the data pipeline.")
@@ -196,9 +242,31 @@ def check_inputs(model: Any, batches: Any) -> list[Any]:
             "batches must be an iterable of batches (e.g. a list of dicts of model inputs), "
             f"got {type(batches).__name__}."
         )
-    batches = list(batches)
+    check_not_rows(batches)
+    try:
+        batches = list(batches)
+    except RuntimeError as err:  # torch's default collate, over rows whose token lists differ in length
+        if "should be of equal size" not in str(err):
+            raise
+        raise ValueError(f"The batches' rows could not be stacked ({err}); {BATCHING_FIX}.") from None
     if not batches:
         raise ValueError("No batches were given; pass a non-empty list of batches (dicts of model inputs with labels).")
     for i, batch in enumerate(batches):
         check_batch(model, batch, i)
     return batches
+
+
+def non_finite_loss(value: float, rho: float | None) -> FloatingPointError:
+    """The error for a loss that is not finite, with its fix: at the unperturbed weights (``rho`` None), or at a
+    point perturbed within radius ``rho``.
+
+    Args:
+        value: the loss.
+        rho: the radius, or None at the unperturbed weights.
+
+    Returns:
+        The error to raise."""
+    if rho is None:
+        return FloatingPointError(f"The loss is {value} at the unperturbed weights; check the inputs, the labels and "
+                                  "the model's buffers (e.g. BatchNorm statistics).")
+    return FloatingPointError(f"The loss is {value} at a perturbed point (rho={rho}); lower rho.")

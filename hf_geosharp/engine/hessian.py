@@ -37,7 +37,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -58,6 +57,7 @@ from .model_function.objective import (
     to_device,
 )
 from .placement.single import reparametrized
+from .progress import bar_disabled
 from .result import NotConvergedWarning, SharpnessResult, average_stderr, batch_stderr
 from .runner import batch_seed
 from .settings import PARAMS_CHOICES, Params
@@ -123,7 +123,8 @@ def hessian_top_eigenvalue(
         note = (f"batch {first}: the Rayleigh quotient still changed by more than tol={tol:g} (relative) after "
                 f"{outcomes[first][1]} products" + (f" (and {len(unconverged) - 1} more)" if len(unconverged) > 1
                                                     else ""))
-        _warn(f"hessian_top_eigenvalue is not converged: {note}; raise max_iters (now {max_iters}) or tol.")
+        _warn(f"hessian_top_eigenvalue is not converged: {note}; raise max_iters (now {max_iters}) or tol"
+              f"{' (from Python)' if _result.on_command_line() else ''}.")
     config = dict(estimator="power_iteration", max_iters=max_iters, tol=tol, seed=seed, params=params,
                   n_batches=len(per_batch), max_relative_residual=max(o[3] for o in outcomes),
                   attn_implementation="eager", library=f"hf_geosharp {__version__}")
@@ -343,7 +344,7 @@ def _per_batch(model: nn.Module, batches: Iterable[Any], params: Params, loss_fn
         if switched:
             logger.info("%s: attention switched from %s to eager for the call (no double backward in %s)", measure,
                         ", ".join(sorted(set(switched))), ", ".join(sorted(set(switched))))
-        for index, batch in enumerate(tqdm(batches, desc=measure, unit="batch", disable=not progress)):
+        for index, batch in enumerate(tqdm(batches, desc=measure, unit="batch", disable=bar_disabled(progress))):
             torch.manual_seed(batch_seed(seed, index))  # the forked global RNG: random models repeat
             generator = torch.Generator().manual_seed(batch_seed(seed, index))
             with _batch_hessian(model, chosen, to_device(batch, device), loss_fn) as (hessian, clean):
@@ -444,4 +445,4 @@ def _warn(message: str) -> None:
     if _result._collectors:
         _result._collectors[-1].append(message)
         return
-    warnings.warn(message, NotConvergedWarning, stacklevel=4)
+    _result.warn_at_caller(message, NotConvergedWarning)

@@ -6,8 +6,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import sys
 import warnings
 from collections.abc import Iterator, Mapping
+from contextvars import ContextVar
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -218,6 +220,61 @@ def collected_convergence_notes() -> Iterator[list[str]]:
         _collectors.remove(notes)
 
 
+#: The top-level packages a measurement passes through on its way from the user's line: a warning is attributed to
+#: the first frame outside them (``evaluate_modules``: the scripts evaluate loads from its module cache).
+LIBRARIES = frozenset({"hf_geosharp", "evaluate", "evaluate_modules", "transformers", "accelerate", "torch", "tqdm",
+                       "contextlib", "functools", "threading"})
+
+
+def warn_at_caller(message: str, category: type[Warning]) -> None:
+    """``warnings.warn`` attributed to the caller's line: the first frame outside :data:`LIBRARIES`, whatever the
+    path through the package (the API, the measures' bundle, evaluate, the Trainer callback, the command line).
+
+    Args:
+        message: the warning's text.
+        category: its class.
+    """
+    frame, level = sys._getframe(0), 1
+    while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] in LIBRARIES:
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level if frame is not None else level - 1)
+
+
+_command_line: ContextVar[bool] = ContextVar("hf_geosharp_command_line", default=False)
+
+
+@contextlib.contextmanager
+def command_line_words() -> Iterator[None]:
+    """Inside the block, advice names the command line's options (``--steps auto``) instead of Python's arguments
+    (``steps='auto'``): the ``geosharp`` commands run inside it."""
+    token = _command_line.set(True)
+    try:
+        yield
+    finally:
+        _command_line.reset(token)
+
+
+def on_command_line() -> bool:
+    """Whether advice is read on the command line (inside :func:`command_line_words`)."""
+    return _command_line.get()
+
+
+def setting(name: str, value: Any = None) -> str:
+    """How advice names a setting: ``steps='auto'`` (Python) or ``--steps auto`` (inside :func:`command_line_words`).
+
+    Args:
+        name: the Python argument's name (``max_steps``); the option is ``--`` and its dashed form.
+        value: the value to pass, or ``None`` for the setting alone.
+
+    Returns:
+        The words for the reader's interface.
+    """
+    if on_command_line():
+        flag = "--" + name.replace("_", "-")
+        return flag if value is None else f"{flag} {value}"
+    return name if value is None else f"{name}={value!r}"
+
+
 def warn_not_converged(measure: str, config: dict[str, Any], note: str, steps_used: int) -> None:
     """Say that the worst case is not certified, why, and how to fix it: one :class:`NotConvergedWarning` (the CLI
     shows it as a log line), or a note for :func:`collected_convergence_notes`."""
@@ -225,9 +282,14 @@ def warn_not_converged(measure: str, config: dict[str, Any], note: str, steps_us
         fix = ("AS23's reproduced solver stops where its Euclidean projection undoes the step, which is not the "
                "maximum (docs/method.md); variant='clean' reaches it")
     elif config["steps"] != "auto":
-        fix = "pass steps='auto' (it continues until the best point is stationary and a second start agrees)"
+        fix = (f"pass {setting('steps', 'auto')} (it continues until the best point is stationary and a second start "
+               "agrees)")
     elif "different maxima" in note:
-        fix = "the landscape has several maxima at this rho: lower rho, or read the value as a lower bound"
+        fix = (f"the landscape has several maxima at this rho: lower {setting('rho')}, or read the value as a lower "
+               "bound")
+    elif on_command_line():  # the command line keeps the default budget of steps='auto'
+        fix = (f"lower {setting('rho')}, or raise the budget from Python (max_steps=, now {config['max_steps']}), "
+               "or read the value as a lower bound")
     else:
         fix = f"raise the budget (max_steps, now {config['max_steps']}) or lower rho"
     message = (f"{measure} at rho={config['rho']} is not converged after {steps_used} steps, so it may underestimate "
@@ -235,7 +297,7 @@ def warn_not_converged(measure: str, config: dict[str, Any], note: str, steps_us
     if _collectors:
         _collectors[-1].append(message)
         return
-    warnings.warn(message, NotConvergedWarning, stacklevel=5)
+    warn_at_caller(message, NotConvergedWarning)
 
 
 # ------------------------------------------------------------------------------------------------ the display rule

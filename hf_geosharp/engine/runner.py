@@ -27,10 +27,14 @@ from .model_function.objective import LossFn, Objective, default_loss, preserved
 from .placement.base import Placement
 from .placement.fsdp import FsdpPlacement
 from .placement.single import SingleProcess
+from .progress import bar_disabled
 from .result import NOT_ITERATIVE, Profile, SharpnessResult, average_stderr, batch_stderr, warn_not_converged
 from .settings import RunSettings
-from .solvers.apgd import AT_PRECISION, AUTO_BLOCK, CERTIFIED, NOT_CERTIFIED, SolveResult, apgd, average_case
+from .solvers.apgd import AUTO_BLOCK, apgd
 from .solvers.as23 import apgd_as23
+from .solvers.average import average_case
+from .solvers.certificate import AT_PRECISION, CERTIFIED, NOT_CERTIFIED, SolveResult, loss_dtype
+from .solvers.memory import gradient_rule
 from .space.perturbation_space import PerturbationSpace
 from .worst_direction import WorstDirection
 from .worst_direction import profile_points as profile_points_of
@@ -41,7 +45,8 @@ logger = logging.getLogger(__name__)
 def solve(settings: RunSettings, space: PerturbationSpace, objective: Objective, generator: torch.Generator,
           on_step: Callable[[int, float], None], keep_best_point: bool = False) -> SolveResult:
     """One batch: the average case, AS23's solver, or the clean Auto-PGD (``keep_best_point``: the result carries
-    the best point; AS23's always does)."""
+    the best point; AS23's always does). The memory decision (whether Auto-PGD keeps its best point's gradient) and
+    the loss's floating type come from the model the objective evaluates."""
     auto = settings.steps == "auto"
     first, budget = (min(AUTO_BLOCK, settings.max_steps), settings.max_steps) if auto else (settings.steps, None)
     if settings.mode == "average":
@@ -50,9 +55,10 @@ def solve(settings: RunSettings, space: PerturbationSpace, objective: Objective,
     if settings.variant == "as23":
         return apgd_as23(space.elementwise.scale, objective, rho=settings.rho, steps=first, on_step=on_step,
                          max_steps=budget, tol=settings.tol)
-    return apgd(space, objective, rho=settings.rho, steps=first, step_normalization=settings.step_normalization,
-                on_step=on_step, max_steps=budget, tol=settings.tol, generator=generator,
-                keep_best_point=keep_best_point)
+    return apgd(space, objective.on_device, rho=settings.rho, steps=first,
+                step_normalization=settings.step_normalization, on_step=on_step, max_steps=budget, tol=settings.tol,
+                generator=generator, keep_best_gradient=gradient_rule(space, objective.model),
+                keep_best_point=keep_best_point, loss_dtype=loss_dtype(objective.model, space.dtype))
 
 
 def batch_seed(seed: int, index: int) -> int:
@@ -131,7 +137,7 @@ def _solve_batches(space: PerturbationSpace, objective: Objective, settings: Run
     reading of the best point or None)}``."""
     n_steps = settings.n_samples if settings.mode == "average" else settings.steps
     results: dict[int, tuple] = {}
-    bar = tqdm(list(mine), desc=settings.measure, unit="batch", disable=not progress)
+    bar = tqdm(list(mine), desc=settings.measure, unit="batch", disable=bar_disabled(progress))
     for index in bar:
         objective.batch = to_device(batches[index], space.device)
         generator = torch.Generator().manual_seed(batch_seed(settings.seed, index))

@@ -17,7 +17,9 @@ import numpy as np
 
 from .defaults import ADAPTIVE_VARIANT, MODE, N_SAMPLES, PARAMS, SEED, STEP_NORMALIZATION, STEPS
 from .geometry.gl_quotient import Metric
-from .solvers.apgd import AUTO_MAX_STEPS, CONVERGENCE_TOL, StepNormalization
+from .solvers.apgd import AUTO_MAX_STEPS
+from .solvers.certificate import CONVERGENCE_TOL
+from .solvers.interface import StepNormalization
 from .space.perturbation_space import BALLS, SpaceOptions
 
 Mode = Literal["worst", "average"]

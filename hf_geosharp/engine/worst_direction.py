@@ -255,4 +255,4 @@ def loss_at(objective: Objective, point: Tensor) -> float:
     no gradient: the evaluation the objective makes at ``Exp(w; xi)``, at any point."""
     with torch.no_grad(), objective.placement.substituted(point, False):
         loss = objective.loss_fn(objective.model, objective.batch)
-        return objective.placement.batch_loss(loss, objective.batch)[0]
+        return float(objective.placement.batch_loss(loss, objective.batch)[0])

@@ -89,6 +89,17 @@ def operations(api: HfApi, pub: Publication) -> list[CommitOperationAdd]:
     return ops
 
 
+def proposed_paths(pub: Publication) -> list[str]:
+    """The files the pull request changes, in its order (known without reading the repo)."""
+    return ((["README.md"] if pub.model_index else [])
+            + [eval_results_file(b) for b in dict.fromkeys(e.dataset_id for e in pub.eval_entries)])
+
+
+def pull_request_text(paths: list[str]) -> tuple[str, str]:
+    """The pull request's title and body for the files it changes."""
+    return f"Add sharpness results ({SOURCE_NAME})", "Proposed by `geosharp card --push`: " + ", ".join(paths)
+
+
 def details_path(model: str, when: datetime | None = None) -> str:
     """Where a run's JSON goes in a results dataset: ``<org>/<model>/results_<UTC timestamp>.json``."""
     stamp = (when or datetime.now(timezone.utc)).strftime("%Y-%m-%dT%H-%M-%S.%f")
@@ -109,10 +120,9 @@ def push(pub: Publication, *, token: str | None = None, results_repo: str | None
         ops = operations(api, pub)
         if not ops:
             raise CardError("nothing to push: no model-index entries and no eval results.")
-        info = api.create_commit(pub.repo_id, operations=ops, create_pr=True,
-                                 commit_message=f"Add sharpness results ({SOURCE_NAME})",
-                                 commit_description="Proposed by `geosharp card --push`: " +
-                                 ", ".join(op.path_in_repo for op in ops))
+        title, body = pull_request_text([op.path_in_repo for op in ops])
+        info = api.create_commit(pub.repo_id, operations=ops, create_pr=True, commit_message=title,
+                                 commit_description=body)
         urls["pull_request"] = str(info.pr_url or info.commit_url)
         if results_repo and run_json is not None:
             path = details_path(pub.repo_id)

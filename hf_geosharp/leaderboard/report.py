@@ -81,34 +81,78 @@ def write_csv(board: Leaderboard, path: Path) -> None:
         writer.writerows({k: repr(v) if isinstance(v, float) else v for k, v in row.items()} for row in table)
 
 
+#: Most panels per row of the scatter figure: six predictors make a 2 x 3 grid that stays legible at a README's
+#: width.
+SCATTER_COLUMNS = 3
+
+
+def public_name(name: str) -> str:
+    """The name a reader knows a predictor by: the measure's public key (``geodesic_inv_worst`` ->
+    ``geodesic_sharpness_inv``; an average-case one with ``(average)``), or the column's own name (``param_norm``).
+
+    Args:
+        name: the engine's name of a result, or a trivial predictor's column.
+
+    Returns:
+        The name for titles and labels.
+    """
+    from ..measures import key_of
+
+    key = key_of(name)
+    if key is None:
+        return name
+    return f"{key} (average)" if name.endswith("_average") else key
+
+
 def scatter_plot(board: Leaderboard, path: Path) -> None:
-    """One panel per predictor, gap on the y axis, tau and its interval in the title (like the paper's Figs 3-5)."""
+    """Write :func:`scatter_figure` to ``path`` (PNG, 120 dpi)."""
+    fig = scatter_figure(board)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=120)
+
+
+def scatter_figure(board: Leaderboard) -> Any:
+    """One panel per predictor in a grid of at most :data:`SCATTER_COLUMNS` columns, the gap on the shared y axis, the
+    public name with tau and its interval in the title (like the paper's Figs 3-5).
+
+    Args:
+        board: a leaderboard with its taus.
+
+    Returns:
+        The matplotlib ``Figure``.
+    """
     from matplotlib.figure import Figure  # no pyplot: no global backend switch, no GUI, safe in threads
+    from matplotlib.ticker import MaxNLocator
 
     names = board.predictors
-    fig = Figure(figsize=(3.2 * len(names), 3.2))
-    axes = fig.subplots(1, len(names), squeeze=False, sharey=True)
+    rows = -(-len(names) // SCATTER_COLUMNS)
+    columns = -(-len(names) // rows)  # rows as full as they can be: four panels make 2 x 2
+    fig = Figure(figsize=(3.4 * columns, 3.0 * rows))
+    axes = fig.subplots(rows, columns, squeeze=False, sharey=True).ravel()
     gap = [r["gap"] for r in board.rows]
     uncertified = set(board.not_converged())
-    for ax, name in zip(axes[0], names):
+    for ax, name in zip(axes, names):
         color = "#c44e52" if name in TRIVIAL else "#4c72b0"
         hollow = [(r["model"], name) in uncertified for r in board.rows]  # a lower bound, not the maximum
         for flag, face in ((False, color), (True, "none")):
             points = [(r[name], g) for r, g, h in zip(board.rows, gap, hollow) if h == flag]
             if points:
-                ax.scatter(*zip(*points), s=18, facecolors=face, edgecolors=color,
+                ax.scatter(*zip(*points), s=20, facecolors=face, edgecolors=color,
                            label="not certified" if flag else None)
         if any(hollow):
-            ax.legend(fontsize=7, loc="best")
+            ax.legend(fontsize=8, loc="best")
         t = board.taus[name]
         ci = f"[{_fmt(t['ci_low'], '+.2f')}, {_fmt(t['ci_high'], '+.2f')}]"
-        ax.set_title(f"{name}\n\u03c4 = {_fmt(t['tau'], '+.2f')} {ci}", fontsize=9)
-        ax.set_xlabel(name, fontsize=8)
-        ax.tick_params(labelsize=7)
-    axes[0][0].set_ylabel(f"generalisation gap ({board.gap_metric})", fontsize=8)
+        ax.set_title(f"{public_name(name)}\n\u03c4 = {_fmt(t['tau'], '+.2f')} {ci}", fontsize=10)
+        ax.xaxis.set_major_locator(MaxNLocator(4))  # few ticks: legible when the figure is scaled down
+        ax.tick_params(labelsize=9)
+        ax.xaxis.get_offset_text().set_fontsize(8)
+    for ax in axes[len(names):]:
+        ax.set_visible(False)
+    for ax in axes[::columns]:
+        ax.set_ylabel(f"generalisation gap ({board.gap_metric})", fontsize=9)
     fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, dpi=120)
+    return fig
 
 
 def heatmaps(board: Leaderboard, out_dir: Path) -> list[Path]:

@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from ..api import SharpnessResult, collected_convergence_notes
 from ..data import DataError, DataSpec, load_batches, load_model, load_processor, load_split, require_task
+from ..engine.progress import bar_disabled
 from ..measures import MEASURES, Settings, no_symmetry_note, run_measure
 from ..symmetry import map_symmetries
 from .inputs import Column, GapSpec, ModelRef, read_gap_file
@@ -139,7 +140,7 @@ def run_leaderboard(
     data_key = data_identity(data, None if Path(data.dataset).exists() else load_split(data))
     rows, results = [], {}
     todo = len(models) * (len(runs) + 1 + (gap is not None and gap_table is None))
-    bar = tqdm(total=todo, desc=desc, unit="result", disable=not progress)
+    bar = tqdm(total=todo, desc=desc, unit="result", disable=bar_disabled(progress))
     for ref in models:
         model = model_identity(ref.source)
         keys = {name: fingerprint(kind="measure", model=model, measure=name, data=data_key,
@@ -244,9 +245,12 @@ def _naming(ref: ModelRef) -> Iterator[None]:
 
 
 def convergence_fix(steps: int | str) -> str:
-    """What to change when some worst-case results are not certified at ``steps``."""
-    return ("--steps auto continues until certified or says why not" if steps != "auto"
-            else "a lower --rho is certified more easily")
+    """What to change when some worst-case results are not certified at ``steps``, in the reader's words (options
+    under ``geosharp``, arguments in Python)."""
+    from ..engine.result import setting
+
+    return (f"{setting('steps', 'auto')} continues until certified or says why not" if steps != "auto"
+            else f"a lower {setting('rho')} is certified more easily")
 
 
 def _compute_missing(

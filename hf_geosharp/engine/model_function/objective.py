@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from ..checks import non_finite_loss
 from ..space.perturbation_space import PerturbationSpace
 
 if TYPE_CHECKING:
@@ -163,6 +164,14 @@ class Objective:
 
     def __call__(self, xi: Tensor, need_grad: bool, out: Tensor | None = None) -> tuple[float, Tensor | None]:
         """The loss at ``Exp(w; xi)``, and with ``need_grad`` its gradient in ``xi`` (in ``out`` when given)."""
+        value, grad = self.on_device(xi, need_grad, out)
+        loss = float(value)
+        self._check_finite(loss, xi)
+        return loss, grad
+
+    def on_device(self, xi: Tensor, need_grad: bool, out: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        """As a call, with the loss a detached 0-dim tensor the host does not read (its finiteness is the caller's
+        to check: the solver checks the losses it reads once per check)."""
         out = self._buffer_for(out, need_grad)
         pullback = self.space.exp_point(xi, out, need_grad)
         with torch.set_grad_enabled(need_grad), self.placement.substituted(out, need_grad) as backward:
@@ -170,7 +179,6 @@ class Objective:
             if not isinstance(loss, Tensor) or loss.numel() != 1:
                 raise TypeError("The loss must be a scalar tensor (a mean over the batch).")
             value, differentiated = self.placement.batch_loss(loss, self.batch)
-            self._check_finite(value, xi)
             if not need_grad:
                 return value, None
             self._check_graph(loss)
@@ -191,10 +199,7 @@ class Objective:
 
     def _check_finite(self, value: float, xi: Tensor) -> None:
         if not math.isfinite(value):
-            where = "the unperturbed weights" if not bool(xi.any()) else f"a perturbed point (rho={self.rho})"
-            hint = ("check the inputs, the labels and the model's buffers (e.g. BatchNorm statistics)"
-                    if "unperturbed" in where else "lower rho")
-            raise FloatingPointError(f"The loss is {value} at {where}; {hint}.")
+            raise non_finite_loss(value, None if not bool(xi.any()) else self.rho)
 
     def _check_graph(self, loss: Tensor) -> None:
         """Refuse a loss without a graph, or (once per run: the graph's structure does not change between steps)

@@ -106,6 +106,7 @@ class Placement(Protocol):
         backward writes ``dloss/dtheta`` over them (zeros where no gradient arrives)."""
         ...
 
-    def batch_loss(self, loss: Tensor, batch: Any) -> tuple[float, Tensor]:
-        """The batch's loss value and the tensor whose backward gives the batch's gradient."""
+    def batch_loss(self, loss: Tensor, batch: Any) -> tuple[Tensor, Tensor]:
+        """The batch's loss value (detached, 0-dim, on the device: nothing is read by the host) and the tensor whose
+        backward gives the batch's gradient."""
         ...

@@ -188,15 +188,16 @@ class FsdpPlacement:
             restricted[id(held.weight)] = (held.used, rows)
         return RowLookup(restricted)
 
-    def batch_loss(self, loss: Tensor, batch: Any) -> tuple[float, Tensor]:
-        """The batch's loss over all shares, and this rank's loss scaled so that FSDP's average over the ranks is the
-        batch's gradient."""
+    def batch_loss(self, loss: Tensor, batch: Any) -> tuple[Tensor, Tensor]:
+        """The batch's loss over all shares (detached, on the device), and this rank's loss scaled so that FSDP's
+        average over the ranks is the batch's gradient."""
         if not self.shares:
-            return float(loss.detach()), loss
+            return loss.detach(), loss
         rows = float(_rows(batch))
-        total = self.all_reduce(torch.tensor([float(loss.detach()) * rows, rows], dtype=torch.float64,
-                                             device=self.device))
-        return float(total[0] / total[1]), loss * (rows * self.world / float(total[1]))
+        local = torch.stack([loss.detach().double() * rows, torch.full((), rows, dtype=torch.float64,
+                                                                        device=loss.device)])
+        total = self.all_reduce(local.to(self.device))
+        return total[0] / total[1], loss * (rows * self.world / total[1]).to(loss.dtype)
 
 
 def _rows(batch: Any) -> int:

@@ -22,7 +22,7 @@ from torch.nn.utils import stateless
 from ...symmetry.base import PairBlock
 from ..model_function.embedding_rows import RowLookup
 from ..settings import RunSettings
-from ..solvers.apgd import BYTES_MARGIN, BYTES_PER_PARAMETER_GOAL
+from ..solvers.memory import BYTES_MARGIN, BYTES_PER_PARAMETER_GOAL
 from ..space.workspace import Workspace
 from .base import Backward, Holding
 
@@ -165,9 +165,9 @@ class SingleProcess:
         if missing:
             torch._foreach_zero_(missing)
 
-    def batch_loss(self, loss: Tensor, batch: Any) -> tuple[float, Tensor]:
-        """The loss itself."""
-        return float(loss.detach()), loss
+    def batch_loss(self, loss: Tensor, batch: Any) -> tuple[Tensor, Tensor]:
+        """The loss itself (its value detached, on the device)."""
+        return loss.detach(), loss
 
 
 def _aliased(flat: Tensor, offset: int, shape: torch.Size) -> Tensor:

@@ -11,7 +11,10 @@ import torch
 from torch import Tensor
 
 from ..defaults import STEPS
-from .apgd import CONVERGENCE_TOL, ObjectiveFn, Pool, SolveResult, StepSchedule, relative_gap
+from .certificate import CONVERGENCE_TOL, SolveResult, relative_gap
+from .interface import ObjectiveFn
+from .pool import Pool
+from .schedule import StepSchedule
 
 _BLOCK = 1 << 20  # coordinates per block of the bisection's sums: a few MiB, so a block stays in cache
 

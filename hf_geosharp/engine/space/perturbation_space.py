@@ -295,7 +295,7 @@ class PerturbationSpace:
     def held_bytes(self) -> int:
         """What the space holds besides the solver's vectors: the pairs' ``h x h`` caches, index maps and copies of
         the base point, and the workspace they use (an input of the solver's memory rule,
-        :func:`hf_geosharp.engine.solvers.apgd.keeps_best_gradient`)."""
+        :func:`hf_geosharp.engine.solvers.memory.keeps_best_gradient`)."""
         tensors = []
         for group in self.pairs:
             tensors += [*vars(group.geometry).values(), *vars(group.geometry).get("_low", {}).values(),
@@ -361,8 +361,11 @@ class PerturbationSpace:
         rp = geometry.projection(rp) if self.options.horizontal_projection else rp
         return self._unweighted(group, heads, rp)
 
-    def ascent_direction(self, egrad: Tensor, vectors: Tensor, out: Tensor,
-                         save: Tensor | None = None) -> tuple[Tensor, float, list[float]]:
+    #: :meth:`ascent_direction` can leave its sums on the device (``host=False``): the solver's step reads nothing.
+    sums_on_device = True
+
+    def ascent_direction(self, egrad: Tensor, vectors: Tensor, out: Tensor, save: Tensor | None = None,
+                         host: bool = True) -> tuple[Tensor, float | Tensor, list[float] | Tensor]:
         """The solver's step direction ``d = riemannian_gradient(egrad)``, written into ``out``, with ``<d, d>_g``
         and ``<d, v>_g`` for every horizontal row ``v`` of ``vectors`` (``[r, N]``, ``r`` may be 0); with ``save``,
         a copy of ``egrad`` is written there too (in the same pass: the solver keeps its best point's gradient so).
@@ -372,13 +375,16 @@ class PerturbationSpace:
         and the products ``<e, v>`` (for horizontal ``v`` and a g-self-adjoint projection, the defining identity of
         the Riemannian gradient gives ``<R e, v>_g = <e, v>``, checked by the tests); it leaves the pair
         coordinates alone, so the pair directions are then made from the gradient still there, a few heads at a
-        time."""
+        time. With ``host=False`` the square (0-dim) and the products (``[r]``) come back as float64 tensors on the
+        device, unread by the host."""
         if self.pair_elementwise is not None:  # ablation: the projection is not orthogonal in the measuring metric
             if save is not None:
                 save.copy_(egrad)
             d = self.riemannian_gradient(egrad)
-            products = [float(self.inner_product(d, v)) for v in vectors]
-            square = float(self.inner_product(d, d))
+            sums = torch.stack([self.inner_product(d, d)] + [self.inner_product(d, v) for v in vectors])
+            if not host:
+                return out.copy_(d), sums[0].double().clamp_min(0.0), sums[1:].double()
+            square, *products = sums.tolist()
             return out.copy_(d), max(square, 0.0), products
         square, products = self.elementwise.riemannian_gradient_pass(egrad, out, vectors, save)
         sums = torch.cat([square.reshape(1), products])
@@ -391,7 +397,10 @@ class PerturbationSpace:
             self._unweighted(group, heads, r)
             sums[0] += group.own_dot(e, r)
             group.write(out, r, heads)
-        square, *products = self._reduce(sums).tolist()
+        sums = self._reduce(sums)
+        if not host:
+            return out, sums[0].double().clamp_min(0.0), sums[1:].double()
+        square, *products = sums.tolist()
         return out, max(square, 0.0), products
 
     def horizontal(self, xi: Tensor) -> Tensor:

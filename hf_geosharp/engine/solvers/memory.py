@@ -1,0 +1,146 @@
+"""The solve's memory policy: whether Auto-PGD keeps its best point's gradient (a fifth parameter-sized vector) or
+recomputes it at a restart, decided by the caller from what it knows of the model, the space and the clean point's
+activations (:func:`gradient_rule`)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from .interface import Space
+
+logger = logging.getLogger(__name__)
+
+#: Memory goal of a solve, everywhere: what it holds beyond a plain forward+backward of the model, in bytes per
+#: parameter of the model.
+BYTES_PER_PARAMETER_GOAL = 16
+#: Memory goal of a solve where the model's activations leave room for it: its peak, relative to a plain
+#: forward+backward's.
+PEAK_RATIO_GOAL = 1.5
+#: The share of the bytes goal the rule leaves for what a solve holds besides its vectors and the space (the
+#: allocator's rounding, a pass's temporaries): the memory suite measured 16.04 bytes per parameter where five
+#: vectors and the space came to 15.94 (BERT-base, clean adaptive).
+BYTES_MARGIN = 0.02
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """What a solve holds, in bytes, as known before its first step (summed over the ranks of a sharded run): the
+    inputs of :func:`keeps_best_gradient`.
+
+    Attributes:
+        vector: one solver vector.
+        space: what the space holds besides the vectors (the pairs' ``h x h`` caches, index maps, its workspace).
+        parameters: the model's parameter count.
+        weights: the model's parameters.
+        activations: what the clean point's forward saved for its backward, weights excluded.
+    """
+
+    vector: int
+    space: int
+    parameters: int
+    weights: int
+    activations: int
+
+
+def keeps_best_gradient(footprint: Footprint) -> bool:
+    """Whether :func:`apgd` keeps its best point's gradient (a fifth vector) instead of recomputing it with one more
+    forward and backward at each restart from that point. The stored gradient is the one a recomputation would give,
+    bit for bit, so the choice changes time and memory, never the number.
+
+    The rule: keep it when the solve, with it, stays within the memory goals it meets without it.
+
+    * :data:`BYTES_PER_PARAMETER_GOAL` holds everywhere: the five vectors and the space's own memory must fit in it,
+      with :data:`BYTES_MARGIN` to spare.
+    * :data:`PEAK_RATIO_GOAL` is met only where the activations are large enough. A plain forward+backward's peak is
+      estimated between ``weights + activations`` (its least) and ``2 weights + activations`` (its most, every
+      gradient written); the fifth vector is kept if the solve's extra memory with it is within the goal's headroom
+      of the least, or if it already exceeds the headroom of the most without it (the goal is then out of reach
+      whatever the solver stores, and the bytes goal bounds the cost). In between it is not kept: near the goal,
+      the estimate cannot tell on which side the solve falls.
+
+    Small batches (a MiniLM at 1024 tokens) keep it, large ones (64 x 128 tokens) too, and a MiniLM at 16 x 128
+    tokens, whose four vectors fit the peak goal and five would not, recomputes."""
+    four = 4 * footprint.vector + footprint.space
+    five = four + footprint.vector
+    if five > (1.0 - BYTES_MARGIN) * BYTES_PER_PARAMETER_GOAL * footprint.parameters:
+        return False
+    headroom = PEAK_RATIO_GOAL - 1.0
+    least = footprint.weights + footprint.activations
+    most = 2 * footprint.weights + footprint.activations
+    return five <= headroom * least or four > headroom * most
+
+
+@contextlib.contextmanager
+def saved_activation_bytes() -> Iterator[list[int]]:
+    """Count the bytes the autograd graphs built inside the block save for backward (a one-element list, filled on
+    exit): every saved storage once, except weights (leaves that require gradients, or parameters, and their
+    views), which a plain forward+backward holds anyway."""
+    storages: dict[int, int] = {}
+
+    def pack(t: Tensor) -> Tensor:
+        root = t if t._base is None else t._base
+        if not (isinstance(root, nn.Parameter) or (root.is_leaf and root.requires_grad)):
+            try:
+                storage = t.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+            except (RuntimeError, NotImplementedError):  # a tensor subclass without a storage of its own
+                storages[id(t)] = t.numel() * t.element_size()
+        return t
+
+    counted = [0]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield counted
+    counted[0] = sum(storages.values())
+
+
+def measured_footprint(space: Space, model: nn.Module, vector: Tensor, activations: int) -> Footprint:
+    """The :class:`Footprint` of a solve of ``model`` whose vectors are like ``vector``, with ``activations`` from
+    :func:`saved_activation_bytes`. Every rank of a sharded run gets the same sums, so all take the same decision.
+
+    Args:
+        space: the perturbation space (its ``held_bytes``, summed over ranks with its ``total``).
+        model: the model (its local shards under FSDP).
+        vector: one solver vector.
+        activations: the bytes the clean point's forward saved for its backward.
+
+    Returns:
+        The footprint, summed over the ranks."""
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+    facts = torch.tensor(
+        [vector.numel() * vector.element_size(), space.held_bytes, sum(p.numel() for p in local),
+         sum(p.numel() * p.element_size() for p in local), activations],
+        dtype=torch.float64, device=vector.device,
+    )
+    return Footprint(*(int(v) for v in space.total(facts).tolist()))
+
+
+#: What a solver asks at its clean point: ``rule(vector, activations) -> keep the best point's gradient?``, with one
+#: solver vector and the bytes the clean point's forward saved for its backward.
+GradientRule = Callable[[Tensor, int], bool]
+
+
+def gradient_rule(space: Space, model: nn.Module) -> GradientRule:
+    """The memory decision for a solve of ``model`` over ``space``: :func:`keeps_best_gradient` on the footprint
+    measured at the clean point (once per solve, before its first step).
+
+    Args:
+        space: the perturbation space.
+        model: the model the objective evaluates.
+
+    Returns:
+        The rule :func:`hf_geosharp.engine.solvers.apgd.apgd` calls with its first vector and the clean point's
+        activation bytes."""
+
+    def rule(vector: Tensor, activations: int) -> bool:
+        footprint = measured_footprint(space, model, vector, activations)
+        keep = keeps_best_gradient(footprint)
+        logger.debug("best point's gradient %s (%s)", "kept" if keep else "recomputed", footprint)
+        return keep
+
+    return rule
