@@ -157,7 +157,7 @@ def test_a_number_the_budget_left_uncertified_is_measured_again_with_a_larger_on
     assert store.read_text().splitlines() == lines  # measured again once: a rerun measures nothing
     assert remaining(config, cache)["tasks"].keys() == {"adversarial/hide", "adversarial/adaptive_clean",
                                                         "adversarial/geodesic_inv", "sweep/geodesic_inv",
-                                                        "sweep/adaptive_clean"}
+                                                        "sweep/adaptive_clean", "calibrated/geodesic_mix"}
 
 
 def test_smoke_population_runs_every_stage_and_resumes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
