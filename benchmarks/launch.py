@@ -27,7 +27,9 @@ inside counts are set against a plain forward+backward of the same model and bat
 ``.backward()``) counted the same way.
 
 Per step = (count of a 6-step solve - count of a 2-step solve) / 4: the one-off work (building the space, the clean
-point) drops out. Random-init BERT classifiers (:mod:`benchmarks.models`), 2 x 16 tokens, one batch, rho 0.1.
+point) drops out. Random-init BERT classifiers (:mod:`benchmarks.models`) of three shapes (layers x hidden, heads:
+6 x 384 x 12, 12 x 768 x 12, 24 x 1024 x 16), 2 x 16 tokens, one batch, rho 0.1. The stored file's ``reference``
+block (counts of released versions, by version) is carried over when the suite rewrites it.
 The counts do not depend on the device's speed; on CPU they are what the same solve issues on CUDA, except that a
 CUDA library call may launch more than one kernel.
 """
@@ -35,9 +37,11 @@ CUDA library call may launch more than one kernel.
 from __future__ import annotations
 
 import contextlib
+import json
 import sys
 from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -249,24 +253,45 @@ def count_shape(size: ModelSize, measures: tuple[str, ...] = MEASURES, device: s
     return row
 
 
+def stored_reference(device: str) -> dict[str, Any]:
+    """The ``reference`` block of the stored results for ``device``: counts of released versions, by version, kept
+    when the suite rewrites the file (empty if there is none)."""
+    path = Path(__file__).parent / "results" / f"launch-{device.split(':')[0]}.json"
+    if not path.exists():
+        return {}
+    return json.loads(path.read_text()).get("reference", {})
+
+
 def run(cfg: RunConfig) -> dict[str, Any]:
     shapes = cfg.pick(SHAPES, SHAPES[:2])
-    return {"suite": "launch", "batch": [BATCH, SEQ], "steps": [SHORT, LONG],
-            "rows": [count_shape(s, device=cfg.device, rho=cfg.rho) for s in shapes]}
+    result = {"suite": "launch", "batch": [BATCH, SEQ], "steps": [SHORT, LONG],
+              "rows": [count_shape(s, device=cfg.device, rho=cfg.rho) for s in shapes]}
+    reference = stored_reference(cfg.device)
+    if reference:
+        result["reference"] = reference
+    return result
+
+
+#: Engine files of the pair geometry (for the table's split of the outside kernels).
+PAIR_FILES = ("engine/geometry/gl_quotient.py", "engine/geometry/lie.py", "engine/space/coordinates.py",
+              "engine/space/pair_group.py", "engine/space/workspace.py")
 
 
 def table(result: dict[str, Any]) -> str:
-    lines = ["| shape | plain fwd+bwd ops (kernels) | measure | outside ops | outside kernels | outside syncs | "
-             "inside ops (kernels) | inside syncs | model calls |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| shape | plain fwd+bwd ops (kernels) | measure | outside ops | outside kernels | of which elementwise | "
+             "of which pairs | outside syncs | inside ops (kernels) | inside syncs | model calls |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         p = r["plain_forward_backward"]
         for name, m in r["measures"].items():
-            o, i = m["outside"], m["inside"]
+            o, i, files = m["outside"], m["inside"], m["outside_kernels_by_file"]
+            elementwise = files.get("engine/geometry/elementwise.py", 0.0)
+            pairs = sum(files.get(f, 0.0) for f in PAIR_FILES)
             lines.append(f"| {r['shape']} | {p['ops']:.0f} ({p['kernels']:.0f}) | {name} | {o['ops']:.0f} | "
-                         f"{o['kernels']:.0f} | {o['syncs']:g} | {i['ops']:.0f} ({i['kernels']:.0f}) | "
-                         f"{i['syncs']:g} | {m['model_calls_per_step']:g} |")
+                         f"{o['kernels']:.0f} | {elementwise:g} | {pairs:g} | {o['syncs']:g} | "
+                         f"{i['ops']:.0f} ({i['kernels']:.0f}) | {i['syncs']:g} | {m['model_calls_per_step']:g} |")
     lines.append("\nper solver step (6 steps - 2 steps, / 4), 2 x 16 tokens; outside = the solver step outside the "
-                 "model's forward and backward; inside = within them (model and engine together; compare the plain "
+                 "model's forward and backward (elementwise: engine/geometry/elementwise.py; pairs: the pair "
+                 "geometry's files); inside = within them (model and engine together; compare the plain "
                  "forward+backward); syncs include uploads of host data.")
     return "\n".join(lines)

@@ -94,9 +94,11 @@ PATCHES = [
     (space.PerturbationSpace, "exp_point", "weights", "pair geometry"),
     (space.PerturbationSpace, "ascent_direction", "direction", None),
     (pair_group.PairGroup, "part", "pair geometry", None),
+    (pair_group.PairGroup, "base", "pair geometry", None),
     (gl_quotient.GLQuotient, "euclidean_to_riemannian_gradient", "pair geometry", None),
     (gl_quotient.GLQuotient, "projection", "pair geometry", None),
-    (gl_quotient.GLQuotient, "exp2_correction_with_pullback", "pair geometry", None),
+    (gl_quotient.InvQuotient, "exp2_correction_with_pullback", "pair geometry", None),
+    (gl_quotient.MixQuotient, "exp2_correction_with_pullback", "pair geometry", None),
     (elementwise.ElementwiseGeometry, "riemannian_gradient_pass", "direction", None),
     (solver_pool.Pool, "combine_into", "vectors", None),
 ]

@@ -434,7 +434,7 @@ def probe(model: torch.nn.Module, smap: Any) -> dict[str, Any]:
     saved = {n: p.detach().clone() for n, p in model.named_parameters()}
     noise = relative_deviation(out0, _forward(model, inputs))
     try:
-        gs.reparametrize(model, seed=1, condition=100.0, smap=smap)
+        gs.reparametrize(model, seed=1, condition=100.0, symmetry_map=smap)
         deviation = relative_deviation(out0, _forward(model, inputs))
         _restore(model, saved)
         _wrong_action(model, smap, seed=1)
@@ -466,7 +466,7 @@ def _short(exc: BaseException) -> str:
 
 def examine(model_type: str) -> dict[str, Any]:
     """One row of the coverage table for ``model_type``."""
-    from hf_geosharp.symmetry import map_symmetries
+    from hf_geosharp.pipeline import symmetry_map
 
     row: dict[str, Any] = {"model_type": model_type}
     start = time.perf_counter()
@@ -480,7 +480,7 @@ def examine(model_type: str) -> dict[str, Any]:
     row["model_class"] = type(model).__name__
     row["n_params"] = sum(p.numel() for p in model.parameters())
     try:
-        smap = map_symmetries(model)
+        smap = symmetry_map(model)
     except Exception as exc:  # noqa: BLE001 - a crash of the mapper is a bug to report, not to hide
         row.update(status="map_error", reason=_short(exc), seconds=round(time.perf_counter() - start, 2))
         return row

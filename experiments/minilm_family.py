@@ -71,6 +71,7 @@ from hf_geosharp.engine.solvers.apgd import AUTO_MAX_STEPS
 from hf_geosharp.leaderboard import kendall_taus, tau_differences
 from hf_geosharp.leaderboard.store import ResultStore
 from hf_geosharp.measures import Settings, run_measure
+from hf_geosharp.pipeline import Memo
 from hf_geosharp.zoo import cache_root, portable_result, run_portably, torch_threads, weights_digest
 
 logger = logging.getLogger(__name__)
@@ -504,15 +505,18 @@ class Runner:
 
     def __init__(self, store_path: Path, batches: list, config: Config,
                  ensure_trained: Callable[[dict[str, Any]], None]) -> None:
-        self.store, self.batches, self.config = ResultStore(store_path), batches, config
+        self.memo, self.batches, self.config = Memo(ResultStore(store_path), reread=True), batches, config
         self.ensure_trained = ensure_trained  # the folder, before a member is loaded
         self._model: tuple[str, Any] | None = None
 
+    @property
+    def store(self) -> ResultStore:
+        """The store, as last read."""
+        return self.memo.store
+
     def lookup(self, key: str) -> dict[str, Any] | None:
         """A stored record, re-reading the store on a miss (another shard may be filling it)."""
-        if self.store.get(key) is None:
-            self.store = ResultStore(self.store.path)
-        return self.store.get(key)
+        return self.memo.get(key)
 
     def model(self, row: dict[str, Any]) -> Any:
         if self._model is None or self._model[0] != row["folder"]:
@@ -562,7 +566,7 @@ class Runner:
 
     def hidden(self, row: dict[str, Any], target: str) -> dict[str, Any]:
         """Hide the member's sharpness towards ``target``, check its function, and measure ``HIDDEN`` on it."""
-        from hf_geosharp.hide import hide
+        from hf_geosharp.hiding import hide
 
         stage, c = f"hidden-{target}", self.config
         hkey = hide_key(row, target, c)

@@ -5,10 +5,12 @@ seek, the Space, the Trainer callback) asks this module what "geodesic sharpness
 the names, the defaults and the order of the measures are written once. Adding a measure is one :class:`MeasureSpec`
 in :data:`MEASURES` (and, for a new family, its branch in :func:`run_measure`); every face picks it up.
 
-Names: each measure has a public ``key`` (the evaluate output key, the model-card metric type, the results-JSON
-column; ``<key>_stderr`` is its error bar), an optional ``short`` form for command lines, and the engine's
-``SharpnessResult.measure`` string, which also says the mode and the variant (e.g. ``geodesic_inv_worst``; the
-leaderboard's columns, :meth:`MeasureSpec.result_name`).
+Names, one meaning each in every face: a measure's **key** is its public name (``geodesic_sharpness_inv``: the
+evaluate output key, the model-card metric type, the results-JSON column; ``<key>_stderr`` is its error bar), its
+``short`` form what command lines accept (``inv``); its **engine name** is what the engine calls one run of it, which
+also says the mode and the solver (``geodesic_inv_worst``: ``SharpnessResult.measure``, the leaderboard's columns,
+:meth:`MeasureSpec.engine_name`; :func:`key_of_engine_name` goes back). A measure's **settings** are
+:class:`Settings`.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from .engine.defaults import ADAPTIVE_VARIANT, BALL, EPSILON, MODE, N_SAMPLES, R
 from .engine.hessian import hessian_top_eigenvalue, hessian_trace
 from .engine.relative_flatness import relative_flatness
 from .engine.settings import MODES, VARIANTS, Mode, Steps, Variant, measure_name
-from .engine.space.perturbation_space import Ball
+from .engine.space.perturbation_space import BALLS, Ball
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +63,7 @@ class MeasureSpec:
         """Whether the number is invariant under the model's symmetry group (the point of geodesic sharpness)."""
         return self.family == "geodesic"
 
-    def result_name(self, settings: Settings) -> str:
+    def engine_name(self, settings: Settings) -> str:
         """The engine's name of this measure run with ``settings`` (``SharpnessResult.measure``): it says the mode
         and the solver, so a leaderboard column and its stored results are named by it."""
         return measure_name(self.family, settings.mode, metric=self.metric, variant=settings.adaptive_variant)
@@ -85,11 +87,19 @@ DEFAULT_MEASURES: tuple[str, ...] = ("geodesic_sharpness_inv", "geodesic_sharpne
 BOARD_MEASURES: tuple[str, ...] = (*DEFAULT_MEASURES, "relative_flatness")
 
 
+def _declared(default: Any, meaning: str, choices: tuple[str, ...] | None = None) -> Any:
+    """A field of :class:`Settings`: its default (from :mod:`hf_geosharp.engine.defaults`), what it means (the one
+    text every face shows for it, e.g. ``geosharp`` option help) and, for a choice, the values allowed."""
+    return dataclasses.field(default=default, metadata={"help": meaning, "choices": choices})
+
+
 @dataclass(frozen=True)
 class Settings:
-    """The settings every measure of one run shares; the defaults of every face (from
-    :mod:`hf_geosharp.engine.defaults`). The engine checks them when a measure runs
-    (:class:`~hf_geosharp.engine.settings.RunSettings`).
+    """The settings every measure of one run shares: the one declaration of their names, defaults and meanings
+    (each field's ``help``, :func:`setting_help`). The command lines' options, the evaluate module's arguments and
+    the leaderboard's keys are derived from it; the public functions' keywords and the engine's
+    :class:`~hf_geosharp.engine.settings.RunSettings` are checked against it (``tests/test_settings.py``). The
+    engine checks the values when a measure runs.
 
     Attributes:
         rho: radius of the perturbation ball.
@@ -104,14 +114,15 @@ class Settings:
             which stalls below the maximum).
     """
 
-    rho: float = RHO
-    mode: Mode = MODE
-    steps: Steps = STEPS
-    n_samples: int = N_SAMPLES
-    seed: int = SEED
-    epsilon: float = EPSILON
-    ball: Ball = BALL
-    adaptive_variant: Variant = ADAPTIVE_VARIANT
+    rho: float = _declared(RHO, "perturbation radius")
+    mode: Mode = _declared(MODE, "worst or average case")
+    steps: Steps = _declared(STEPS, "solver steps per batch (worst case), or auto: until certified")
+    n_samples: int = _declared(N_SAMPLES, "random directions per batch (average case)")
+    seed: int = _declared(SEED, "seeds the example shuffle and every random draw")
+    epsilon: float = _declared(EPSILON, "regulariser of the geodesic metric's Gram matrices")
+    ball: Ball = _declared(BALL, "radius convention of the geodesic ball: calibrated (rho comparable with adaptive's) "
+                                 "or paper (the paper's unweighted metrics)", choices=BALLS)
+    adaptive_variant: Variant = _declared(ADAPTIVE_VARIANT, "the adaptive baseline's solver: clean or as23")
 
     def as_dict(self) -> dict[str, Any]:
         """The settings as a plain dict (results files, cache keys). ``ball`` is left out when it is the paper's:
@@ -129,6 +140,18 @@ class Settings:
         return cls(**{"ball": "paper", **{k: v for k, v in values.items() if k in fields}})
 
 
+def setting_help(name: str) -> str:
+    """What the shared setting ``name`` means, as every face says it (a :class:`Settings` field's ``help``).
+
+    Args:
+        name: a field of :class:`Settings`.
+
+    Returns:
+        Its one-line meaning.
+    """
+    return next(f.metadata["help"] for f in dataclasses.fields(Settings) if f.name == name)
+
+
 def spec(key: str) -> MeasureSpec:
     """The :class:`MeasureSpec` of ``key``, or a ``ValueError`` that lists the known keys."""
     try:
@@ -137,12 +160,12 @@ def spec(key: str) -> MeasureSpec:
         raise ValueError(f"unknown measure {key!r}; use one of {', '.join(MEASURES)}.") from None
 
 
-def key_of(name: str) -> str | None:
+def key_of_engine_name(name: str) -> str | None:
     """The registry key of the engine's name of a result (``SharpnessResult.measure``, e.g. ``geodesic_inv_average``
     -> ``geodesic_sharpness_inv``), or ``None`` for a name no measure of the registry gives."""
     every = [Settings(mode=mode, adaptive_variant=variant) for mode in MODES for variant in VARIANTS]
     return next((key for key, measure in MEASURES.items() for settings in every
-                 if measure.result_name(settings) == name), None)
+                 if measure.engine_name(settings) == name), None)
 
 
 def parse_measures(text: str | Iterable[str] | None) -> list[str]:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from .durable import atomic_path
 from .engine.result import BlockShare, Breakdown
-from .measures import MEASURES, key_of
+from .measures import MEASURES, key_of_engine_name
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -22,7 +22,7 @@ SIZE, DPI = (8.0, 4.5), 100
 
 def _title(key: str) -> str:
     """The public name of a measure key (or of an engine result name), else the key itself."""
-    spec = MEASURES.get(key) or MEASURES.get(key_of(key) or "")
+    spec = MEASURES.get(key) or MEASURES.get(key_of_engine_name(key) or "")
     return spec.title if spec is not None else key
 
 

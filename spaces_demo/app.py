@@ -1,4 +1,4 @@
-"""Hugging Face Space: geodesic sharpness of a model, in the browser.
+"""The Hub Space app: geodesic sharpness of a model, in the browser.
 
 A visitor picks a model (a member of the embedded ViT zoo trained on scikit-learn's digits, all-MiniLM-L6-v2 with a
 classification head fitted on example sentences, or any Hub model when the Space is online) and data, sets rho, the
@@ -38,7 +38,6 @@ from hf_geosharp.data import (
     hub_offline,
     is_vision,
     load_batches,
-    load_model,
     load_processor,
     make_batches,
     require_task,
@@ -55,8 +54,8 @@ from hf_geosharp.leaderboard import (
     write_outputs,
 )
 from hf_geosharp.leaderboard.store import STORE_FILE, ResultStore, StoreLockedError, output_lock
-from hf_geosharp.measures import DEFAULT_MEASURES, MEASURES, Settings, no_symmetry_note, run_measures
-from hf_geosharp.symmetry import map_symmetries
+from hf_geosharp.measures import DEFAULT_MEASURES, MEASURES, Settings
+from hf_geosharp.pipeline import ModelSource, Request, load, prepare
 from hf_geosharp.symmetry.report import format_report
 from hf_geosharp.zoo import ZooMember, build_zoo, torch_threads, zoo_members
 
@@ -126,7 +125,7 @@ def fit_minilm_head(model: torch.nn.Module, tokenizer: Any) -> None:
         model.classifier.bias.copy_(torch.tensor([-b / 2, b / 2], dtype=model.classifier.bias.dtype))
 
 
-class Space:
+class App:
     """The app's state: which zoo it offers and where it caches models and leaderboard results."""
 
     def __init__(self, zoo_size: str | int, cache_dir: Path | None, work_dir: Path) -> None:
@@ -159,7 +158,7 @@ class Space:
             progress(0.05, desc=f"training {choice} (first use only)")
             zoo = build_zoo(self.zoo_size, self.cache_dir, progress=False, names=[choice])
             source = str(zoo.root / choice)
-            model = load_model(source)
+            model = load(ModelSource(source))
             return model, load_processor(source, model), choice, str(zoo.data_dir)
         if choice == MINILM:
             from transformers import AutoTokenizer, BertForSequenceClassification
@@ -171,7 +170,7 @@ class Space:
             return model, tokenizer, "all-MiniLM-L6-v2 (fitted head)", None
         hub_id = hub_id.strip()  # checked by check_inputs (given, online, small enough) before this
         try:
-            model = load_model(hub_id)
+            model = load(ModelSource(hub_id))
             return model, load_processor(hub_id, model), hub_id, None
         except DataError:
             raise
@@ -218,11 +217,10 @@ class Space:
             raise gr.Error(str(err)) from None
         seconds: dict[str, float] = {}
         try:
-            smap = map_symmetries(model)
+            prepared = prepare(Request(model, batches, keys, Settings(rho=float(rho), steps=steps), progress=True,
+                                       profile_points=PROFILE_POINTS, map_always=True, name=name))
             with torch_threads(1 if digits else torch.get_num_threads()):  # zoo models are tiny: one thread is fastest
-                results = run_measures(keys, model, batches, Settings(rho=float(rho), steps=steps),
-                                       on_result=lambda k, r, s: seconds.__setitem__(k, s), symmetry_map=smap,
-                                       progress=True, profile_points=PROFILE_POINTS)
+                results = prepared.measure(on_result=lambda k, r, s: seconds.__setitem__(k, s))
         except (ValueError, TypeError, FloatingPointError) as err:  # the engine's refusals name the fix
             raise gr.Error(f"The measurement failed: {err}") from None
         table = pd.DataFrame([_row(k, r, seconds[k]) for k, r in results.items()], columns=RESULT_COLUMNS)
@@ -230,9 +228,9 @@ class Space:
         values = "; ".join(f"{MEASURES[k].title} {_pm(r)}" for k, r in results.items())
         status = (f"**{name}** ({n_params:,} parameters) on {data.describe()} in {len(batches)} batches, "
                   f"rho={rho:g}, {steps} steps: {values}.")
-        note = no_symmetry_note(smap, name) if any(MEASURES[k].family == "geodesic" for k in keys) else None
-        status += f"\n\nNote: {note}" if note else ""
-        return (table, format_report(smap.summary(model)), _per_batch_plot(results), card_yaml(entries, name),
+        status += f"\n\nNote: {prepared.note}" if prepared.note else ""
+        return (table, format_report(prepared.symmetry_map.summary(model)), _per_batch_plot(results),
+                card_yaml(entries, name),
                 status, *_where_plots(results, name))
 
     # ------------------------------------------------------------------------------------------ zoo ranking
@@ -362,29 +360,29 @@ HIDE_HOW = {"random symmetry element": None, "adversarial: make it look sharp": 
             "adversarial: make it look flat": "flat"}
 
 
-def hide_and_seek_tab(space: Space) -> None:
+def hide_and_seek_tab(app: App) -> None:
     """The "Hide & seek" tab: reparametrise a zoo model along its attention symmetries (randomly or adversarially,
     with :func:`hf_geosharp.hide`) and show adaptive sharpness move while geodesic sharpness stays."""
     from matplotlib.figure import Figure
 
-    from hf_geosharp.hide import hide, reparametrize_checked
-    from hf_geosharp.measures import run_measure
+    from hf_geosharp.hiding import hide, reparametrize_checked
+    from hf_geosharp.pipeline import measure
 
     keys = ("geodesic_sharpness_inv", "adaptive_sharpness")
 
     def run(choice: str, how: str, progress=gr.Progress()):  # noqa: B008 - how gradio injects progress
-        if choice not in space.zoo_names or how not in HIDE_HOW:
+        if choice not in app.zoo_names or how not in HIDE_HOW:
             raise gr.Error("Pick a zoo model and a kind of reparametrisation.")
         progress(0.05, desc=f"training {choice} (first use only)")
         with torch_threads(1):
-            zoo = build_zoo(space.zoo_size, space.cache_dir, progress=False, names=[choice])
+            zoo = build_zoo(app.zoo_size, app.cache_dir, progress=False, names=[choice])
             source = str(zoo.root / choice)
-            model = load_model(source).double()  # float64: round-off must not blur the invariance on show
+            model = load(ModelSource(source)).double()  # float64: round-off must not blur the invariance on show
             spec = DataSpec(dataset=str(zoo.data_dir), split="train", n_examples=64, batch_size=32)
             batches = [{k: v.double() if v.is_floating_point() else v for k, v in b.items()}
                        for b in load_batches(model, load_processor(source, model), spec)]
             settings = Settings(steps=5)
-            before = {k: run_measure(k, model, batches, settings, progress=False).value for k in keys}
+            before = {k: r.value for k, r in measure(Request(model, batches, keys, settings)).items()}
             progress(0.5, desc="reparametrising")
             if HIDE_HOW[how] is None:
                 seed = int.from_bytes(os.urandom(2), "little")  # a new random element on every press
@@ -392,7 +390,7 @@ def hide_and_seek_tab(space: Space) -> None:
             else:
                 deviation = hide(model, batches, target=HIDE_HOW[how], condition=1000.0, settings=settings,
                                  evaluate=False).max_output_deviation
-            after = {k: run_measure(k, model, batches, settings, progress=False).value for k in keys}
+            after = {k: r.value for k, r in measure(Request(model, batches, keys, settings)).items()}
         fig = Figure(figsize=(6, 3))
         ax = fig.subplots()
         x = range(len(keys))
@@ -416,7 +414,7 @@ def hide_and_seek_tab(space: Space) -> None:
         "Geodesic sharpness measures on the quotient by these symmetries, so it cannot move."
     )
     with gr.Row():
-        model_in = gr.Dropdown(space.zoo_names, value=space.zoo_names[0], label="zoo model", elem_id="hide-model")
+        model_in = gr.Dropdown(app.zoo_names, value=app.zoo_names[0], label="zoo model", elem_id="hide-model")
         how_in = gr.Radio(list(HIDE_HOW), value=list(HIDE_HOW)[1], label="reparametrisation")
     go = gr.Button("Reparametrise", variant="primary", elem_id="hide-btn")
     status_out = gr.Markdown(elem_id="hide-status")
@@ -424,8 +422,8 @@ def hide_and_seek_tab(space: Space) -> None:
     go.click(run, [model_in, how_in], [plot_out, status_out], api_name="hide_and_seek")
 
 
-def _measure_tab(space: Space) -> None:
-    choices = space.model_choices()
+def _measure_tab(app: App) -> None:
+    choices = app.model_choices()
     with gr.Row():
         model_in = gr.Dropdown(choices, value=choices[0][1], label="model", elem_id="model-in", scale=3)
         hub_in = gr.Textbox(label="Hub model id (when 'a Hub model id' is picked)", placeholder="org/model")
@@ -453,12 +451,12 @@ def _measure_tab(space: Space) -> None:
     inputs = [model_in, hub_in, data_in, dataset_in, split_in, n_in, rho_in, measures_in, steps_in]
     outputs = [table_out, report_out, plot_out, card_out, status_out, where_out, profile_out]
     checked = [model_in, hub_in, rho_in, measures_in]  # a bad input stops here: the last results stay on screen
-    go.click(space.check_inputs, checked, None, api_visibility="private").success(
-        space.measure, inputs, outputs, api_name="measure")
+    go.click(app.check_inputs, checked, None, api_visibility="private").success(
+        app.measure, inputs, outputs, api_name="measure")
 
 
-def _zoo_tab(space: Space) -> None:
-    gr.Markdown(f"Ranks the {len(space.zoo_names)} zoo models and correlates each measure (and the parameter norm "
+def _zoo_tab(app: App) -> None:
+    gr.Markdown(f"Ranks the {len(app.zoo_names)} zoo models and correlates each measure (and the parameter norm "
                 "and clean training loss) with their generalisation gap (test minus train error).")
     with gr.Row():
         zoo_rho = gr.Number(value=Settings.rho, label=f"rho (0 < rho <= {LIMITS['max_rho']:g})")
@@ -469,10 +467,10 @@ def _zoo_tab(space: Space) -> None:
     taus_out = gr.Markdown()
     scatter_out = gr.Image(label="measure vs generalisation gap", type="filepath")
     rank.click(_check_rho, [zoo_rho], None, api_visibility="private").success(
-        space.rank_zoo, [zoo_rho, zoo_steps], [board_out, taus_out, scatter_out], api_name="rank_zoo")
+        app.rank_zoo, [zoo_rho, zoo_steps], [board_out, taus_out, scatter_out], api_name="rank_zoo")
 
 
-#: The app's tabs, in order: (title, function that builds the tab's components from the shared ``Space``).
+#: The app's tabs, in order: (title, function that builds the tab's components from the shared ``App``).
 TABS = [("Measure a model", _measure_tab), ("Rank the zoo", _zoo_tab), ("Hide & seek", hide_and_seek_tab)]
 
 
@@ -480,7 +478,7 @@ def build_demo(zoo_size: str | int | None = None, cache_dir: str | Path | None =
                work_dir: str | Path | None = None) -> gr.Blocks:
     """The Blocks app; arguments default to ``HF_GEOSHARP_SPACE_ZOO`` (``full``), the zoo cache and a temp dir."""
     size = zoo_size or os.environ.get("HF_GEOSHARP_SPACE_ZOO", "full")
-    space = Space(size, Path(cache_dir) if cache_dir else None, Path(work_dir or tempfile.mkdtemp(prefix="geosharp-")))
+    app = App(size, Path(cache_dir) if cache_dir else None, Path(work_dir or tempfile.mkdtemp(prefix="geosharp-")))
     with gr.Blocks(title="Geodesic sharpness") as demo:
         gr.Markdown(
             "# Geodesic sharpness\nSharpness that does not change when a transformer is reparametrised along its "
@@ -490,7 +488,7 @@ def build_demo(zoo_size: str | int | None = None, cache_dir: str | Path | None =
         )
         for title, build_tab in TABS:
             with gr.Tab(title):
-                build_tab(space)
+                build_tab(app)
     return demo
 
 

@@ -5,8 +5,9 @@
 shards it with ``shard_model``, measures it again with the same batches on every rank, with each rank given its share
 of every batch, and with only some parameters trainable, and checks the shards bit for bit afterwards. Rank 0 writes
 the numbers to ``OUT`` (JSON), and, per sharded measurement, how many embeddings had their unused rows left out. With
-``--boxes`` the pair factors are laid out as strided boxes however small they are (a real model's size), so that the
-pairs' base point is read from the weights rather than kept as a copy.
+``--boxes`` the pair factors are laid out as strided boxes however small they are (a real model's size), and the
+workspace is too small for a whole pair group (a real model's memory rule), so that the pairs' base point is read from
+the weights a head chunk at a time rather than kept as a copy.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ import torch.distributed as dist
 
 import hf_geosharp as gs
 from hf_geosharp.engine import runner
+from hf_geosharp.engine.placement import fsdp
 from hf_geosharp.engine.placement.sharding import shard_model
 from hf_geosharp.engine.space import coordinates
+from hf_geosharp.engine.space.workspace import Workspace
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
 from tests.fsdp_worker import build, placement_fn  # noqa: E402
@@ -71,6 +74,7 @@ def main() -> None:
     arch, path, shard1 = sys.argv[1], sys.argv[2], "--shard1" in sys.argv
     if "--boxes" in sys.argv:
         coordinates.strided_pieces = functools.partial(coordinates.strided_pieces, min_elements=1)
+        fsdp.FsdpPlacement.workspace = lambda self, numel, dtype: Workspace(dtype, self.device, 1 << 10)
     model, batch, frozen = build(arch)
     g = torch.Generator().manual_seed(2)
     batches = []

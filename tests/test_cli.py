@@ -348,7 +348,7 @@ def test_logging_uses_one_library_handler_and_verbosity(files, capsys):
 
 
 def test_launcher_asking_for_more_processes_than_started_is_detected(monkeypatch):
-    from hf_geosharp.commands import run as run_command
+    from hf_geosharp.pipeline import launch as run_command  # the launcher helper geosharp run asks
 
     accelerate_env = {"ACCELERATE_USE_CPU": "True"}
     cmdline = ["python", "accelerate", "launch", "--num_processes", "2", "--cpu", "-m", "hf_geosharp", "run"]
@@ -356,7 +356,7 @@ def test_launcher_asking_for_more_processes_than_started_is_detected(monkeypatch
     assert run_command.asked_processes(accelerate_env, ["accelerate", "launch", "--num_processes=3"]) == 3
     assert run_command.asked_processes({"WORLD_SIZE": "4"}, None) == 4
     assert run_command.asked_processes({}, cmdline) is None  # not under accelerate
-    monkeypatch.setattr(run_command, "_parent_cmdline", lambda: cmdline)
+    monkeypatch.setattr(run_command, "parent_cmdline", lambda: cmdline)
     monkeypatch.setenv("ACCELERATE_USE_CPU", "True")
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert "asked for 2 processes but 1 started" in run_command.launch_warning(1)

@@ -61,7 +61,12 @@ def test_help_lists_every_command_and_a_command_gets_its_own_options(capsys):
 
 def test_gs_hide_is_the_function_also_after_its_sub_package_is_imported():
     import hf_geosharp as gs
-    import hf_geosharp.hide.seek  # noqa: F401  (the import system sets the package's attribute ``hide``)
-    from hf_geosharp.hide.transform import hide
+    import hf_geosharp.hiding.seek  # noqa: F401
+    from hf_geosharp.hiding.transform import hide
 
     assert gs.hide is hide and callable(gs.hide)
+    with pytest.warns(DeprecationWarning, match=r"hf_geosharp\.hide\.seek is deprecated.*import hf_geosharp\.hiding"):
+        import hf_geosharp.hide.seek  # noqa: F401  (the old name; the import system sets the package's ``hide``)
+    from hf_geosharp.hide.seek import hide_and_seek  # the same module under its old name
+
+    assert gs.hide is hide and hide_and_seek is hf_geosharp.hiding.seek.hide_and_seek

@@ -7,7 +7,7 @@ import scipy.linalg
 import torch
 
 from hf_geosharp.engine.geometry.elementwise import ElementwiseGeometry
-from hf_geosharp.engine.geometry.gl_quotient import GLQuotient
+from hf_geosharp.engine.geometry.gl_quotient import GLQuotient, gl_quotient
 
 K, N, M, H = 3, 7, 5, 3
 METRICS = ["inv", "mix"]
@@ -43,7 +43,7 @@ def metric(request):
 
 def test_projection_is_orthogonal_to_vertical_space_and_idempotent(metric):
     G, Hm = _pair()
-    geo = GLQuotient(G, Hm, metric, epsilon=0.0)
+    geo = gl_quotient(G, Hm, metric, epsilon=0.0)
     xi = _pair(seed=5)
     p = geo.projection(xi)
     for seed in range(3):
@@ -58,7 +58,7 @@ def test_projection_is_orthogonal_to_vertical_space_and_idempotent(metric):
 def test_paper_literal_inv_projection_is_not_horizontal():
     """The printed `A Lam + Lam A^T = B` fails (docs/spec.md §1.5): our corrected solve is the one that works."""
     G, Hm = _pair()
-    geo = GLQuotient(G, Hm, "inv", epsilon=0.0)
+    geo = gl_quotient(G, Hm, "inv", epsilon=0.0)
     xi = _pair(seed=5)
     P, Q = (G.mT @ G), (Hm.mT @ Hm)
     A = (P @ Q)[0].numpy()
@@ -67,15 +67,15 @@ def test_paper_literal_inv_projection_is_not_horizontal():
     lam = geo._projection_lambda(xi)[0]
     assert torch.allclose(lam.mT, torch.from_numpy(scipy.linalg.solve_sylvester(A, A, B)), atol=1e-10)
     wrong = (xi[0][0] + G[0] @ lam_literal, xi[1][0] - Hm[0] @ lam_literal.mT)
-    one = GLQuotient(G[:1], Hm[:1], "inv", epsilon=0.0)
+    one = gl_quotient(G[:1], Hm[:1], "inv", epsilon=0.0)
     v = one.vertical_vector(torch.randn(1, H, H, dtype=torch.float64))
     assert one.inner_product((wrong[0][None], wrong[1][None]), v).abs().max() > 1e-6
 
 
 def test_reduced_group_with_full_basis_matches_closed_form(metric):
     G, Hm = _pair()
-    full = GLQuotient(G, Hm, metric, epsilon=1e-3)
-    reduced = GLQuotient(G, Hm, metric, epsilon=1e-3, lie_basis=_full_basis())
+    full = gl_quotient(G, Hm, metric, epsilon=1e-3)
+    reduced = gl_quotient(G, Hm, metric, epsilon=1e-3, lie_basis=_full_basis())
     xi = _pair(seed=9)
     a, b = full.projection(xi), reduced.projection(xi)
     assert torch.allclose(a[0], b[0], atol=1e-10) and torch.allclose(a[1], b[1], atol=1e-10)
@@ -84,7 +84,7 @@ def test_reduced_group_with_full_basis_matches_closed_form(metric):
 def test_reduced_group_projection_is_orthogonal_to_its_vertical_space(metric):
     basis = _full_basis()[[0, 4, 8]]  # diagonal subgroup: per-column rescaling
     G, Hm = _pair()
-    geo = GLQuotient(G, Hm, metric, epsilon=0.0, lie_basis=basis)
+    geo = gl_quotient(G, Hm, metric, epsilon=0.0, lie_basis=basis)
     p = geo.projection(_pair(seed=2))
     for E in basis:
         assert geo.inner_product(p, geo.vertical_vector(E.expand(K, H, H))).abs().max() < 1e-11
@@ -93,7 +93,7 @@ def test_reduced_group_projection_is_orthogonal_to_its_vertical_space(metric):
 def test_metric_invariance_and_projection_equivariance(metric):
     G, Hm = _pair()
     A = _random_group_element()
-    geo, geo_A = GLQuotient(G, Hm, metric, 0.0), GLQuotient(*_act(A, (G, Hm)), metric, 0.0)
+    geo, geo_A = gl_quotient(G, Hm, metric, 0.0), gl_quotient(*_act(A, (G, Hm)), metric, 0.0)
     a, b = _pair(seed=3), _pair(seed=4)
     assert torch.allclose(geo.inner_product(a, b), geo_A.inner_product(_act(A, a), _act(A, b)), rtol=1e-10)
     pa = _act(A, geo.projection(a))
@@ -103,7 +103,7 @@ def test_metric_invariance_and_projection_equivariance(metric):
 
 def test_riemannian_gradient_represents_the_euclidean_gradient(metric):
     G, Hm = _pair()
-    geo = GLQuotient(G, Hm, metric, 0.0)
+    geo = gl_quotient(G, Hm, metric, 0.0)
     e, eta = _pair(seed=6), _pair(seed=7)
     r = geo.euclidean_to_riemannian_gradient(e)
     frob = (e[0] * eta[0]).sum((-2, -1)) + (e[1] * eta[1]).sum((-2, -1))
@@ -113,7 +113,7 @@ def test_riemannian_gradient_represents_the_euclidean_gradient(metric):
 def test_exp2_is_equivariant(metric):
     G, Hm = _pair()
     A = _random_group_element(condition=100.0)
-    geo, geo_A = GLQuotient(G, Hm, metric, 0.0), GLQuotient(*_act(A, (G, Hm)), metric, 0.0)
+    geo, geo_A = gl_quotient(G, Hm, metric, 0.0), gl_quotient(*_act(A, (G, Hm)), metric, 0.0)
     xi = geo.projection(_pair(seed=8))
     w1 = geo.exp2(xi)
     w2 = geo_A.exp2(_act(A, xi))
@@ -130,7 +130,7 @@ def _geodesic_ode(G, Hm, xi, metric, t):
         vel = torch.from_numpy(y[sum(sizes) :])
         g = pos[: sizes[0]].view(shapes[0]), pos[sizes[0] :].view(shapes[1])
         v = vel[: sizes[0]].view(shapes[0]), vel[sizes[0] :].view(shapes[1])
-        cG, cH = GLQuotient(g[0], g[1], metric, 0.0).exp2_correction(v)  # = -Gamma/2
+        cG, cH = gl_quotient(g[0], g[1], metric, 0.0).exp2_correction(v)  # = -Gamma/2
         return np.concatenate([vel.numpy(), 2 * cG.reshape(-1).numpy(), 2 * cH.reshape(-1).numpy()])
 
     y0 = np.concatenate([G.reshape(-1), Hm.reshape(-1), xi[0].reshape(-1), xi[1].reshape(-1)])
@@ -141,7 +141,7 @@ def _geodesic_ode(G, Hm, xi, metric, t):
 
 def test_second_order_geodesic_error_is_cubic(metric):
     G, Hm = _pair(k=1)
-    geo = GLQuotient(G, Hm, metric, 0.0)
+    geo = gl_quotient(G, Hm, metric, 0.0)
     xi = geo.projection(_pair(seed=11, k=1))
     scale = 0.3 / float(geo.norm(xi).max())
     errors_2, errors_1 = [], []
@@ -160,7 +160,7 @@ def test_second_order_geodesic_error_is_cubic(metric):
 
 def test_sampler_has_metric_isotropic_covariance(metric):
     G, Hm = _pair(k=1, n=4, m=4, h=2)
-    geo = GLQuotient(G, Hm, metric, 0.0, probe_generator=torch.Generator().manual_seed(0))
+    geo = gl_quotient(G, Hm, metric, 0.0, probe_generator=torch.Generator().manual_seed(0))
     gen = torch.Generator().manual_seed(1)
     zs = torch.cat([geo.random_tangent_vector(gen)[0].reshape(-1, 2) for _ in range(6000)])
     cov = zs.mT @ zs / zs.shape[0]
@@ -171,8 +171,8 @@ def test_sampler_has_metric_isotropic_covariance(metric):
 def test_sampler_is_equivariant(metric):
     G, Hm = _pair()
     A = _random_group_element(condition=100.0)
-    geo = GLQuotient(G, Hm, metric, 0.0, probe_generator=torch.Generator().manual_seed(0))
-    geo_A = GLQuotient(*_act(A, (G, Hm)), metric, 0.0, probe_generator=torch.Generator().manual_seed(0))
+    geo = gl_quotient(G, Hm, metric, 0.0, probe_generator=torch.Generator().manual_seed(0))
+    geo_A = gl_quotient(*_act(A, (G, Hm)), metric, 0.0, probe_generator=torch.Generator().manual_seed(0))
     z = geo.random_tangent_vector(torch.Generator().manual_seed(3))
     z_A = geo_A.random_tangent_vector(torch.Generator().manual_seed(3))
     expected = _act(A, z)
@@ -183,8 +183,8 @@ def test_singular_head_without_epsilon_gives_clear_error():
     G, Hm = _pair()
     G[0, :, 0] = 0.0
     with pytest.raises(ValueError, match="epsilon"):
-        GLQuotient(G, Hm, "inv", epsilon=0.0)
-    geo = GLQuotient(G, Hm, "inv", epsilon=1e-6)  # the relaxation keeps it finite
+        gl_quotient(G, Hm, "inv", epsilon=0.0)
+    geo = gl_quotient(G, Hm, "inv", epsilon=1e-6)  # the relaxation keeps it finite
     assert torch.isfinite(geo.projection(_pair(seed=2))[0]).all()
 
 
@@ -216,7 +216,7 @@ def _singular_pair(seed=0):
 @pytest.mark.parametrize("singular", [False, True])
 def test_relaxed_projection_is_exact_idempotent_and_orthogonal(metric, singular):
     G, Hm = _singular_pair() if singular else _pair()
-    geo = GLQuotient(G, Hm, metric, epsilon=EPS)
+    geo = gl_quotient(G, Hm, metric, epsilon=EPS)
     xi = _pair(seed=5)
     p = geo.projection(xi)
     for seed in range(3):
@@ -232,7 +232,7 @@ def test_relaxed_projection_is_exact_idempotent_and_orthogonal(metric, singular)
 def test_relaxed_projection_matches_a_dense_least_squares_reference(metric):
     """Slow reference: minimise ||xi + vertical(Lam)||_g over Lam by a dense solve of the normal equations."""
     G, Hm = _pair(k=1)
-    geo = GLQuotient(G, Hm, metric, epsilon=EPS)
+    geo = gl_quotient(G, Hm, metric, epsilon=EPS)
     xi = _pair(seed=3, k=1)
     basis = _full_basis()
     V = [geo.vertical_vector(E[None]) for E in basis]
@@ -262,8 +262,8 @@ def test_relaxed_metric_projection_exp2_and_sampler_are_covariant(metric):
     G, Hm = _pair()
     A = 10.0 * _random_group_element(condition=10.0)
     probe = lambda: torch.Generator().manual_seed(0)  # noqa: E731
-    geo = GLQuotient(G, Hm, metric, 1e-3, probe_generator=probe())
-    geo_A = GLQuotient(*_act(A, (G, Hm)), metric, 1e-3, probe_generator=probe())
+    geo = gl_quotient(G, Hm, metric, 1e-3, probe_generator=probe())
+    geo_A = gl_quotient(*_act(A, (G, Hm)), metric, 1e-3, probe_generator=probe())
     assert (geo._P64 - G.mT @ G).norm() > 1e-5 * (G.mT @ G).norm()  # the relaxation is really there
     _covariance_checks(geo, geo_A, A, G, Hm)
 
@@ -272,7 +272,7 @@ def test_relaxation_of_singular_heads_is_covariant_under_per_head_rescaling(metr
     G, Hm = _singular_pair()
     c = torch.tensor([1e-2, 3.0, 1e2], dtype=torch.float64)
     A = c[:, None, None] * torch.eye(H, dtype=torch.float64)
-    geo, geo_A = GLQuotient(G, Hm, metric, EPS), GLQuotient(*_act(A, (G, Hm)), metric, EPS)
+    geo, geo_A = gl_quotient(G, Hm, metric, EPS), gl_quotient(*_act(A, (G, Hm)), metric, EPS)
     _covariance_checks(geo, geo_A, A, G, Hm, sampler=False)
 
 
@@ -281,10 +281,10 @@ def test_relaxation_is_relative_and_the_old_absolute_one_is_not_invariant():
     relaxation G^T G + eps I (the former default) is not, which is the defect the relative one removes."""
     G, Hm = _pair()
     a, b = _pair(seed=3), _pair(seed=4)
-    ref = GLQuotient(G, Hm, "inv", 1e-6).inner_product(a, b)
+    ref = gl_quotient(G, Hm, "inv", 1e-6).inner_product(a, b)
     for c in (1e-2, 1e2):
         A = c * torch.eye(H, dtype=torch.float64).expand(K, H, H)
-        moved = GLQuotient(*_act(A, (G, Hm)), "inv", 1e-6).inner_product(_act(A, a), _act(A, b))
+        moved = gl_quotient(*_act(A, (G, Hm)), "inv", 1e-6).inner_product(_act(A, a), _act(A, b))
         assert torch.allclose(moved, ref, rtol=1e-12)
     P, Q = GLQuotient.relaxed_grams(G.mT @ G, Hm.mT @ Hm, 1e-6)
     rel = (P - G.mT @ G).norm() / (G.mT @ G).norm()
@@ -297,9 +297,9 @@ def test_relaxation_is_relative_and_the_old_absolute_one_is_not_invariant():
 def test_reduced_group_relaxed_projection_is_orthogonal(metric):
     basis = _full_basis()[[0, 4, 8]]
     G, Hm = _singular_pair()
-    geo = GLQuotient(G, Hm, metric, epsilon=EPS, lie_basis=basis)
-    full = GLQuotient(G, Hm, metric, epsilon=EPS, lie_basis=_full_basis())
-    closed = GLQuotient(G, Hm, metric, epsilon=EPS)
+    geo = gl_quotient(G, Hm, metric, epsilon=EPS, lie_basis=basis)
+    full = gl_quotient(G, Hm, metric, epsilon=EPS, lie_basis=_full_basis())
+    closed = gl_quotient(G, Hm, metric, epsilon=EPS)
     xi = _pair(seed=2)
     p = geo.projection(xi)
     for E in basis:
@@ -317,7 +317,7 @@ def test_closed_form_exp2_pullback_matches_autograd(metric):
     g = torch.Generator().manual_seed(0)
     pair = lambda: (torch.randn(3, 7, 4, generator=g, dtype=torch.float64),  # noqa: E731
                     torch.randn(3, 5, 4, generator=g, dtype=torch.float64))
-    geo = GLQuotient(*pair(), metric, epsilon=1e-3)
+    geo = gl_quotient(*pair(), metric, epsilon=1e-3)
     xi, cot = pair(), pair()
     leaves = tuple(x.clone().requires_grad_(True) for x in xi)
     reference = geo.exp2_correction(leaves)

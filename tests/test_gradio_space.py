@@ -244,8 +244,8 @@ def test_too_large_hub_model_is_refused_before_download(app, monkeypatch, tmp_pa
     monkeypatch.setattr(app, "hub_offline", lambda: False)
     monkeypatch.setattr(HfApi, "model_info", lambda self, repo_id, **kw: SimpleNamespace(
         safetensors=SimpleNamespace(total=7_000_000_000)))
-    monkeypatch.setattr(app, "load_model", lambda *a: pytest.fail("downloaded a model that is too large"))
-    space_state = app.Space("mini", tmp_path, tmp_path)
+    monkeypatch.setattr(app, "load", lambda *a: pytest.fail("downloaded a model that is too large"))
+    space_state = app.App("mini", tmp_path, tmp_path)
     with pytest.raises(gr.Error, match="7,000,000,000 parameters"):
         space_state.measure(app.HUB, "big/model", app.BUNDLED, "", "train", 64, 0.1, [INV], 2,
                             progress=lambda *a, **k: None)
@@ -271,10 +271,10 @@ def test_an_unreachable_hub_is_a_readable_message(app, monkeypatch, tmp_path, wh
         message = r"Could not look up 'org/model' on the Hub \(ConnectError\); check the id and the Space's network"
     else:
         monkeypatch.setattr(HfApi, "model_info", lambda self, repo_id, **kw: SimpleNamespace(safetensors=None))
-        monkeypatch.setattr(app, "load_model", unreachable)
+        monkeypatch.setattr(app, "load", unreachable)
         message = r"Could not load 'org/model' from the Hub \(ConnectError\); check the id"
     with pytest.raises(gr.Error, match=message):
-        app.Space("mini", tmp_path, tmp_path).measure(app.HUB, " org/model ", app.BUNDLED, "", "train", 64, 0.1,
+        app.App("mini", tmp_path, tmp_path).measure(app.HUB, " org/model ", app.BUNDLED, "", "train", 64, 0.1,
                                                       [INV], 2, progress=lambda *a, **k: None)
 
 
@@ -408,7 +408,7 @@ def playwright_re(pattern: str):
 def test_minilm_choice_has_a_fitted_head(app, tmp_path):
     import torch
 
-    state = app.Space("mini", tmp_path, tmp_path)
+    state = app.App("mini", tmp_path, tmp_path)
     assert app.MINILM in [value for _, value in state.model_choices()]
     model, tokenizer, name, _ = state._load(app.MINILM, "", lambda *a, **k: None)
     enc = tokenizer([s for s, _ in app.SENTENCES], padding=True, return_tensors="pt")

@@ -14,7 +14,7 @@ from torch import nn
 
 import hf_geosharp as gs
 from hf_geosharp.engine.hessian import attention_implementations, eager_attention
-from hf_geosharp.measures import Settings, key_of, parse_measures, run_measure
+from hf_geosharp.measures import Settings, key_of_engine_name, parse_measures, run_measure
 
 from .fixtures.hf_models import one_thread, tiny_bert  # noqa: F401 (one torch thread)
 
@@ -139,7 +139,8 @@ def test_hutchinson_lies_within_its_error_bar_and_the_bar_covers_as_it_should(ne
 def test_the_registry_runs_both_with_its_settings(net):
     model, batches, _ = net
     assert parse_measures("eigenvalue,trace") == ["hessian_top_eigenvalue", "hessian_trace"]
-    assert key_of("hessian_top_eigenvalue") == "hessian_top_eigenvalue" and key_of("hessian_trace") == "hessian_trace"
+    assert key_of_engine_name("hessian_top_eigenvalue") == "hessian_top_eigenvalue"
+    assert key_of_engine_name("hessian_trace") == "hessian_trace"
     settings = Settings(n_samples=5, seed=3)
     trace = run_measure("hessian_trace", model, batches, settings, progress=False, symmetry_map=None)
     assert trace.value == gs.hessian_trace(model, batches, n_samples=5, seed=3, progress=False).value

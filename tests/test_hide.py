@@ -19,12 +19,12 @@ import torch
 import transformers as tf
 
 import hf_geosharp as gs
-from hf_geosharp.hide import FunctionChangedError, hide
+from hf_geosharp.hiding import FunctionChangedError, hide
 from hf_geosharp.measures import run_measure
 from hf_geosharp.symmetry.base import PairBlock
 
 SETTINGS = dict(progress=False)
-reparam_module = importlib.import_module("hf_geosharp.symmetry.reparametrize")  # the package re-exports the function
+reparam_module = importlib.import_module("hf_geosharp.symmetry.group_action")  # the package re-exports the function
 
 
 def _bert() -> tf.BertForSequenceClassification:
@@ -119,7 +119,7 @@ def test_hide_rolls_back_when_the_element_is_not_a_symmetry() -> None:
     bad = dataclasses.replace(smap, blocks=[wrong])
     state = _state(model)
     with pytest.raises(FunctionChangedError, match="restored"):
-        hide(model, batches, target="sharp", smap=bad, search_steps=10, evaluate=False)
+        hide(model, batches, target="sharp", symmetry_map=bad, search_steps=10, evaluate=False)
     _assert_bit_exact(model, state)
 
 
@@ -208,7 +208,7 @@ def test_demo_hide_and_seek_section(mini_zoo, tmp_path: Path, capsys) -> None:
 
 def test_hide_and_seek_moves_adaptive_and_not_geodesic(mini_zoo) -> None:
     from hf_geosharp.data import DataSpec, load_batches, load_model, load_processor
-    from hf_geosharp.hide import hide_and_seek
+    from hf_geosharp.hiding import hide_and_seek
     from hf_geosharp.measures import Settings
 
     spec = DataSpec(dataset=str(mini_zoo.data_dir), n_examples=64, batch_size=32)

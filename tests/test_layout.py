@@ -11,8 +11,13 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "hf_geosharp"
-FACES = ("api", "measures", "cli", "zoo", "commands", "data", "evaluate_module", "hub", "leaderboard", "hide",
-         "integrations", "plots")
+FACES = ("api", "measures", "cli", "zoo", "commands", "data", "evaluate_module", "hub", "leaderboard", "hiding",
+         "integrations", "plots", "pipeline")
+#: The faces proper: they parse inputs into the pipeline's request and format its results (docs/architecture.md).
+FACE_FILES = sorted({*(PACKAGE / "commands").rglob("*.py"), *(PACKAGE / "evaluate_module").rglob("*.py"),
+                     *(PACKAGE / "hub").rglob("*.py"), *(PACKAGE / "leaderboard").rglob("*.py"),
+                     *(PACKAGE / "integrations").rglob("*.py"), PACKAGE / "hiding" / "seek.py",
+                     *(PACKAGE.parent / "spaces_demo").rglob("*.py"), *(PACKAGE.parent / "experiments").rglob("*.py")})
 #: The engine's lowest layers: torch (numpy) and the defaults at most.
 LOWEST = ("engine/defaults.py", "engine/geometry/elementwise.py", "engine/geometry/gl_quotient.py",
           "engine/geometry/lie.py", "engine/space/workspace.py", "engine/model_function/embedding_rows.py",
@@ -90,7 +95,7 @@ def test_the_package_root_holds_at_most_twelve_modules() -> None:
 
 def test_every_module_the_architecture_doc_names_exists() -> None:
     doc = (PACKAGE.parent / "docs" / "architecture.md").read_text()
-    named = set(re.findall(r"`((?:engine|symmetry|hub|leaderboard|hide|evaluate_module)/[\w/]+\.py)`", doc))
+    named = set(re.findall(r"`((?:engine|symmetry|hub|leaderboard|hiding|pipeline|evaluate_module)/[\w/]+\.py)`", doc))
     assert named, "the doc names no module"
     missing = sorted(n for n in named if not (PACKAGE / n).is_file())
     assert not missing, f"docs/architecture.md names modules that do not exist: {missing}"
@@ -99,6 +104,95 @@ def test_every_module_the_architecture_doc_names_exists() -> None:
 def test_the_import_reader_sees_relative_absolute_and_lazy_imports() -> None:
     """The negative control of the rules above: the reader finds what a face imports from the engine, and the
     builder's lazy import of the mapper."""
-    assert "engine.symmetry_search" in _imports(PACKAGE / "hide" / "transform.py")
+    assert "engine.symmetry_search" in _imports(PACKAGE / "hiding" / "transform.py")
     assert "symmetry.map_symmetries" in _imports(PACKAGE / "engine" / "builder.py")
     assert "engine" in {name.split(".")[0] for name in _imports(PACKAGE / "api.py")}
+
+
+def _where(path: Path) -> str:
+    return str(path.relative_to(PACKAGE.parent))
+
+
+#: Experiments that study the solver itself (its certificate, against an exact oracle), not faces of a measurement.
+SOLVER_STUDIES = ("experiments/diagonal_networks.py", "experiments/minilm_family.py")
+
+
+@pytest.mark.parametrize("path", FACE_FILES, ids=_where)
+def test_no_face_imports_the_solver(path: Path) -> None:
+    """The solver is the engine's: a face asks the pipeline (its time estimate included) or the registry."""
+    if _where(path) in SOLVER_STUDIES:
+        pytest.skip("a study of the solver")
+    solver = {name for name in _imports(path) if name.startswith("engine.solvers")}
+    assert not solver, f"{_where(path)} imports {sorted(solver)}"
+
+
+#: A call of the mapper by its bare name (``gs.map_symmetries(...)``, the public API, is a qualified one).
+BARE_MAP_CALL = re.compile(r"(?<![\w.])map_symmetries\(")
+
+
+@pytest.mark.parametrize("path", FACE_FILES, ids=_where)
+def test_faces_map_symmetries_only_through_the_pipeline_or_the_public_api(path: Path) -> None:
+    text = path.read_text()
+    mapper = {name for name in _imports(path) if name in ("symmetry.map_symmetries", "symmetry.mapping")}
+    assert not mapper and not BARE_MAP_CALL.search(text), \
+        f"{_where(path)} maps symmetries itself; ask hf_geosharp.pipeline (prepare, symmetry_map) or gs.map_symmetries"
+
+
+def test_the_rules_above_see_what_they_forbid() -> None:
+    """Negative control: the pipeline maps the symmetries and imports the solver, and the readers see both."""
+    pipeline = PACKAGE / "pipeline" / "measuring.py"
+    assert BARE_MAP_CALL.search(pipeline.read_text())
+    assert "engine.solvers.apgd" in _imports(pipeline)
+    assert "symmetry.map_symmetries" in _imports(pipeline)
+
+
+def _submodules(package: Path) -> set[str]:
+    return {p.stem for p in package.glob("*.py") if p.stem != "__init__"} | {
+        p.name for p in package.iterdir() if (p / "__init__.py").is_file()}
+
+
+@pytest.mark.parametrize("package", sorted(p.parent for p in PACKAGE.rglob("__init__.py")), ids=_where)
+def test_no_module_is_shadowed_by_a_name_its_package_exports(package: Path) -> None:
+    """``from .hide import hide`` in a package makes ``package.hide`` the function, so the dotted path of anything
+    else in that module (a docstring's reference, an API page) cannot be reached."""
+    bound = set()
+    for node in ast.parse((package / "__init__.py").read_text()).body:
+        if isinstance(node, ast.ImportFrom):
+            bound |= {alias.asname or alias.name for alias in node.names}
+    if package == PACKAGE:  # the root's public names are imported lazily (``_PUBLIC``)
+        tree = ast.parse((package / "__init__.py").read_text())
+        public = next(n for n in tree.body if isinstance(n, ast.AnnAssign | ast.Assign)
+                      and "_PUBLIC" in ast.unparse(n.targets[0] if isinstance(n, ast.Assign) else n.target))
+        bound |= set(ast.literal_eval(public.value))
+    shadowed = sorted(bound & _submodules(package) - {name for name in bound if _is_module_import(package, name)})
+    assert not shadowed, f"{_where(package)}: {shadowed} name both a module and something else"
+
+
+def _is_module_import(package: Path, name: str) -> bool:
+    """Whether the package's ``name`` is bound to the sub-module itself (``from . import name``)."""
+    for node in ast.parse((package / "__init__.py").read_text()).body:
+        if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module is None:
+            if any((a.asname or a.name) == name for a in node.names):
+                return True
+    return False
+
+
+def test_settings_are_declared_once() -> None:
+    """The shared settings are the fields of ``measures.Settings`` (the engine's are ``RunSettings``'s); the command
+    lines take their options from it (``commands/common.py``), and each constant has one definition."""
+    declared = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and any(
+                    isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name) and s.target.id == "rho"
+                    for s in node.body):
+                declared[node.name] = str(path.relative_to(PACKAGE))
+    assert declared == {"Settings": "measures.py", "RunSettings": "engine/settings.py"}, declared
+    for command in ("run.py", "board.py"):
+        text = (PACKAGE / "commands" / command).read_text()
+        for flag in ("--rho", "--steps", "--n-samples", "--epsilon", "--seed", "--mode", "--measures"):
+            assert f'"{flag}"' not in text, f"commands/{command} declares {flag}; commands/common.py declares it once"
+    for constant in ("ZERO_TOL",):
+        defined = [str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
+                   if re.search(rf"^{constant}\s*(:[^=]*)?=", p.read_text(), re.MULTILINE)]
+        assert defined == ["engine/defaults.py"], (constant, defined)

@@ -4,8 +4,11 @@ a small workspace vs all heads at once."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hf_geosharp.engine.space.coordinates import Factor, stack_alike
 from hf_geosharp.engine.space.perturbation_space import PerturbationSpace, SpaceOptions
@@ -131,3 +134,53 @@ def test_ascent_direction_saves_the_gradient_it_consumes_without_changing_a_bit(
     d_saving, square_saving, products_saving = space.ascent_direction(saving, vectors, out=saving, save=saved)
     assert torch.equal(saved, egrad) and torch.equal(d_saving, d)
     assert (square_saving, products_saving) == (square, products)
+
+
+class _PairOps(TorchDispatchMode):
+    """Counts the ATen calls made while the pair geometry runs (a frame of ``pair_group.py`` or ``gl_quotient.py`` on
+    the stack: gathers, geometry and writes of the pair coordinates)."""
+
+    FILES = ("engine/space/pair_group.py", "engine/geometry/gl_quotient.py")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        frame = sys._getframe(1)
+        while frame is not None and not frame.f_code.co_filename.endswith(self.FILES):
+            frame = frame.f_back
+        self.ops += frame is not None
+        return func(*args, **(kwargs or {}))
+
+
+def _bert(layers: int) -> torch.nn.Module:
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=50, hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
+                        intermediate_size=32, max_position_embeddings=16, num_labels=2)
+    return BertForSequenceClassification(config).double()
+
+
+@pytest.mark.parametrize("metric", ["inv", "mix"])
+def test_pair_operations_issue_as_many_ops_at_any_depth(metric):
+    """Pairs of one shape from every layer go through each geometry operation as one stacked batch, gathered and
+    written through strided views spanning the layers: a step's pair operations (the direction, the geodesic point
+    and its pullback, an inner product, the horizontal projection) issue the same ATen calls for one layer as for
+    three, and the pair factors really are strided boxes there (not one index operation per group)."""
+    counts = []
+    for layers in (1, 3):
+        model = _bert(layers)
+        theta = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        space = PerturbationSpace(theta, map_symmetries(model).blocks, SpaceOptions(metric))
+        assert all(f.boxes is not None and len(group.chunks) == 1 for group in space.pairs for f in (group.g, group.h))
+        g = torch.Generator().manual_seed(0)
+        egrad, xi, cotangent = (torch.randn(theta.shape, generator=g, dtype=torch.float64) for _ in "abc")
+        with _PairOps() as counter:
+            space.ascent_direction(egrad.clone(), xi[None], out=torch.empty_like(theta))
+            space.exp_point(1e-3 * xi, torch.empty_like(theta), True)(cotangent)
+            space.inner_product(xi, egrad)
+            space.horizontal(xi)
+        counts.append(counter.ops)
+    assert counts[0] == counts[1] > 0

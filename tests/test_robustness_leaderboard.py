@@ -254,9 +254,9 @@ def test_epsilon_zero_is_accepted(setup):
 
 
 def test_ctrl_c_keeps_finished_results_and_says_where(setup, monkeypatch, capsys):
-    import hf_geosharp.leaderboard.run as leaderboard  # where run_leaderboard looks _measure up
+    from hf_geosharp.pipeline import Prepared  # the leaderboard measures each column with Prepared.measure_one
 
-    real, calls = leaderboard._measure, []
+    real, calls = Prepared.measure_one, []
 
     def interrupted_second(*args, **kwargs):
         calls.append(1)
@@ -264,12 +264,12 @@ def test_ctrl_c_keeps_finished_results_and_says_where(setup, monkeypatch, capsys
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(leaderboard, "_measure", interrupted_second)
+    monkeypatch.setattr(Prepared, "measure_one", interrupted_second)
     assert setup["board"](measures="inv,adaptive") == 130
     err = capsys.readouterr().err
     assert "interrupted (Ctrl-C); finished results are kept in" in err and "Traceback" not in err
     assert [r["measure"] for r in records(setup["store"])] == ["geodesic_inv_worst"]
-    monkeypatch.setattr(leaderboard, "_measure", real)
+    monkeypatch.setattr(Prepared, "measure_one", real)
     assert setup["board"](measures="inv,adaptive") == 0  # resumes: the finished measure is not recomputed
     measures = [r.get("measure") for r in records(setup["store"])]
     assert measures[0] == "geodesic_inv_worst" and measures[1].startswith("adaptive_")
@@ -314,8 +314,8 @@ def _meta_position_ids(model):
 def test_a_buffer_on_the_meta_device_is_named_before_the_work(setup, monkeypatch, capsys):
     from hf_geosharp.leaderboard import run as board_run
 
-    load = board_run.load_model
-    monkeypatch.setattr(board_run, "load_model", lambda *a, **k: _meta_position_ids(load(*a, **k)))
+    load = board_run.load  # the pipeline's loader, as the leaderboard calls it
+    monkeypatch.setattr(board_run, "load", lambda *a, **k: _meta_position_ids(load(*a, **k)))
     assert setup["board"]() == 2
     err = capsys.readouterr().err
     assert "model 'model'" in err and "'bert.embeddings.position_ids' is on the meta device" in err

@@ -13,7 +13,7 @@ import hf_geosharp as gs
 import hf_geosharp.api as api
 from hf_geosharp.cli import build_parser
 from hf_geosharp.engine import defaults
-from hf_geosharp.engine.geometry.gl_quotient import GLQuotient
+from hf_geosharp.engine.geometry.gl_quotient import gl_quotient
 from hf_geosharp.engine.settings import RunSettings
 from hf_geosharp.engine.solvers.apgd import apgd
 from hf_geosharp.engine.solvers.as23 import apgd_as23
@@ -51,7 +51,7 @@ def test_the_engine_defaults_to_the_constants():
     options = SpaceOptions()
     assert (options.metric, options.epsilon, options.elementwise_curvature, options.ball) == (
         defaults.METRIC, defaults.EPSILON, defaults.ELEMENTWISE_CURVATURE, defaults.BALL)
-    assert _defaults(GLQuotient)["epsilon"] == defaults.EPSILON and _defaults(GLQuotient)["metric"] == defaults.METRIC
+    assert _defaults(gl_quotient)["epsilon"] == defaults.EPSILON and _defaults(gl_quotient)["metric"] == defaults.METRIC
     assert _defaults(apgd)["steps"] == _defaults(apgd_as23)["steps"] == defaults.STEPS
     assert _defaults(apgd)["step_normalization"] == defaults.STEP_NORMALIZATION
     assert _defaults(average_case)["n_samples"] == defaults.N_SAMPLES
@@ -129,3 +129,53 @@ def test_run_settings_hold_plain_python_numbers():
         float, int, int, int)
     assert type(settings.options.epsilon) is float and settings.measure == "geodesic_inv_worst"
     assert RunSettings(1.0, steps="auto").steps == "auto"
+
+
+def test_the_public_signatures_and_the_engine_match_the_one_declaration():
+    """``measures.Settings`` declares the shared settings once; the public functions' keywords stay explicit (for
+    their signatures and docs) and must carry the same names and defaults, and the engine's ``RunSettings`` too."""
+    import dataclasses
+
+    from hf_geosharp.hub.cards import _SETTINGS
+    from hf_geosharp.measures import setting_help
+
+    declared = {f.name: f.default for f in dataclasses.fields(Settings)}
+    engine = {**_defaults(RunSettings), "epsilon": SpaceOptions().epsilon, "ball": SpaceOptions().ball,
+              "variant": defaults.ADAPTIVE_VARIANT}
+    for name, default in declared.items():
+        geodesic, adaptive = _defaults(gs.geodesic_sharpness), _defaults(gs.adaptive_sharpness)
+        if name == "adaptive_variant":
+            assert adaptive["variant"] == engine["variant"] == default
+            continue
+        assert geodesic[name] == default and engine.get(name, default) == default, name  # RunSettings needs rho
+        if name not in ("epsilon", "ball"):  # adaptive sharpness has no geodesic metric to relax or calibrate
+            assert adaptive[name] == default, name
+        assert setting_help(name), name  # every setting says what it means
+        assert name in _SETTINGS, name  # and model cards show it
+    parser = build_parser()
+    run = parser.parse_args(["run", "--model", "m", "--dataset", "d"])
+    board = parser.parse_args(["leaderboard", "m", "--dataset", "d"])
+    for name in ("rho", "steps", "n_samples", "seed", "epsilon"):
+        assert getattr(run, name) == getattr(board, name) == declared[name], name
+
+
+def test_the_command_lines_share_one_declaration_of_each_option(capsys):
+    """``geosharp run`` and ``geosharp leaderboard`` describe each shared option in the same words, the
+    declaration's, and parse it the same way."""
+    from hf_geosharp.measures import setting_help
+
+    texts = {}
+    for command, argv in (("run", ["run", "--help"]), ("leaderboard", ["leaderboard", "--help"])):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(argv)
+        texts[command] = " ".join(capsys.readouterr().out.split())
+    for name in ("rho", "steps", "n_samples", "seed", "epsilon"):
+        flag, meaning = "--" + name.replace("_", "-"), setting_help(name)
+        for command, text in texts.items():
+            entry = text.split(f"{flag} {name.upper()} ", 1)[-1].split(" --", 1)[0]  # the option's own help
+            assert entry.startswith(meaning) and "(default:" in entry, (command, flag, entry)
+    parser = build_parser()
+    for command in (["run", "--model", "m", "--dataset", "d"], ["leaderboard", "m", "--dataset", "d"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args([*command, "--steps", "0"])
+        assert parser.parse_args([*command, "--steps", "auto"]).steps == "auto"

@@ -76,7 +76,7 @@ def _bert(hidden: int, heads: int, layers: int = 1):
 
 
 def test_block_audit_whole_block_predicts_the_rank_term_by_term():
-    from hf_geosharp.symmetry.block_audit import block_audit
+    from hf_geosharp.symmetry.audit_blocks import block_audit
 
     model = _bert(16, 2)
     before = {n: p.clone() for n, p in model.named_parameters()}
@@ -96,7 +96,7 @@ def test_block_audit_whole_block_predicts_the_rank_term_by_term():
 
 
 def test_block_audit_slice_and_a_wrong_map_fails():
-    from hf_geosharp.symmetry.block_audit import block_audit
+    from hf_geosharp.symmetry.audit_blocks import block_audit
 
     model = _bert(32, 4)
     (sliced,) = block_audit(model, [0], max_params=700, heads=1, dims=2, log=lambda _: None)

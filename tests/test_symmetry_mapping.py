@@ -40,7 +40,7 @@ def test_reparametrization_moves_weights_but_not_outputs(arch):
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     out0 = _outputs(model, batch)
 
-    applied = reparametrize(model, seed=1, condition=100.0, smap=smap)
+    applied = reparametrize(model, seed=1, condition=100.0, symmetry_map=smap)
 
     assert [tuple(a.shape) for a in applied] == [(b.n_pairs, b.head_dim, b.head_dim) for b in smap.blocks]
     after = dict(model.named_parameters())
@@ -71,7 +71,7 @@ def test_the_probe_catches_a_wrong_rope_group(arch, kind, wrong):
     for block in broken:
         block.lie_basis = None if wrong == "full GL" else rope_commutant_basis(block.head_dim, 4)
     smap.blocks = broken  # act on the broken blocks only
-    reparametrize(tiny.model, seed=1, condition=100.0, smap=smap)
+    reparametrize(tiny.model, seed=1, condition=100.0, symmetry_map=smap)
     assert ((_outputs(tiny.model, tiny.batch) - out0).norm() / out0.norm()) > 1e-3
 
 
@@ -230,7 +230,7 @@ def test_falcon_is_mapped_by_its_own_adapter_not_as_interleaved_qkv():
 def test_reparametrize_refuses_a_map_of_another_model():
     smap = map_symmetries(build("bert").model)
     with pytest.raises(ValueError, match="does not match"):
-        reparametrize(build("distilbert").model, smap=smap)
+        reparametrize(build("distilbert").model, symmetry_map=smap)
 
 
 def test_real_minilm_weights():
@@ -280,7 +280,7 @@ def test_the_probe_catches_a_wrong_map_of_each_new_layout(arch, breaks):
     else:
         smap = map_symmetries(tiny.model)
         breaks(smap)
-    reparametrize(tiny.model, seed=1, condition=100.0, smap=smap)
+    reparametrize(tiny.model, seed=1, condition=100.0, symmetry_map=smap)
     assert ((_outputs(tiny.model, tiny.batch) - out0).norm() / out0.norm()) > 1e-3
 
 

@@ -88,14 +88,14 @@ def test_mla_rope_pairing_follows_rope_interleave_and_a_wrong_pairing_is_caught(
     assert "(j, j+r/2)" in rope.note
     attn0, _ = _attention_outputs(model, batch)
     saved = {n: p.detach().clone() for n, p in model.named_parameters()}
-    reparametrize(model, seed=1, condition=100.0, smap=smap)
+    reparametrize(model, seed=1, condition=100.0, symmetry_map=smap)
     assert _rel(attn0, _attention_outputs(model, batch)[0]) < 1e-10
     with torch.no_grad():
         for n, p in model.named_parameters():
             p.copy_(saved[n])
     rope.lie_basis = rope_commutant_basis(4, 4, interleaved=True)
     smap.blocks = [rope]
-    reparametrize(model, seed=1, condition=100.0, smap=smap)
+    reparametrize(model, seed=1, condition=100.0, symmetry_map=smap)
     assert _rel(attn0, _attention_outputs(model, batch)[0]) > 1e-3
 
 
@@ -108,7 +108,7 @@ def test_mla_rope_part_needs_one_element_for_all_heads():
     q_rows = rope.G_index.reshape(4, 12, 4)  # per head; the key rows cannot follow four different elements
     rope.G_index, rope.H_index = q_rows[1:2], rope.H_index  # one head's queries moved with the key, others not
     smap.blocks = [rope]
-    reparametrize(tiny.model, seed=1, condition=100.0, smap=smap)
+    reparametrize(tiny.model, seed=1, condition=100.0, symmetry_map=smap)
     assert _rel(attn0, _attention_outputs(tiny.model, tiny.batch)[0]) > 1e-3
 
 

@@ -21,7 +21,7 @@ from hf_geosharp.engine import symmetry_search
 from hf_geosharp.engine.model_function.objective import default_loss
 from hf_geosharp.engine.symmetry_search import AdaptiveProxy, search_group_element
 from hf_geosharp.symmetry.base import SymmetryMap
-from hf_geosharp.symmetry.reparametrize import apply_group_elements
+from hf_geosharp.symmetry.group_action import apply_group_elements
 from tests.fixtures.architectures import build
 from tests.fixtures.intact import assert_intact, snapshot
 from tests.fixtures.toy import ToyAttention, toy_batches, toy_symmetry_map

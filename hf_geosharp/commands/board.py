@@ -10,8 +10,6 @@ from pathlib import Path
 
 from ..data import DataError, DataSpec
 from ..durable import OutputPathError, check_writable
-from ..engine.settings import MODES
-from ..engine.space.perturbation_space import BALLS
 from ..leaderboard import (
     Column,
     GapSpec,
@@ -24,25 +22,21 @@ from ..leaderboard import (
 from ..leaderboard.report import sweep_markdown, write_sweep
 from ..leaderboard.run import ModelError, ModelFailed, radius_columns, rho_sweep
 from ..leaderboard.store import STORE_FILE, ResultStore, StoreLockedError, output_lock
-from ..measures import BOARD_MEASURES, MEASURES, Settings
+from ..measures import BOARD_MEASURES
 from .common import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,
     EXIT_OK,
-    comma_list,
+    add_measure_options,
     error,
     keep_on_interrupt,
-    measure_keys,
-    non_negative,
     positive,
     quiet_libraries,
-    seed,
-    steps_arg,
+    settings_of,
 )
 
 logger = logging.getLogger(__name__)
 
-DEFAULTS = Settings()
 
 
 def radii(text: str) -> list[float]:
@@ -63,14 +57,7 @@ def add_data_arguments(p: argparse.ArgumentParser, n_examples: int, batch_size: 
                    help=f"examples to measure on (default: {n_examples})")
     p.add_argument("--batch-size", type=positive(int), default=batch_size,
                    help=f"examples per batch (default: {batch_size})")
-    shorts = ", ".join(m.short or m.key for m in MEASURES.values())
-    p.add_argument("--measures", type=measure_keys, default=list(BOARD_MEASURES),
-                   help=f"measure keys or short forms ({shorts}), comma-separated (default: "
-                        f"{','.join(MEASURES[key].short or key for key in BOARD_MEASURES)})")
-    p.add_argument("--mode", type=comma_list(MODES), default=[DEFAULTS.mode],
-                   help=f"{' and/or '.join(MODES)} (default: {DEFAULTS.mode})")
-    p.add_argument("--rho", type=positive(float), default=DEFAULTS.rho,
-                   help="perturbation radius (default: %(default)s)")
+    add_measure_options(p, BOARD_MEASURES, several_modes=True)
     grid = ",".join(f"{r:g}" for r in rho_sweep) or "none"
     p.add_argument("--rho-sweep", type=radii, default=list(rho_sweep), metavar="R1,R2,...",
                    help="radii at which the geodesic and adaptive measures are ranked again: their taus and certified "
@@ -78,29 +65,12 @@ def add_data_arguments(p: argparse.ArgumentParser, n_examples: int, batch_size: 
     p.add_argument("--sweep-examples", type=positive(int), default=sweep_examples,
                    help="examples the rho sweep measures on, the first of --n-examples; it ranks again at --rho on "
                         f"them (default: {sweep_examples or 'all of --n-examples'})")
-    p.add_argument("--steps", type=steps_arg, default=DEFAULTS.steps,
-                   help="solver steps per batch (worst case), or auto: until certified (default: %(default)s)")
-    p.add_argument("--n-samples", type=positive(int), default=DEFAULTS.n_samples,
-                   help="random directions per batch, average case (default: %(default)s)")
-    p.add_argument("--epsilon", type=non_negative(float), default=DEFAULTS.epsilon,
-                   help="regulariser of the geodesic metric (default: %(default)s)")
-    p.add_argument("--ball", choices=BALLS, default=DEFAULTS.ball,
-                   help="radius convention of the geodesic ball: calibrated (rho comparable with adaptive's) or paper "
-                   "(the paper's unweighted metrics) (default: %(default)s)")
-    p.add_argument("--seed", type=seed, default=DEFAULTS.seed,
-                   help="seed of the example shuffle, solver and bootstrap (default: %(default)s)")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no table")
 
 
 def columns_of(args: argparse.Namespace) -> list[Column]:
     """The leaderboard's columns: every measure asked for in every mode asked for."""
     return [Column(key, mode) for mode in args.mode for key in args.measures]
-
-
-def settings_of(args: argparse.Namespace) -> Settings:
-    """The settings every column shares (each column has its own mode)."""
-    return Settings(rho=args.rho, steps=args.steps, n_samples=args.n_samples, seed=args.seed, epsilon=args.epsilon,
-                    ball=args.ball)
 
 
 def sweep_data(args: argparse.Namespace, data: DataSpec) -> DataSpec:

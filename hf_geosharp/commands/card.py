@@ -32,8 +32,8 @@ from ..hub.cards import (
     eval_result,
     eval_result_entry,
     eval_results_file,
+    key_of_result,
     known_task,
-    measure_key,
     model_metadata,
     parse_card,
     read_card_text,
@@ -115,7 +115,7 @@ def _prepare(args: argparse.Namespace) -> tuple[list, list, dict]:
     meta = model_metadata(folder, base_model=args.base_model, license=args.license)
     uncertified = [r for r in results if certified(r) is False]
     if uncertified:
-        shown_values = ", ".join(f"{measure_key(r)} {shown(float(r['value']), False)}" for r in uncertified)
+        shown_values = ", ".join(f"{key_of_result(r)} {shown(float(r['value']), False)}" for r in uncertified)
         print(f"note: {len(uncertified)} of {len(results)} results are not certified, so each is published as "
               f"{LOWER_BOUND} (certified: false): {shown_values}. `geosharp run --steps auto` continues until "
               "certified or says why not.", file=sys.stderr)

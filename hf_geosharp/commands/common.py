@@ -133,6 +133,74 @@ def measure_keys(text: str) -> list[str]:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
+#: How each shared setting (a field of :class:`hf_geosharp.measures.Settings`) is parsed from a command line; its
+#: flag is the field's name (``n_samples``: ``--n-samples``), its default and help the field's.
+SETTING_TYPES: dict[str, Callable[[str], Any]] = {
+    "rho": positive(float), "steps": steps_arg, "n_samples": positive(int), "epsilon": non_negative(float),
+    "seed": seed,
+}
+
+
+def add_measure_options(parser: argparse.ArgumentParser, default_measures: tuple[str, ...], *,
+                        several_modes: bool = False, measures_instead_of: str | None = None) -> None:
+    """The measure options of ``geosharp run``, ``leaderboard`` and ``demo``, declared once: ``--measures``,
+    ``--mode`` and one option per shared setting, with the registry's defaults and meanings.
+
+    Args:
+        parser: the command's parser.
+        default_measures: the measures run when ``--measures`` is not given.
+        several_modes: ``--mode`` takes a comma-separated list (one leaderboard column per measure and mode).
+        measures_instead_of: other options that also select measures (``--measures`` then defaults to ``None``).
+    """
+    import dataclasses
+
+    from ..engine.settings import MODES
+    from ..measures import MEASURES, Settings
+
+    def short(keys: tuple[str, ...]) -> str:
+        return ",".join(MEASURES[key].short or key for key in keys)
+
+    shorts = ", ".join(m.short or m.key for m in MEASURES.values())
+    instead = f"; instead of {measures_instead_of}" if measures_instead_of else ""
+    parser.add_argument("--measures", type=measure_keys, default=None if instead else list(default_measures),
+                        help=f"measure keys or short forms ({shorts}), comma-separated{instead} "
+                             f"(default: {short(default_measures)})")
+    for field in dataclasses.fields(Settings):
+        flag, meaning = "--" + field.name.replace("_", "-"), field.metadata["help"]
+        if field.name == "mode" and several_modes:
+            parser.add_argument(flag, type=comma_list(MODES), default=[field.default],
+                                help=f"{' and/or '.join(MODES)}, comma-separated: one column per measure and mode "
+                                     f"(default: {field.default})")
+        elif field.name == "mode":
+            parser.add_argument(flag, choices=MODES, default=field.default, help=f"{meaning} (default: %(default)s)")
+        elif field.metadata.get("choices"):
+            parser.add_argument(flag, choices=field.metadata["choices"], default=field.default,
+                                help=f"{meaning} (default: %(default)s)")
+        elif field.name in SETTING_TYPES:
+            parser.add_argument(flag, type=SETTING_TYPES[field.name], default=field.default,
+                                help=f"{meaning} (default: %(default)s)")
+
+
+def settings_of(args: argparse.Namespace, **fixed: Any) -> Any:
+    """The :class:`~hf_geosharp.measures.Settings` of parsed options (those :func:`add_measure_options` added).
+
+    Args:
+        args: the parsed command line.
+        **fixed: settings given otherwise (e.g. ``mode`` where each leaderboard column has its own).
+
+    Returns:
+        The settings.
+    """
+    import dataclasses
+
+    from ..measures import Settings
+
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(Settings)
+             if (f.name in SETTING_TYPES or f.metadata.get("choices")) and hasattr(args, f.name)
+             or (f.name == "mode" and isinstance(getattr(args, "mode", None), str))}
+    return Settings(**{**given, **fixed})
+
+
 def add_trust_remote_code(parser: argparse.ArgumentParser) -> None:
     """``--trust-remote-code``: the only way a command runs a model's own Python code."""
     parser.add_argument("--trust-remote-code", action="store_true", help=TRUST_HELP)

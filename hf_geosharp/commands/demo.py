@@ -3,7 +3,7 @@
 Trains (or reuses from the cache) the embedded zoo of small ViTs on scikit-learn's digits, ranks them with the
 leaderboard (geodesic inv and mix, adaptive; gap = test minus train error), and prints the table, the Kendall taus,
 the plot's path and a model-card snippet for the flattest model. Then the hide & seek section
-(:func:`hf_geosharp.hide.hide_and_seek`): every model moved along its symmetry group, randomly and adversarially,
+(:func:`hf_geosharp.hiding.hide_and_seek`): every model moved along its symmetry group, randomly and adversarially,
 with the function unchanged; geodesic sharpness does not move, adaptive sharpness does. The last line says which
 results are not certified. A second run reuses the cached zoo and results and measures nothing.
 """
@@ -18,14 +18,15 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from ..api import collected_convergence_notes
-from ..data import DataSpec, load_batches, load_model, load_processor
+from ..data import DataSpec, load_batches, load_processor
 from ..durable import OutputPathError, check_writable
 from ..engine.progress import bar_disabled
-from ..hide import hide_and_seek, seek_figure, seek_lines
+from ..hiding import hide_and_seek, seek_figure, seek_lines
 from ..hub.cards import card_yaml, dataset_info, eval_result
 from ..leaderboard import GapSpec, Leaderboard, convergence_fix, ranked
 from ..leaderboard.store import ResultStore, fingerprint, model_identity
 from ..measures import Settings
+from ..pipeline import Memo, ModelSource
 from ..zoo import build_zoo, cache_root, cached_members, torch_threads, zoo_members
 from .board import add_data_arguments, execute
 from .common import EXIT_BAD_INPUT, EXIT_OK, folder_path, keep_on_interrupt, positive
@@ -86,20 +87,16 @@ def _hide_and_seek(args: argparse.Namespace, zoo, data: DataSpec, board) -> None
     batches: dict[str, list] = {}
 
     def load(name: str):
-        model = load_model(sources[name])
+        model = load(ModelSource(sources[name]))
         if name not in batches:
             batches[name] = load_batches(model, load_processor(sources[name], model), spec)
         return model, batches[name]
 
-    store = ResultStore(args.out / "hide_and_seek.jsonl")
+    memo = Memo(ResultStore(args.out / "hide_and_seek.jsonl"))
 
     def cache(name: str, key: str, compute):
-        full = fingerprint(kind="hide_and_seek", model=model_identity(sources[name]),
-                           data=vars(spec), stage=key)
-        if (record := store.get(full)) is None:
-            record = {"key": full, **compute()}
-            store.put(record)
-        return record
+        return memo(fingerprint(kind="hide_and_seek", model=model_identity(sources[name]), data=vars(spec),
+                                stage=key), compute)
 
     # epsilon 0, the exact quotient metric: some of the tiny ViTs' heads are so ill-conditioned that after a
     # condition-1000 element their Gram matrices leave the range where the default relaxation is exactly covariant

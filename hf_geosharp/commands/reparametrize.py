@@ -19,9 +19,10 @@ from typing import Any
 import torch
 
 from .. import durable
-from ..data import DataError, DataSpec, load_batches, load_model, load_processor
-from ..hide import DEFAULT_CONDITION, FunctionChangedError, hide, reparametrize_checked
+from ..data import DataError, DataSpec, load_batches, load_processor
+from ..hiding import DEFAULT_CONDITION, FunctionChangedError, hide, reparametrize_checked
 from ..measures import Settings
+from ..pipeline import ModelSource, load
 from .common import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,
@@ -114,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
     quiet_libraries()
     try:
-        model = load_model(args.model, trust_remote_code=args.trust_remote_code)
+        model = load(ModelSource(args.model, args.trust_remote_code))
         processor = _processor(args.model, model, args.trust_remote_code)
         if args.dataset:
             spec = DataSpec(dataset=args.dataset, split=args.split, n_examples=args.n_examples,

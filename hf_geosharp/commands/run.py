@@ -4,7 +4,7 @@ Under ``accelerate launch --multi_gpu --num_processes N -m hf_geosharp run ...``
 every process loads the same model and builds the same batches; the engine shares the batches out, gathers the
 per-batch values, and only rank 0 prints and writes files. With ``--fsdp`` (``torchrun --nproc_per_node N -m
 hf_geosharp run --fsdp ...``) the model is sharded over the ranks instead, which solve every batch together (see
-:mod:`hf_geosharp.commands.launch`).
+:mod:`hf_geosharp.pipeline.launch`).
 
 Results files (``--json PATH``, or ``--output-path DIR`` for ``DIR/<model>/results_<timestamp>.json`` as
 lm-evaluation-harness lays them out) carry the results per measure key (``<key>``, ``<key>_stderr``, per-batch values,
@@ -19,7 +19,6 @@ import argparse
 import datetime
 import logging
 import math
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -32,42 +31,29 @@ from ..data import (
     DataSpec,
     check_source,
     load_batches,
-    load_model,
     load_processor,
     require_existing_path,
     require_task,
 )
 from ..durable import OutputPathError, check_writable, write_json
-from ..engine.settings import MODES
-from ..engine.space.perturbation_space import BALLS
-from ..measures import (
-    DEFAULT_MEASURES,
-    MEASURES,
-    Settings,
-    parse_measures,
-    run_measures,
-    spec,
-)  # fmt: skip
-from ..symmetry import map_symmetries
+from ..measures import DEFAULT_MEASURES, MEASURES, Settings, parse_measures, spec
+from ..pipeline import ModelSource, Request, load, prepare
+from ..pipeline.launch import FSDP_LAUNCH, Launch, launch_warning, start
 from .common import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,
     EXIT_OK,
+    add_measure_options,
     add_trust_remote_code,
     keep_on_interrupt,
-    measure_keys,
-    non_negative,
     positive,
     quiet_libraries,
-    seed,
-    steps_arg,
+    settings_of,
 )
-from .launch import FSDP_LAUNCH, Launch, start
-from .run_results import estimate_seconds, model_folder_name, payload, print_header, profile_path, write_results
+from .run_results import RunContext, model_folder_name, payload, print_header, profile_path, write_results
 
 logger = logging.getLogger(__name__)
 
-DEFAULTS = Settings()
 METRICS = tuple(m.metric for m in MEASURES.values() if m.metric)  # the geodesic metrics: inv, mix
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 #: Points of ``--profile``'s curves on ``[0, 2 rho]`` (odd: ``rho`` itself is one of them).
@@ -138,21 +124,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default="adaptive_sharpness" in DEFAULT_MEASURES,
         help="also measure adaptive sharpness (the baseline)",
     )
-    p.add_argument("--measures", type=measure_keys,
-                   help="measure keys or short forms (inv, mix, adaptive, ...), comma-separated; instead of "
-                   f"--metric/--baseline (default: {','.join(DEFAULT_MEASURES)})")  # fmt: skip
-    p.add_argument("--mode", choices=MODES, default=DEFAULTS.mode, help="worst or average case")
-    p.add_argument("--rho", type=positive(float), default=DEFAULTS.rho, help="perturbation radius")
-    p.add_argument("--steps", type=steps_arg, default=DEFAULTS.steps,
-                   help="solver steps per batch (worst case), or auto: until certified")
-    p.add_argument("--n-samples", type=positive(int), default=DEFAULTS.n_samples,
-                   help="random directions per batch (average case)")  # fmt: skip
-    p.add_argument("--epsilon", type=non_negative(float), default=DEFAULTS.epsilon,
-                   help="regulariser of the geodesic metric")  # fmt: skip
-    p.add_argument("--ball", choices=BALLS, default=DEFAULTS.ball,
-                   help="radius convention of the geodesic ball: calibrated (rho comparable with adaptive's) or paper "
-                   "(the paper's unweighted metrics)")  # fmt: skip
-    p.add_argument("--seed", type=seed, default=DEFAULTS.seed, help="seed of the example shuffle, solver and --head")
+    add_measure_options(p, DEFAULT_MEASURES, measures_instead_of="--metric/--baseline")
     p.add_argument("--no-shuffle", action="store_true", help="take the first --n-examples rows in file order")
     p.add_argument("--max-length", type=positive(int), default=DataSpec.max_length, help="tokenizer truncation length")
     p.add_argument("--text-column", help="text column (default: found by name)")
@@ -183,66 +155,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-# ------------------------------------------------------------------------------------------------------- launchers
-
-
-def asked_processes(environ: dict[str, str], parent_cmdline: list[str] | None) -> int | None:
-    """How many processes the launcher was asked for: ``WORLD_SIZE``, or ``accelerate launch --num_processes N``
-    read from the parent's command line (accelerate's single-process launcher does not export it)."""
-    if "WORLD_SIZE" in environ:
-        return int(environ["WORLD_SIZE"])
-    if not any(k.startswith("ACCELERATE_") for k in environ) or not parent_cmdline:
-        return None
-    for i, arg in enumerate(parent_cmdline):
-        flag, _, value = arg.partition("=")
-        if flag in ("--num_processes", "--num-processes") and (value or i + 1 < len(parent_cmdline)):
-            text = value or parent_cmdline[i + 1]
-            return int(text) if text.isdigit() else None
-    return None
-
-
-def _parent_cmdline() -> list[str] | None:
-    try:
-        raw = Path(f"/proc/{os.getppid()}/cmdline").read_bytes()
-    except OSError:  # not Linux, or not readable: no check
-        return None
-    return [a.decode(errors="replace") for a in raw.split(b"\0") if a]
-
-
-def launch_warning(started: int) -> str | None:
-    """A warning when a launcher was asked for more processes than started (e.g. ``accelerate launch --cpu
-    --num_processes 2`` starts one)."""
-    asked = asked_processes(dict(os.environ), _parent_cmdline())
-    if asked is None or asked <= started:
-        return None
-    return (
-        f"the launcher was asked for {asked} processes but {started} started, so the batches are not shared out. "
-        "accelerate starts several CPU processes only with --multi_gpu (accelerate launch --multi_gpu "
-        f"--num_processes {asked} ...), or use torchrun --nproc_per_node {asked}."
-    )
-
-
 # ---------------------------------------------------------------------------------------------------------- models
 
 
 def _load(args: argparse.Namespace) -> Any:
     """The model to measure: as saved, or (``--head``) with a new linear head initialised from ``--seed``."""
-    if not args.head:
-        return load_model(args.model, trust_remote_code=args.trust_remote_code)
-    from transformers import AutoModelForSequenceClassification
-
-    with torch.random.fork_rng(devices=[]):  # the head's initialisation is transformers', from this seed
-        torch.manual_seed(args.seed)
-        try:
-            model = AutoModelForSequenceClassification.from_pretrained(
-                args.model, num_labels=args.num_labels, trust_remote_code=args.trust_remote_code
-            )
-        except (OSError, ValueError, KeyError, RuntimeError) as err:
-            raise DataError(
-                f"could not attach a {args.num_labels}-class head to {args.model!r}: {err}. --head needs an encoder "
-                "that AutoModelForSequenceClassification knows (BERT, RoBERTa, MiniLM, ...)."
-            ) from None
-    return model.eval()
+    return load(ModelSource(args.model, args.trust_remote_code, args.num_labels if args.head else None, args.seed))
 
 
 def _device(args: argparse.Namespace, accelerator: Any) -> Any:
@@ -313,9 +231,9 @@ def _run(args: argparse.Namespace, launch: Launch) -> int:
     n_examples = sum(len(next(iter(b.values()))) for b in batches)
     show = main and not args.quiet
     timed: list[tuple[str, Any, float]] = []
-    context = dict(args=args, model=model, spec=spec_, batches=batches, n_examples=n_examples, keys=keys,
-                   settings=settings, world_size=launch.world, device=device, started=started,
-                   fsdp=launch.fsdp, model_class=type(model).__name__)  # fmt: skip
+    context = RunContext(args=args, model=model, spec=spec_, batches=batches, n_examples=n_examples, keys=keys,
+                         settings=settings, world_size=launch.world, device=device, started=started,
+                         fsdp=launch.fsdp, model_class=type(model).__name__)  # fmt: skip
     try:
         _measure(context, launch, show, timed, outputs if main else [])
     except ValueError as err:  # the engine refuses inputs it cannot measure (dtype, parameters, ...)
@@ -335,10 +253,7 @@ def _run(args: argparse.Namespace, launch: Launch) -> int:
 def _what_to_run(args: argparse.Namespace) -> tuple[list[str], Settings, DataSpec]:
     """The measure keys, the solver settings and the data, from the arguments alone."""
     keys = args.measures or parse_measures(args.metric + (["adaptive"] if args.baseline else []))
-    settings = Settings(
-        rho=args.rho, mode=args.mode, steps=args.steps, n_samples=args.n_samples, seed=args.seed,
-        epsilon=args.epsilon, ball=args.ball,
-    )  # fmt: skip
+    settings = settings_of(args)
     spec_ = DataSpec(
         dataset=args.dataset, config=args.config, split=args.split, n_examples=args.n_examples,
         batch_size=args.batch_size, seed=args.seed, shuffle=not args.no_shuffle, max_length=args.max_length,
@@ -383,28 +298,25 @@ def _model_and_batches(args: argparse.Namespace, launch: Launch, spec_: DataSpec
     return device, model, batches
 
 
-def _measure(c: dict, launch: Launch, show: bool, timed: list, outputs: list[Path]) -> None:
-    """Map the symmetries (under ``--fsdp`` on the unsharded model, which is then sharded), print the header and
-    the time estimate, and run every measure, appending to ``timed``. On Ctrl-C the finished measures are written
-    to ``outputs`` (marked interrupted) before it propagates."""
-    model, batches, keys, settings = c["model"], c["batches"], c["keys"], c["settings"]
+def _measure(c: RunContext, launch: Launch, show: bool, timed: list, outputs: list[Path]) -> None:
+    """Prepare the measurement (the pipeline maps the symmetries, under ``--fsdp`` on the unsharded model, which it
+    then shards), print the header and the time estimate, and run every measure, appending to ``timed``. On Ctrl-C
+    the finished measures are written to ``outputs`` (marked interrupted) before it propagates."""
+    request = Request(c.model, c.batches, c.keys, c.settings, fsdp=launch.fsdp, accelerator=launch.accelerator,
+                      progress=show, profile_points=PROFILE_POINTS if c.args.profile is not None else 0,
+                      map_always=True)  # the header reports the map
     try:
-        smap = map_symmetries(model)
-        c["symmetry"] = smap.summary()
-        if launch.fsdp:
-            launch.shard(model, smap)
+        prepared = prepare(request)
+        c.symmetry = prepared.symmetry_map.summary()
         if show:
             print_header(c)
-        if show or (launch.fsdp and not c["args"].quiet):  # sharded, every rank takes part in the estimate's solve
-            per_rank = 1 if launch.fsdp else c["world_size"]
-            estimate = estimate_seconds(model, batches, keys, settings, smap, per_rank)
+        if show or (launch.fsdp and not c.args.quiet):  # sharded, every rank takes part in the estimate's solve
+            estimate = prepared.estimate_seconds()
             shown = f"{estimate:,.0f}" if estimate >= 10 else f"{estimate:.1f}"
-            bound = "at least " if settings.steps == "auto" else ""
+            bound = "at least " if c.settings.steps == "auto" else ""
             if show:
                 print(f"estimated {bound}{shown} s (from a timed first solver step per measure)\n", flush=True)
-        extra = {"profile_points": PROFILE_POINTS} if c["args"].profile is not None else {}
-        run_measures(keys, model, batches, settings, symmetry_map=smap, accelerator=launch.accelerator,
-                     progress=show, on_result=lambda key, res, seconds: timed.append((key, res, seconds)), **extra)
+        prepared.measure(on_result=lambda key, res, seconds: timed.append((key, res, seconds)))
     except KeyboardInterrupt:
         if timed and outputs:
             for path in outputs:

@@ -4,28 +4,61 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import logging
 import math
 import os
 import platform
 import re
 import sys
-import time
-import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from .._version import __version__
+from ..data import DataSpec
 from ..durable import write_json
 from ..engine.result import certified, shown
-from ..engine.solvers.apgd import AUTO_BLOCK
 from ..leaderboard.store import file_digest, model_identity
-from ..measures import Settings, result_fields, run_measure, spec
+from ..measures import Settings, result_fields
 
 VERSIONED = ("torch", "transformers", "datasets", "accelerate", "huggingface_hub", "evaluate")
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
+
+
+@dataclass
+class RunContext:
+    """One ``geosharp run``: its arguments, what it measures and on what, and where.
+
+    Attributes:
+        args: the parsed command line.
+        model: the model measured.
+        spec: the data it is measured on.
+        batches: the batches (every process's).
+        n_examples: examples in them.
+        keys: the measure keys, in order.
+        settings: the measures' settings.
+        world_size: processes of the launch.
+        device: where the model runs.
+        started: when the run started (UTC).
+        fsdp: whether the model is FSDP2-sharded.
+        model_class: the model's class name.
+        symmetry: the symmetry map's summary, once mapped.
+    """
+
+    args: Any
+    model: Any
+    spec: DataSpec
+    batches: list
+    n_examples: int
+    keys: list[str]
+    settings: Settings
+    world_size: int
+    device: Any
+    started: datetime.datetime
+    fsdp: bool
+    model_class: str
+    symmetry: dict[str, Any] = field(default_factory=dict)
 
 
 def count(n: int, word: str) -> str:
@@ -41,25 +74,25 @@ def _table(rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def print_header(c: dict) -> None:
+def print_header(c: RunContext) -> None:
     """What is measured, on what, with which settings: four lines before the work."""
-    args, spec_, symmetry, model = c["args"], c["spec"], c["symmetry"], c["model"]
+    args, spec_, symmetry, model = c.args, c.spec, c.symmetry, c.model
     n_params = sum(p.numel() for p in model.parameters())
     where = f"{spec_.dataset}" + (f":{spec_.config}" if spec_.config else "") + f" [{spec_.split}]"
     dtype = next(model.parameters()).dtype
     head = f", new {args.num_labels}-class head seeded {args.seed}" if args.head else ""
-    print(f"model    {args.model} ({c['model_class']}{head}, {count(n_params, 'parameter')}, {dtype}, "
-          f"{c['device']})")  # fmt: skip
-    print(f"data     {where}: {count(c['n_examples'], 'example')} in {count(len(c['batches']), 'batch')} of up to "
+    print(f"model    {args.model} ({c.model_class}{head}, {count(n_params, 'parameter')}, {dtype}, "
+          f"{c.device})")  # fmt: skip
+    print(f"data     {where}: {count(c.n_examples, 'example')} in {count(len(c.batches), 'batch')} of up to "
           f"{spec_.batch_size:,}")  # fmt: skip
     print(
         f"symmetry {count(symmetry['n_pairs_qk'], 'QK head pair')} and {symmetry['n_pairs_vo']:,} VO, head dims "
         f"{symmetry['head_dims']}; {count(len(symmetry['fallbacks']), 'unmapped attention module')}"
     )
-    s = c["settings"]
+    s = c.settings
     solver = f"steps={s.steps}" if s.mode == "worst" else f"n_samples={s.n_samples}"
-    print(f"settings rho={s.rho} mode={s.mode} {solver} seed={s.seed} processes={c['world_size']}"
-          f"{' (FSDP2-sharded)' if c['fsdp'] else ''}")
+    print(f"settings rho={s.rho} mode={s.mode} {solver} seed={s.seed} processes={c.world_size}"
+          f"{' (FSDP2-sharded)' if c.fsdp else ''}")
 
 
 def results_table(timed: list[tuple[str, Any, float]]) -> str:
@@ -96,40 +129,6 @@ def breakdown_table(key: str, res: Any, top: int = 5) -> str:
 def profile_path(folder: Path, model: str) -> Path:
     """Where ``--profile DIR`` draws a model's figure: ``DIR/<model>_profile.png``."""
     return folder / f"{model_folder_name(model)}_profile.png"
-
-
-def estimate_seconds(model: Any, batches: list, keys: list[str], settings: Settings, smap: Any, ranks: int) -> float:
-    """Seconds the run will take: each measure solves the first batch with one solver step (timed: its set-up, the
-    clean loss and one step, so two passes), scaled to the passes of the run (``steps + 1`` per batch, or
-    ``n_samples + 1``) on this process's share of the batches (``ranks``: the processes sharing them out; 1 when
-    the model is sharded, and then every rank must call it). Costs about ``1 / (steps + 1)`` of one batch per
-    measure (relative flatness and the Hessian's top eigenvalue, which take no steps, are timed on the whole first
-    batch; the Hessian's trace on one Hutchinson sample). With ``steps="auto"``
-    it counts the first block of steps, which the solver may stop early or extend: a guide, not a bound."""
-    probe = dataclasses.replace(settings, steps=1, n_samples=1)
-    steps = settings.steps if isinstance(settings.steps, int) else AUTO_BLOCK
-
-    def passes(key: str) -> float:  # in units of the probe's two passes
-        if spec(key).family in ("relative_flatness", "hessian_top_eigenvalue"):
-            return 2.0  # the probe is the whole batch
-        if spec(key).family == "hessian_trace":
-            return settings.n_samples + 1  # the probe is one Hutchinson sample
-        return (settings.n_samples if settings.mode == "average" else steps) + 1
-
-    seconds = 0.0
-    library = logging.getLogger("hf_geosharp")
-    level = library.level
-    library.setLevel(logging.ERROR)  # one step never converges: that is no news about the run
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            for key in keys:
-                start = time.perf_counter()
-                run_measure(key, model, batches[:1], probe, symmetry_map=smap, progress=False)
-                seconds += (time.perf_counter() - start) * passes(key) / 2
-    finally:
-        library.setLevel(level)
-    return seconds * math.ceil(len(batches) / ranks)
 
 
 def model_folder_name(model: str) -> str:
@@ -170,9 +169,9 @@ def _model_source(model_id: str) -> dict[str, Any]:
     return identity
 
 
-def payload(c: dict, timed: list[tuple[str, Any, float]], *, interrupted: bool = False) -> dict[str, Any]:
+def payload(c: RunContext, timed: list[tuple[str, Any, float]], *, interrupted: bool = False) -> dict[str, Any]:
     """The results file's contents (see :mod:`hf_geosharp.commands.run`)."""
-    args, s = c["args"], c["settings"]
+    args, s = c.args, c.settings
     results = {}
     for key, res, seconds in timed:
         entry = res.to_dict()
@@ -190,35 +189,35 @@ def payload(c: dict, timed: list[tuple[str, Any, float]], *, interrupted: bool =
         "higher_is_better": {key: False for key, _, _ in timed},  # flatter is lower
         "config": {
             "model": args.model,
-            "model_class": c["model_class"],
-            "dtype": str(next(c["model"].parameters()).dtype),
-            "device": str(c["device"]),
+            "model_class": c.model_class,
+            "dtype": str(next(c.model.parameters()).dtype),
+            "device": str(c.device),
             "head": {"num_labels": args.num_labels, "seed": args.seed} if args.head else None,
-            "measures": c["keys"],
+            "measures": c.keys,
             "settings": settings,
             "trust_remote_code": args.trust_remote_code,
         },  # fmt: skip
-        "data": {**dataclasses.asdict(c["spec"]), "n_examples_used": c["n_examples"]},
-        "n_batches": len(c["batches"]),
-        "world_size": c["world_size"],
-        "fsdp": c["fsdp"],
-        "symmetry": c["symmetry"],
-        "model_class": c["model_class"],
+        "data": {**dataclasses.asdict(c.spec), "n_examples_used": c.n_examples},
+        "n_batches": len(c.batches),
+        "world_size": c.world_size,
+        "fsdp": c.fsdp,
+        "symmetry": c.symmetry,
+        "model_class": c.model_class,
         "model_name": args.model,
         "model_source": _model_source(args.model),
         "versions": _versions(),
         "date": now.isoformat(),
-        "start_time": c["started"].isoformat(),
-        "total_evaluation_time_seconds": (now - c["started"]).total_seconds(),
-        "environment": _environment(c["device"]),
+        "start_time": c.started.isoformat(),
+        "total_evaluation_time_seconds": (now - c.started).total_seconds(),
+        "environment": _environment(c.device),
         **({"interrupted": True} if interrupted else {}),
     }
 
 
-def write_results(c: dict, timed: list[tuple[str, Any, float]], outputs: list[Path], show: bool) -> str | None:
+def write_results(c: RunContext, timed: list[tuple[str, Any, float]], outputs: list[Path], show: bool) -> str | None:
     """Warn about unmapped attention, print the table and write every results file (rank 0 only); the error
     message when a file could not be written."""
-    for fallback in c["symmetry"]["fallbacks"]:  # warnings go to stderr even with --quiet
+    for fallback in c.symmetry["fallbacks"]:  # warnings go to stderr even with --quiet
         print(
             f"warning: attention module {fallback['module']!r} could not be mapped ({fallback['reason']}); its "
             "parameters are perturbed elementwise, so the geodesic numbers are not symmetry-invariant there.",
@@ -226,7 +225,7 @@ def write_results(c: dict, timed: list[tuple[str, Any, float]], outputs: list[Pa
         )
     if show or not outputs:  # --quiet without a results file still says what it measured
         print(results_table(timed))
-    args = c["args"]
+    args = c.args
     if getattr(args, "by_layer", False):
         for key, res, _ in timed:
             print("\n" + breakdown_table(key, res))

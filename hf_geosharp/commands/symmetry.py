@@ -7,11 +7,11 @@ import logging
 import sys
 from pathlib import Path
 
-from ..data import DataError, load_model
+from ..data import DataError
 from ..durable import OutputPathError, check_writable, write_json
-from ..symmetry import map_symmetries
+from ..pipeline import ModelSource, load, symmetry_map
 from ..symmetry.audit import MAX_AUDIT_PARAMS, jacobian_rank_audit
-from ..symmetry.block_audit import block_audit
+from ..symmetry.audit_blocks import block_audit
 from ..symmetry.report import format_report
 from .common import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, add_trust_remote_code
 
@@ -62,12 +62,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.json:
             check_writable(args.json, what="--json")  # before the work, which a bad path would otherwise lose
-        model = load_model(args.model, trust_remote_code=args.trust_remote_code)
+        model = load(ModelSource(args.model, args.trust_remote_code))
     except (DataError, OutputPathError) as err:
         print(f"geosharp symmetry: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
-        smap = map_symmetries(model, strict=args.strict, params=args.params)
+        smap = symmetry_map(model, strict=args.strict, params=args.params)
     except ValueError as err:
         print(f"geosharp symmetry: {err}", file=sys.stderr)
         return EXIT_FAILED

@@ -36,3 +36,6 @@ ADAPTIVE_VARIANT: Final = "clean"
 STEP_NORMALIZATION: Final = "riemannian"
 #: Which parameters are perturbed: all of them, as in AS23.
 PARAMS: Final = "all"
+#: Weights smaller than this in magnitude cannot move: the elementwise metric divides by them, so they are frozen
+#: (left out of the space) and count as zero.
+ZERO_TOL: Final = 1e-12

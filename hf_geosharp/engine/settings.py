@@ -141,3 +141,10 @@ class RunSettings:
         """How many starts must agree for a worst case to count as converged: two under ``steps="auto"`` with the
         clean solver (it restarts), one otherwise."""
         return 2 if self.steps == "auto" and self.variant != "as23" else 1
+
+
+def config_keys() -> tuple[str, ...]:
+    """Every key :meth:`RunSettings.config` can carry, geodesic and adaptive, in its order: what a face that shows
+    the settings of results (model cards) reads, derived from the one place that writes them."""
+    geodesic = RunSettings(rho=1.0, options=SpaceOptions()).config()
+    return tuple(dict.fromkeys([*geodesic, *RunSettings(rho=1.0).config()]))

@@ -165,7 +165,7 @@ def search_group_element(
 ) -> GroupSearchResult:
     """The group element, one ``A`` per pair of every block of ``smap``, that makes the first-order adaptive
     sharpness (:class:`AdaptiveProxy`) as large (``"sharp"``) or as small (``"flat"``) as the search finds; the model
-    is not changed (apply the result with :func:`hf_geosharp.symmetry.reparametrize.apply_group_elements`).
+    is not changed (apply the result with :func:`hf_geosharp.symmetry.group_action.apply_group_elements`).
 
     Args:
         model: the model (its state is restored after the gradients are taken).

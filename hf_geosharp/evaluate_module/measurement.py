@@ -22,7 +22,8 @@ then spreads the batches over the ranks (through ``accelerate``) and gathers the
 the one-process result. Do not use evaluate's ``num_process``/``process_id`` options: they make rank 0 compute alone.
 
 Sharded use (FSDP2): under ``torchrun``, ``compute(model_id=..., fsdp=True)`` loads the model on every rank, maps its
-symmetries and shards it (:func:`hf_geosharp.engine.placement.sharding.shard_model`); a ``model=`` the user sharded is
+symmetries and shards it (through :mod:`hf_geosharp.pipeline`, with
+:func:`hf_geosharp.engine.placement.sharding.shard_model`); a ``model=`` the user sharded is
 measured sharded without the flag. The shards of the examples are joined and batched as above, and every rank then
 solves every batch together with the others: for a loss that is a mean over examples (classification) each rank passes
 the engine its rows of every batch (compute is shared too); otherwise (token-averaged losses, a custom ``loss_fn``, a
@@ -44,17 +45,14 @@ import torch
 from ..data import (
     DataError,
     DataSpec,
-    launch_accelerator,
-    load_model,
     load_processor,
     make_batches,
     require_task,
     task_of,
 )
-from ..engine.placement.sharding import attention_placement, init_distributed, is_sharded, shard_model
 from ..engine.result import certified
-from ..measures import DEFAULT_MEASURES, MEASURES, Settings, parse_measures, result_fields, run_measures, spec
-from ..symmetry import map_symmetries
+from ..measures import DEFAULT_MEASURES, MEASURES, Settings, parse_measures, result_fields
+from ..pipeline import ModelSource, Request, gathered_rows, init_distributed, is_sharded, load, prepare
 
 INPUTS = ("predictions", "input_ids", "attention_mask", "token_type_ids", "pixel_values", "labels")
 #: Inputs stored as int64: a float there would be truncated without a word, so it is refused.
@@ -248,16 +246,6 @@ def _present(rows: list[Any]) -> bool:
     return any(not (isinstance(r, (list, str)) and len(r) == 0) for r in rows)
 
 
-def _gather_shards(columns: dict[str, list]) -> dict[str, list]:
-    """Every rank's rows, concatenated in rank order: what a single process would have been given."""
-    shards: list[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(shards, columns)
-    keys = {tuple(sorted(s)) for s in shards}
-    if len(keys) != 1:
-        raise ValueError(f"ranks passed different inputs to compute(): {sorted(keys)}; pass the same ones everywhere.")
-    return {k: [row for shard in shards for row in shard[k]] for k in columns}
-
-
 def _keys(measures: Any, metric: Any, baseline: bool | None) -> list[str]:
     """The measure keys asked for; ``metric``/``baseline`` are the older way to say the same."""
     if measures is not None:
@@ -279,7 +267,7 @@ def _model(model: torch.nn.Module | None, model_id: str | None, device: Any, fsd
     if fsdp:
         _start_fsdp(model, device)
     if model is None:
-        loaded = load_model(model_id, trust_remote_code=False)
+        loaded = load(ModelSource(model_id))  # custom model code is never run
         return loaded if fsdp else loaded.to(want or torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model= must be a loaded torch.nn.Module, got {type(model).__name__}; pass a folder or Hub id "
@@ -305,16 +293,6 @@ def _start_fsdp(model: torch.nn.Module | None, device: Any) -> None:
         init_distributed()
     except RuntimeError as err:
         raise ValueError(f"fsdp=True needs a distributed launch: {err}") from None
-
-
-def _sharded_batches(model: torch.nn.Module, batches: list[dict], task: Any, loss_fn: Any) -> list[dict]:
-    """What this rank passes the sharded engine: its rows of every batch when the loss is a mean over examples and
-    every batch has a row for every rank, else the whole batches (see the module docstring)."""
-    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
-    rows = [len(next(iter(b.values()))) for b in batches]
-    if task != "classification" or loss_fn is not None or min(rows) < world:
-        return batches
-    return [{k: v.tensor_split(world)[rank] for k, v in b.items()} for b in batches]
 
 
 def _output(results: dict, settings: Settings, keys: list[str], config: dict[str, Any], smap: Any) -> dict[str, Any]:
@@ -438,21 +416,17 @@ class GeodesicSharpness(evaluate.Measurement):
                 "labels= is missing: pass class ids (or per-token ids with -100 for ignored positions); only causal "
                 "language models take their labels from input_ids."
             )
-        smap = map_symmetries(model) if fsdp or any(spec(k).family == "geodesic" for k in keys) else None
-        if fsdp and not is_sharded(model):  # mapped above, on the unsharded model
-            shard_model(model, placement=attention_placement(model, smap))
-        sharded = is_sharded(model)
         world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         if world_size > 1:
-            columns = _gather_shards(columns)
-            accelerator = None if sharded else accelerator or launch_accelerator()
+            columns = gathered_rows(columns)
         try:
             batches = make_batches(columns, batch_size, pad_token_id=pad_token_id, task=task)
         except DataError as err:
             raise ValueError(str(err)) from None
-        given = _sharded_batches(model, batches, task, loss_fn) if sharded and world_size > 1 else batches
-        results = run_measures(keys, model, given, settings, symmetry_map=smap, loss_fn=loss_fn,
-                               accelerator=accelerator, progress=progress)  # fmt: skip
+        prepared = prepare(Request(model, batches, keys, settings, loss_fn=loss_fn, fsdp=fsdp, share_rows=True,
+                                   task=task, accelerator=accelerator, share_batches=True,
+                                   progress=progress))
+        results = prepared.measure()
         config = {"batch_size": batch_size, "n_examples": len(next(iter(columns.values()))),
-                  "n_batches": len(batches), "world_size": world_size, "fsdp": sharded}  # fmt: skip
-        return _output(results, settings, keys, config, smap)
+                  "n_batches": len(batches), "world_size": world_size, "fsdp": prepared.sharded}  # fmt: skip
+        return _output(results, settings, keys, config, prepared.symmetry_map)

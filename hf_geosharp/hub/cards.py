@@ -26,6 +26,7 @@ written. Pushing lives in :mod:`hf_geosharp.hub.publish`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -44,7 +45,8 @@ if TYPE_CHECKING:
 from .._version import __version__
 from ..durable import atomic_path, write_text
 from ..engine.result import certificate_words, certified
-from ..measures import MEASURES, key_of
+from ..engine.settings import config_keys
+from ..measures import MEASURES, Settings, key_of_engine_name
 
 logger = logging.getLogger(__name__)
 
@@ -72,8 +74,14 @@ _TASKS = {  # transformers head class suffix -> Hub task type (first match wins:
     "ForVideoClassification": "video-classification",
 }
 #: What a result's config records that determines the number; copied into the metric's args when present.
-_SETTINGS = ("rho", "mode", "steps", "n_samples", "seed", "n_batches", "epsilon", "variant", "params", "layer",
-             "second_order", "riemannian_norm", "horizontal_projection", "elementwise_curvature", "step_normalization")
+#: The settings of a result a card shows: the shared ones first (:class:`~hf_geosharp.measures.Settings`, the
+#: adaptive solver as ``variant``), then the engine's other settings (:func:`config_keys`) and what a run adds
+#: (``n_batches``; relative flatness's ``layer``); not the solver's budget and tolerance (``tol``, ``max_steps``) nor
+#: the metric, which the metric type names.
+_NOT_SHOWN = ("tol", "max_steps", "metric")
+_SETTINGS = tuple(dict.fromkeys(
+    [*("variant" if f.name == "adaptive_variant" else f.name for f in dataclasses.fields(Settings)),
+     *(k for k in config_keys() if k not in _NOT_SHOWN), "n_batches", "layer"]))
 _DATA_ARGS = ("n_examples", "batch_size", "seed")
 _LOCAL_SUFFIXES = {".csv", ".tsv", ".json", ".jsonl", ".parquet", ".arrow", ".txt"}
 #: The first huggingface_hub release with the ``.eval_results`` classes (imported only where they are used).
@@ -111,9 +119,9 @@ class DatasetInfo:
 
 
 # ------------------------------------------------------------------------------------------------ what was measured
-def measure_key(result: dict[str, Any]) -> str:
+def key_of_result(result: dict[str, Any]) -> str:
     """The public key (:data:`hf_geosharp.measures.MEASURES`) of a ``SharpnessResult.to_dict()``."""
-    key = key_of(result["measure"])
+    key = key_of_engine_name(result["measure"])
     if key is None:
         raise CardError(f"result {result['measure']!r} is not one of the known measures ({', '.join(MEASURES)}).")
     return key
@@ -180,7 +188,7 @@ def settings_args(result: dict[str, Any]) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------ model-index
 def eval_result(result: dict[str, Any], dataset: DatasetInfo, task: str, *, url: str | None = None) -> EvalResult:
     """One model-index entry from a ``SharpnessResult.to_dict()``: metric type = the measure's public key."""
-    key = measure_key(result)
+    key = key_of_result(result)
     args = settings_args(result)
     name = ", ".join([MEASURES[key].title, *([f"rho={args['rho']}"] if "rho" in args else []),
                       *([f"{args['mode']} case"] if "mode" in args else []),
@@ -311,7 +319,7 @@ def eval_result_entry(result: dict[str, Any], dataset: DatasetInfo, benchmark: s
                       benchmark_revision: str | None = None) -> EvalResultEntry:
     """One ``.eval_results`` entry: the benchmark dataset, the measure key as task id, the settings and the certificate
     in ``notes``."""
-    key = measure_key(result)
+    key = key_of_result(result)
     args = settings_args(result)
     notes = ", ".join(f"{k}={v}" for k, v in args.items() if k != "certified")
     url = source_url(url)

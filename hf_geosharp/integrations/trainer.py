@@ -30,7 +30,8 @@ from ..api import SharpnessResult, collected_convergence_notes, symmetry_note_gi
 from ..engine.checks import check_inputs, check_labels_present
 from ..engine.defaults import SEED
 from ..engine.result import LOWER_BOUND, NOT_CERTIFIED, certified, shown
-from ..measures import Settings, parse_measures, result_fields, run_measures
+from ..measures import Settings, parse_measures, result_fields
+from ..pipeline import Request, measure
 
 logger = logging.getLogger(__name__)
 
@@ -223,7 +224,7 @@ class GeodesicSharpnessCallback(TrainerCallback):
         # convergence warnings are replaced by one warning per measurement (below)
         quiet = symmetry_note_given() if self._symmetry_noted else contextlib.nullcontext()
         with untouched_rng(), quiet, collected_convergence_notes():
-            results = run_measures(self.keys, model, self.batches, self.settings, progress=False)
+            results = measure(Request(model, self.batches, self.keys, self.settings))
         self._symmetry_noted = True
         logs: dict[str, float | bool] = {}
         for key, res in results.items():  # scalars only: reporters log numbers, not lists
@@ -302,4 +303,4 @@ def measure_trainer(
         batches = subset_batches(
             dataset, n_examples, batch_size or args.per_device_eval_batch_size, seed, trainer.data_collator, keep
         )
-        return run_measures(parse_measures(measures), trainer.model, batches, settings, progress=progress)
+        return measure(Request(trainer.model, batches, parse_measures(measures), settings, progress=progress))

@@ -92,7 +92,7 @@ class Column:
     def name(self, shared: Settings) -> str:
         """The column's name: the engine's name of its measure run with :meth:`settings` (e.g.
         ``geodesic_inv_worst``), also the ``measure`` of its stored results."""
-        return MEASURES[self.key].result_name(self.settings(shared))
+        return MEASURES[self.key].engine_name(self.settings(shared))
 
 
 @dataclass

@@ -96,9 +96,9 @@ def public_name(name: str) -> str:
     Returns:
         The name for titles and labels.
     """
-    from ..measures import key_of
+    from ..measures import key_of_engine_name
 
-    key = key_of(name)
+    key = key_of_engine_name(name)
     if key is None:
         return name
     return f"{key} (average)" if name.endswith("_average") else key

@@ -17,10 +17,10 @@ import torch
 from tqdm.auto import tqdm
 
 from ..api import SharpnessResult, collected_convergence_notes
-from ..data import DataError, DataSpec, load_batches, load_model, load_processor, load_split, require_task
+from ..data import DataError, DataSpec, load_batches, load_processor, load_split, require_task
 from ..engine.progress import bar_disabled
-from ..measures import MEASURES, Settings, no_symmetry_note, run_measure
-from ..symmetry import map_symmetries
+from ..measures import MEASURES, Settings
+from ..pipeline import Memo, ModelSource, Request, load, prepare
 from .inputs import Column, GapSpec, ModelRef, read_gap_file
 from .statistics import kendall_taus, tau_differences
 from .store import ResultStore, data_identity, fingerprint, model_identity
@@ -56,11 +56,6 @@ def evaluate_split(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]
         loss_sum += float(out.loss) * size
         wrong += float((out.logits.argmax(-1) != batch["labels"]).sum()) if batch["labels"].dim() == 1 else math.nan
     return {"loss": loss_sum / n, "error": wrong / n}
-
-
-def _measure(key: str, model: torch.nn.Module, batches: list, settings: Settings, smap: Any) -> SharpnessResult:
-    """One result of the table, run by the registry."""
-    return run_measure(key, model, batches, settings, symmetry_map=smap, progress=False)
 
 
 def plan(columns: list[Column], settings: Settings) -> Plan:
@@ -258,42 +253,51 @@ def _compute_missing(
     missing: list[str], bar: tqdm, trust_remote_code: bool,
 ) -> None:
     bar.set_postfix(model=ref.name)
-    model = load_model(ref.source, trust_remote_code=trust_remote_code)
+    model = load(ModelSource(ref.source, trust_remote_code))
     require_task(model)
     processor = load_processor(ref.source, model, trust_remote_code=trust_remote_code)
     batches = load_batches(model, processor, data)
-    smap = None
-    if any(MEASURES[key].family == "geodesic" and name in missing for name, (key, _) in runs.items()):
-        smap = map_symmetries(model)
-        if note := no_symmetry_note(smap, ref.name):
-            logger.warning(note)
-    for name, (key, settings) in runs.items():
-        if name not in missing:
-            continue
-        bar.set_postfix(model=ref.name, measure=name)
+    # one map for every geodesic column still missing (none when only others are)
+    measured = [key for name, (key, _) in runs.items() if name in missing]
+    prepared = prepare(Request(model, batches, measured, name=ref.name))
+    if note := prepared.note:
+        logger.warning(note)
+    memo = Memo(store)
+
+    def measure_record(key: str, settings: Settings) -> dict[str, Any]:
         start = time.perf_counter()
-        res = _measure(key, model, batches, settings, smap)
-        store.put({"key": keys[name], "kind": "measure", "model": ref.name, "source": ref.source,
-                   "measure": res.measure, "value": res.value, "stderr": res.stderr, "converged": res.converged,
-                   "stationarity_gap": res.stationarity_gap, "convergence_note": res.convergence_note,
-                   "clean_loss": res.clean_loss, "per_batch": res.per_batch, "config": res.config,
-                   "breakdown": res.to_dict().get("breakdown"), "seconds": time.perf_counter() - start})
-        bar.update()
-    if "stats" in missing:
+        res: SharpnessResult = prepared.measure_one(key, settings)
+        return {"kind": "measure", "model": ref.name, "source": ref.source,
+                "measure": res.measure, "value": res.value, "stderr": res.stderr, "converged": res.converged,
+                "stationarity_gap": res.stationarity_gap, "convergence_note": res.convergence_note,
+                "clean_loss": res.clean_loss, "per_batch": res.per_batch, "config": res.config,
+                "breakdown": res.to_dict().get("breakdown"), "seconds": time.perf_counter() - start}
+
+    def stats_record() -> dict[str, Any]:
         clean = evaluate_split(model, batches)
         norm = float(torch.linalg.vector_norm(torch.cat([p.detach().reshape(-1) for p in model.parameters()])))
-        store.put({"key": keys["stats"], "kind": "stats", "model": ref.name, "source": ref.source, "param_norm": norm,
-                   "clean_loss": clean["loss"], "n_params": sum(p.numel() for p in model.parameters())})
-        bar.update()
-    if "splits" in missing:
-        record = {"key": keys["splits"], "kind": "splits", "model": ref.name, "source": ref.source}
+        return {"kind": "stats", "model": ref.name, "source": ref.source, "param_norm": norm,
+                "clean_loss": clean["loss"], "n_params": sum(p.numel() for p in model.parameters())}
+
+    def splits_record() -> dict[str, Any]:
+        record: dict[str, Any] = {"kind": "splits", "model": ref.name, "source": ref.source}
         for role, split in (("train", gap.train_split), ("test", gap.test_split)):
             spec = DataSpec(**{**asdict(data), "split": split, "n_examples": gap.n_examples,
                                "batch_size": gap.batch_size, "shuffle": gap.n_examples is not None})
             result = evaluate_split(model, load_batches(model, processor, spec))
             record.update({f"{role}_loss": result["loss"], f"{role}_error": result["error"]})
-        store.put(record)
+        return record
+
+    for name, (key, settings) in runs.items():
+        if name not in missing:
+            continue
+        bar.set_postfix(model=ref.name, measure=name)
+        memo(keys[name], lambda key=key, settings=settings: measure_record(key, settings))
         bar.update()
+    for name, compute in (("stats", stats_record), ("splits", splits_record)):
+        if name in missing:
+            memo(keys[name], compute)
+            bar.update()
 
 
 def _row(

@@ -96,7 +96,7 @@ class ResultStore:
         for number, line in enumerate(complete.split(b"\n")[:-1], 1):
             record, reason = _parse(line)
             if record is None:
-                self.damaged.append(DamagedLine(number, reason, _key_of(line)))
+                self.damaged.append(DamagedLine(number, reason, _record_key(line)))
             else:
                 self.records[record["key"]] = record
         if self.damaged:
@@ -169,7 +169,7 @@ def _shown(value: Any) -> str:
     return f"{kind}{text}"
 
 
-def _key_of(line: bytes) -> str | None:
+def _record_key(line: bytes) -> str | None:
     """The key of a line that is JSON with a string key (also a damaged one), else None."""
     try:
         record = json.loads(line.decode("utf-8"))

@@ -6,10 +6,10 @@ models) and ``block_audit`` (attention blocks of any model) check the predicted 
 """
 
 from .audit import jacobian_rank_audit
+from .audit_blocks import block_audit
 from .base import Fallback, PairBlock, SymmetryMap
-from .block_audit import block_audit
+from .group_action import reparametrize
 from .mapping import map_symmetries
-from .reparametrize import reparametrize
 from .report import format_report, symmetry_report
 
 __all__ = [

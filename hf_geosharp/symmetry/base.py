@@ -10,6 +10,7 @@ interleaved and grouped layouts, appended bias rows and stacked GQA heads with o
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -151,3 +152,24 @@ class SymmetryMap:
             The report of :func:`hf_geosharp.symmetry.report.symmetry_report` (pairs, coverage, warnings).
         """
         return symmetry_report(self, model)
+
+
+def renamed_map(symmetry_map: SymmetryMap | None, smap: SymmetryMap | None, where: str) -> SymmetryMap | None:
+    """The map a function was given: ``symmetry_map=``, or the deprecated ``smap=`` (with a ``DeprecationWarning``
+    pointing at the caller), the keyword every public function now spells as ``gs.geodesic_sharpness`` does.
+
+    Args:
+        symmetry_map: the map passed as ``symmetry_map=``.
+        smap: the map passed under the old name.
+        where: the public function's name, for the messages.
+
+    Returns:
+        The map given (``None``: the function maps the model itself).
+    """
+    if smap is None:
+        return symmetry_map
+    if symmetry_map is not None:
+        raise TypeError(f"{where}: pass symmetry_map= only (smap= is its old name).")
+    warnings.warn(f"{where}(smap=...) is deprecated and will be removed: pass symmetry_map=... (as "
+                  "gs.geodesic_sharpness takes it).", DeprecationWarning, stacklevel=3)
+    return smap

@@ -11,17 +11,24 @@ Nothing parameter-sized is stored: ``w^2`` is recomputed from the weights block 
 this geometry measures is said per segment (``measure``): all of them, none, or a mask for the rare segment that is
 part attention pair, part not. Coordinates it does not measure are either left alone (``keep``: another geometry, the
 attention pairs, writes them) or are zero (frozen).
+
+The solver's per-step pass (:meth:`ElementwiseGeometry.riemannian_gradient_pass`) runs as a handful of list
+operations (``torch._foreach_*``: one fused launch per list on CUDA) over the segments sorted once into kinds, plus
+flat operations on the whole vector, so its cost in operations does not grow with the number of parameter tensors
+or with depth; segments of the rare kinds (a measured mask, weights below ``zero_tol`` but not zero) go block by
+block. ``reference=True`` runs every segment block by block: the slow reference the tests compare it with.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from torch import Tensor
 
-from ..defaults import ELEMENTWISE_CURVATURE
+from ..defaults import ELEMENTWISE_CURVATURE, ZERO_TOL
 
 Curvature = Literal["none", "second_order", "exact_exp"]
 #: Per segment: every coordinate (True), none (False), or a bool mask over the segment.
@@ -38,6 +45,18 @@ def per_segment(flat: Tensor | None, sizes: list[int], default: bool) -> list[Se
     return out
 
 
+@dataclass(frozen=True)
+class SegmentKinds:
+    """The segments sorted for the list pass, by position: ``scaled`` (every coordinate measured: ``e w w``, which is
+    exactly 0 where ``w`` is), ``zeroed`` (nothing measured or kept: 0) and ``blockwise`` (the rest: a measured mask,
+    weights below ``zero_tol`` that are not zero, a mask of kept coordinates); unmeasured, wholly kept segments are
+    in none of them (another geometry writes them)."""
+
+    scaled: list[int]
+    zeroed: list[int]
+    blockwise: list[int]
+
+
 class ElementwiseGeometry:
     """GL(1)+ metric on a flat vector laid out like ``w`` (one tensor, or a list of 1-D segments).
 
@@ -50,6 +69,7 @@ class ElementwiseGeometry:
         zero_tol: weights smaller than this in magnitude are frozen.
         keep: per-segment selections of unmeasured coordinates that passes leave untouched (default: none).
         dtype: working dtype (default: float32 or wider, as the weights).
+        reference: run every pass block by block (the slow reference of the list pass).
     """
 
     #: Coordinates per block of a pass: a few MiB, so a block stays in cache.
@@ -60,11 +80,12 @@ class ElementwiseGeometry:
         w: Tensor | Sequence[Tensor],
         mask: Tensor | None = None,
         curvature: Curvature = ELEMENTWISE_CURVATURE,
-        zero_tol: float = 1e-12,
+        zero_tol: float = ZERO_TOL,
         *,
         measure: list[Selection] | None = None,
         keep: list[Selection] | None = None,
         dtype: torch.dtype | None = None,
+        reference: bool = False,
     ) -> None:
         if curvature not in ("none", "second_order", "exact_exp"):
             raise ValueError(f"elementwise_curvature must be 'none', 'second_order' or 'exact_exp', got {curvature!r}.")
@@ -77,17 +98,40 @@ class ElementwiseGeometry:
         self.keep = keep if keep is not None else [False] * len(self.sizes)
         self.curvature, self.zero_tol = curvature, zero_tol
         self._plain: tuple[int, list[bool]] | None = None
+        self.reference = reference
+        self._kinds: SegmentKinds | None = None
 
     # ------------------------------------------------------------------ blocks
-    def _blocks(self) -> Iterator[tuple[slice, Tensor, Selection, Selection]]:
-        """``(where in the flat vector, weights, measure, keep)`` block by block."""
-        offset = 0
-        for w, measure, keep, n in zip(self.segments, self.measure, self.keep, self.sizes):
-            for start in range(0, n, self.CHUNK):
+    def _blocks(self, segments: Sequence[int] | None = None) -> Iterator[tuple[slice, Tensor, Selection, Selection]]:
+        """``(where in the flat vector, weights, measure, keep)`` block by block (of the given segments only)."""
+        offset, only = 0, None if segments is None else set(segments)
+        for i, (w, measure, keep, n) in enumerate(zip(self.segments, self.measure, self.keep, self.sizes)):
+            for start in range(0, n if only is None or i in only else 0, self.CHUNK):
                 stop = min(start + self.CHUNK, n)
                 pick = lambda s, a=start, b=stop: s if isinstance(s, bool) else s[a:b]  # noqa: E731
                 yield slice(offset + start, offset + stop), w[start:stop], pick(measure), pick(keep)
             offset += n
+
+    def kinds(self) -> SegmentKinds:
+        """The segments by kind (:class:`SegmentKinds`), read once, block by block (the base point does not change
+        while the geometry lives)."""
+        if self._kinds is None:
+            tol_sq = self.zero_tol**2
+            tiny = [False] * len(self.sizes)  # 0 < w^2 < zero_tol^2 somewhere: e w w would not be exactly 0 there
+            for i, (w, measure) in enumerate(zip(self.segments, self.measure)):
+                if measure is True:
+                    blocks = (w[s : s + self.CHUNK] for s in range(0, w.numel(), self.CHUNK))
+                    tiny[i] = any(bool((b.to(self.dtype).square() < tol_sq).logical_and_(b != 0).any()) for b in blocks)
+            scaled, zeroed, blockwise = [], [], []
+            for i, (measure, keep) in enumerate(zip(self.measure, self.keep)):
+                if measure is True and not tiny[i]:
+                    scaled.append(i)
+                elif measure is False and keep is False:
+                    zeroed.append(i)
+                elif not (measure is False and keep is True):
+                    blockwise.append(i)
+            self._kinds = SegmentKinds(scaled, zeroed, blockwise)
+        return self._kinds
 
     def _plain_blocks(self) -> list[bool]:
         """Per block, whether every coordinate is measured and movable, so that the step's pass needs no mask: read
@@ -190,14 +234,52 @@ class ElementwiseGeometry:
     def riemannian_gradient_pass(self, egrad: Tensor, out: Tensor, vectors: Tensor,
                                  save: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """``out <- egrad * w^2`` on measured coordinates (``out`` may be ``egrad`` itself), with ``sum egrad^2 w^2``
-        and ``vectors @ egrad`` over all coordinates (``vectors``: ``[r, N]``), in one pass over the data; with
-        ``save``, a copy of ``egrad`` is written into it on the way (each block while it is in cache, before it is
-        overwritten), which costs a write instead of a separate read and write.
+        and ``vectors @ egrad`` over all coordinates (``vectors``: ``[r, N]``), in a few passes over the data; with
+        ``save``, a copy of ``egrad`` is written into it first.
 
         ``keep`` coordinates of ``out`` are left as they are (when ``out`` is ``egrad`` they still hold the gradient,
-        for the pair geometry to read); other unmeasured ones are zeroed. Block by block, everything that reads a
-        block of ``egrad`` runs before it is overwritten and while it is in cache. Returns ``(square, products)``
-        as float64 tensors on the device (no synchronisation)."""
+        for the pair geometry to read); other unmeasured ones are zeroed. Everything that reads ``egrad`` runs
+        before it is overwritten. Returns ``(square, products)``
+        as float64 tensors on the device (no synchronisation).
+
+        Segments of one kind (:meth:`kinds`) go through one list operation each, so the count of operations does not
+        grow with the segments; ``<d, d>_g`` sums the squares per segment and ``vectors @ egrad`` per 1 Mi block,
+        in float64 across them. Nothing parameter-sized is allocated."""
+        if self.reference:
+            return self._reference_pass(egrad, out, vectors, save)
+        kinds = self.kinds()
+        if save is not None:
+            save.copy_(egrad)
+        products = blocked_products(vectors, egrad, self.CHUNK)
+        square = torch.zeros((), dtype=torch.float64, device=egrad.device)
+        outs = out.split(self.sizes)
+        scaled = [outs[i] for i in kinds.scaled]
+        if scaled:
+            w = [self.segments[i] for i in kinds.scaled]
+            if out.data_ptr() != egrad.data_ptr():
+                torch._foreach_copy_(scaled, [egrad.split(self.sizes)[i] for i in kinds.scaled])
+            torch._foreach_mul_(scaled, w)  # e w: its squares are e^2 w^2
+            norms = torch.stack(torch._foreach_norm(scaled)).to(torch.float64)
+            square = torch.dot(norms, norms)
+            torch._foreach_mul_(scaled, w)  # (e w) w
+        if kinds.zeroed:
+            torch._foreach_zero_([outs[i] for i in kinds.zeroed])
+        for where, w, measure, keep in self._blocks(kinds.blockwise):
+            e = egrad[where]
+            if measure is False:  # keep is a mask here
+                out[where].mul_(keep)
+                continue
+            r = e * self._scale_sq(w, measure)
+            square = square + torch.dot(e, r)
+            if isinstance(measure, Tensor):
+                other = out[where] if keep is True else out[where] * keep if isinstance(keep, Tensor) else 0.0
+                r = torch.where(measure, r, other)
+            out[where].copy_(r)
+        return square, products
+
+    def _reference_pass(self, egrad: Tensor, out: Tensor, vectors: Tensor,
+                        save: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """The block-by-block :meth:`riemannian_gradient_pass`: every segment, one 1 Mi block at a time."""
         sums = torch.zeros(len(vectors) + 1, dtype=torch.float64, device=egrad.device)
         for (where, w, measure, keep), plain in zip(self._blocks(), self._plain_blocks()):
             e = egrad[where]
@@ -257,3 +339,20 @@ class ElementwiseGeometry:
         draw = draw or (lambda i: torch.randn(self.sizes[i], generator=generator, dtype=torch.float64, device="cpu"))
         z = torch.cat([draw(i) for i in range(len(self.sizes))]).to(device=self.device, dtype=self.dtype)
         return z.mul_(self.scale)
+
+
+def blocked_products(vectors: Tensor, x: Tensor, block: int) -> Tensor:
+    """``vectors @ x`` (``[r, N] @ [N]``, float64) as float64 sums of per-block products (``block`` entries each):
+    one batched product per row of ``vectors`` and one for the tail, whatever ``N``; nothing ``N``-sized is
+    allocated."""
+    n = x.numel()
+    full = n - n % block
+    count = full // block
+    parts = torch.empty(len(vectors), count + (full < n), dtype=x.dtype, device=x.device)
+    for j, v in enumerate(vectors):
+        if full:
+            into = parts[j, :count].view(count, 1, 1)
+            torch.bmm(v[:full].view(count, 1, block), x[:full].view(count, block, 1), out=into)
+        if full < n:
+            torch.dot(v[full:], x[full:], out=parts[j, count])
+    return parts.sum(1, dtype=torch.float64)

@@ -15,7 +15,8 @@ exact g-orthogonal projection solves a two-sided Sylvester equation :math:`\math
 :math:`\mathcal B = H^TH Q^{-1}`), both sides diagonalised once per base point (Cholesky + eigh). A reduced group
 (e.g. the commutant of RoPE rotations) is given by a Lie-algebra basis; its projection is a small cached linear solve
 over that basis. Every ``h x h`` factor is computed in float64; products with the ``n x h`` blocks run in the working
-dtype.
+dtype. One class per metric (:class:`InvQuotient`, :class:`MixQuotient`, made by :func:`gl_quotient`) on a common
+base; the sums over the factors' rows, the only thing a sharded run changes, are one injected :class:`RowSums`.
 
 The vocabulary follows pymanopt's manifolds: ``inner_product``, ``norm``, ``projection``,
 ``euclidean_to_riemannian_gradient``, ``exp2_correction`` (the second-order geodesic term ``-1/2 Gamma(xi, xi)``)
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -36,13 +38,11 @@ from ..defaults import EPSILON, METRIC
 Metric = Literal["inv", "mix"]
 Pair = tuple[Tensor, Tensor]
 Reduce = Callable[[Tensor], Tensor]
+#: A pullback of the geodesic correction: ``(cotangent, xi, out=None, base=None) -> d/dxi``.
+Pullback = Callable[..., Pair]
 #: Tensors with one entry per head: what :meth:`GLQuotient.heads` slices.
 _PER_HEAD = ("G", "H", "_P64", "_Q64", "_P_inv64", "_Q_inv64", "_VA",
              "_VA_inv", "_VB", "_VB_inv", "_sylvester_inv", "_K_pinv")
-
-
-def _identity(t: Tensor) -> Tensor:
-    return t
 #: Eigenvalue floor (relative to the largest) of the Gram matrices inverted inside the relaxation: a numerical guard
 #: for singular factors only. It is independent of ``epsilon`` so that the relaxation stays exactly covariant for
 #: every head whose Gram matrices are resolvable in float64 (condition <= 1e10), also after a badly conditioned
@@ -50,28 +50,63 @@ def _identity(t: Tensor) -> Tensor:
 GRAM_FLOOR = 1e-10
 
 
+def _identity(t: Tensor) -> Tensor:
+    return t
+
+
+@dataclass(frozen=True)
+class RowSums:
+    """Sums over the rows of a pair's factors, the one thing a sharded run changes in the geometry.
+
+    In one process (the default) every row of ``G`` and ``H`` is here and nothing is reduced. On a shard, the factors
+    hold this rank's rows; ``counted`` leading rows of each factor are summed here (rows shared with other ranks come
+    last and are counted by one rank only), ``reduce`` sums over the ranks in place, and ``index``/``whole`` place
+    each local row in the whole factor, so that every layout draws the same random directions.
+
+    Attributes:
+        counted: rows of ``G`` and ``H`` this rank counts in sums (None: all).
+        reduce: in-place sum over the ranks.
+        index: the row of the whole factor that each local row of ``G`` and ``H`` is (None: the identity).
+        whole: the whole factors' row counts ``(n, m)`` (with ``index``).
+    """
+
+    counted: tuple[int, int] | None = None
+    reduce: Reduce = _identity
+    index: tuple[Tensor, Tensor] | None = None
+    whole: tuple[int, int] | None = None
+
+    def gram(self, a: Tensor, b: Tensor, factor: int) -> Tensor:
+        """``a^T b`` over the rows of factor ``factor`` (0: G, 1: H), summed over the ranks that share them."""
+        n = a.shape[1] if self.counted is None else self.counted[factor]
+        if n == a.shape[1] == b.shape[1]:  # every row counted here: no slices
+            return self.reduce(a.mT @ b)
+        return self.reduce(a[:, :n].mT @ b[:, :n])
+
+    def frobenius(self, a: Pair, b: Pair) -> Tensor:
+        """``<a, b>`` (Frobenius, both factors) over the rows this rank counts, not reduced over ranks; float64."""
+        total = None
+        for factor in (0, 1):
+            x, y = a[factor], b[factor]
+            n = x.shape[1] if self.counted is None else self.counted[factor]
+            x, y = (x, y) if n == x.shape[1] else (x[:, :n], y[:, :n])
+            part = torch.dot(x.reshape(-1), y.reshape(-1)).double()
+            total = part if total is None else total + part
+        return total
+
+    def draw(self, like: Tensor, factor: int, generator: torch.Generator | None) -> Tensor:
+        """Standard normal draws shaped like the whole factor (CPU, float64: the same on every device), cut to this
+        rank's rows of ``like``."""
+        if self.index is None:
+            return torch.randn(like.shape, generator=generator, dtype=torch.float64, device="cpu").to(like.device)
+        Z = torch.randn((like.shape[0], self.whole[factor], like.shape[2]), generator=generator,
+                        dtype=torch.float64, device="cpu")
+        return Z[:, self.index[factor].cpu()].to(like.device)
+
+
 def _sym_inv_sqrt(S: Tensor) -> Tensor:
     """Symmetric inverse square root of a batch of SPD matrices (float64)."""
     d, U = torch.linalg.eigh(S)
     return (U * d.clamp_min(torch.finfo(S.dtype).tiny).rsqrt().unsqueeze(-2)) @ U.mT
-
-
-def _inv_factor(
-    x: Tensor, W: Tensor, P_inv: Tensor, out: Tensor | None, row_sum: Callable[[Tensor, Tensor], Tensor]
-) -> tuple[Tensor, Callable[[Tensor, Tensor, Tensor, Tensor | None], Tensor]]:
-    """One factor of the inv correction ``c = (x A - W B) / 2`` and its pullback ``(d, x, W, out)``
-    (``exp2_correction_with_pullback``); ``row_sum(a, b)`` is ``a^T b`` over the factor's rows (summed over ranks on
-    a shard)."""
-    S = row_sum(x, W)
-    A_half = 0.5 * P_inv @ (S + S.mT)
-    c = torch.bmm(x, A_half, out=out).baddbmm_(W, 0.5 * P_inv @ row_sum(x, x), alpha=-1)
-
-    def pullback(d: Tensor, x: Tensor, W: Tensor, out: Tensor | None) -> Tensor:
-        M, N = row_sum(d, x) @ P_inv, row_sum(d, W) @ P_inv
-        g = torch.bmm(d, A_half.mT, out=out)
-        return g.baddbmm_(W, 0.5 * (M + M.mT)).baddbmm_(x, 0.5 * (N + N.mT), alpha=-1)
-
-    return c, pullback
 
 
 def _sylvester_factors(L: Tensor, X: Tensor, side: str) -> tuple[Tensor, Tensor, Tensor]:
@@ -90,49 +125,51 @@ def _sylvester_factors(L: Tensor, X: Tensor, side: str) -> tuple[Tensor, Tensor,
 
 
 class GLQuotient:
-    """Riemannian geometry of ``k`` stacked GL(h) pairs at a fixed base point ``(G, H)``.
+    """Riemannian geometry of ``k`` stacked GL(h) pairs at a fixed base point ``(G, H)``; one subclass per metric
+    (:class:`InvQuotient`, :class:`MixQuotient`; :func:`gl_quotient` picks it by name).
+
+    Both metrics are ``<a, b> = tr(W_G a_G^T b_G) + tr(W_H a_H^T b_H)`` with ``h x h`` weights ``W`` built from
+    ``P_eps``, ``Q_eps`` (:attr:`WEIGHTS`, their inverses :attr:`RAISE`), so the inner product, the Riemannian
+    gradient, the vertical space and its projection are written once here; a subclass gives the sides of the
+    projection's Sylvester equation, the geodesic correction and the sampler's square roots.
 
     Args:
         G: ``[k, n, h]`` base point (the trained weights, any float dtype).
         H: ``[k, m, h]`` base point.
-        metric: ``"inv"`` (paper Eq. 9) or ``"mix"`` (Eq. 10).
         epsilon: relative, group-covariant rank relaxation (see :meth:`relaxed_grams`); 0 for the exact metric.
         lie_basis: ``None`` for the full group GL(h), else a ``[b, h, h]`` basis of the subgroup's Lie algebra.
         probe_generator: generator for the fixed probe used by the equivariant sampler (only its shape-dependent
             draws matter; the same seed gives the same probe for every point of an orbit).
-        reduce: sums a tensor over the ranks that hold parts of the rows, in place (sharded runs; default: one
-            process). Every quantity that sums over rows (Gram matrices, ``x^T W`` products, inner products) goes
-            through it, so the same code runs on a shard.
-        reduce_rows: how many leading rows of ``G`` and ``H`` this rank counts in those sums (rows it shares with
-            other ranks come last and are counted by one rank only); default all.
-        global_rows: for sampling on a shard, ``(rows of G, rows of H, n, m)``: the index of each local row in the
-            whole factor and the whole factors' row counts, so that every layout draws the same directions.
+        rows: the sums over the factors' rows (:class:`RowSums`; default: one process, every row). Every quantity
+            that sums over rows (Gram matrices, ``x^T W`` products, inner products) goes through it, so the same
+            code runs on a shard.
+        keep_base: keep ``G`` and ``H`` (default). False: they build the ``h x h`` caches and are dropped; every
+            operation then runs on :meth:`heads` given the base point.
     """
+
+    metric: Metric
+    #: Names of the metric's weights ``(W_G, W_H)`` among ``P``, ``Q``, ``P_inv``, ``Q_inv``.
+    WEIGHTS: tuple[str, str]
+    #: Names of their inverses, which raise a Euclidean gradient: ``r = (e_G W_G^-1, e_H W_H^-1)``.
+    RAISE: tuple[str, str]
 
     def __init__(
         self,
         G: Tensor,
         H: Tensor,
-        metric: Metric = METRIC,
         epsilon: float = EPSILON,
         lie_basis: Tensor | None = None,
         probe_generator: torch.Generator | None = None,
-        reduce: Reduce | None = None,
-        reduce_rows: tuple[int, int] | None = None,
-        global_rows: tuple[Tensor, Tensor, int, int] | None = None,
+        rows: RowSums | None = None,
+        keep_base: bool = True,
     ) -> None:
-        if metric not in ("inv", "mix"):
-            raise ValueError(f"metric must be 'inv' or 'mix', got {metric!r}.")
         if epsilon < 0:
             raise ValueError(f"epsilon must be >= 0, got {epsilon}.")
-        self.metric, self.epsilon, self.dtype = metric, float(epsilon), G.dtype
-        self.G, self.H = G.detach(), H.detach()
-        self._reduce = reduce or _identity
-        self._rows = reduce_rows or (G.shape[1], H.shape[1])
-        self._global_rows = global_rows
-        G64, H64 = self.G.double(), self.H.double()
+        self.epsilon, self.dtype = float(epsilon), G.dtype
+        self.rows = rows or RowSums()
+        G64, H64 = G.detach().double(), H.detach().double()
         # unrelaxed: the vertical vectors use G and H themselves
-        self._GtG, self._HtH = self._row_sum(G64, G64, 0), self._row_sum(H64, H64, 1)
+        self._GtG, self._HtH = self.rows.gram(G64, G64, 0), self.rows.gram(H64, H64, 1)
         P, Q = self.relaxed_grams(self._GtG, self._HtH, self.epsilon)
         try:
             L_P = torch.linalg.cholesky(P)
@@ -149,10 +186,7 @@ class GLQuotient:
         self.lie_basis = None if lie_basis is None else lie_basis.to(device=G.device, dtype=torch.float64)
         if self.lie_basis is None:
             # The projection solves A Lam + Lam B = C (module docstring); A and B are cached as V diag(d) V^-1.
-            if metric == "inv":  # A = Q_eps G^T G, B = H^T H P_eps
-                a, b = _sylvester_factors(L_Q, self._GtG, "SX"), _sylvester_factors(L_P, self._HtH, "XS")
-            else:  # A = P_eps^-1 G^T G, B = H^T H Q_eps^-1
-                a, b = _sylvester_factors(L_P, self._GtG, "S^-1X"), _sylvester_factors(L_Q, self._HtH, "XS^-1")
+            a, b = self._sylvester_sides(L_P, L_Q)
             (self._VA, dA, self._VA_inv), (self._VB, dB, self._VB_inv) = a, b
             denominator = dA.clamp_min(0).unsqueeze(-1) + dB.clamp_min(0).unsqueeze(-2)
             # zero only where G Lam = 0 and H Lam^T = 0 (a dead direction of both factors): no vertical vector there
@@ -166,11 +200,17 @@ class GLQuotient:
             keep = d > 1e-13 * d.amax(-1, keepdim=True).clamp_min(1e-300)
             self._K_pinv = (U * torch.where(keep, 1.0 / d.clamp_min(1e-300), 0.0).unsqueeze(-2)) @ U.mT
         del self._GtG, self._HtH  # what the projection needs of them is in its cached factors
+        self.G, self.H = (G.detach(), H.detach()) if keep_base else (None, None)
 
         # Equivariant square roots of the metric for sampling (R^T R = P, R -> R A^{-1} under the action), made on
-        # first use: a worst-case run never samples, and the probe is as large as the pair itself.
+        # first use (a worst-case run never samples, and the probe is as large as the pair itself), in a dict that
+        # every whole-range copy (heads()) shares.
         self._probe_generator = probe_generator
-        self._roots: tuple[Tensor, Tensor] | None = None
+        self._sampling: dict[str, tuple[Tensor, Tensor]] = {}
+
+    def _sylvester_sides(self, L_P: Tensor, L_Q: Tensor) -> tuple[tuple[Tensor, Tensor, Tensor], ...]:
+        """Eigen-factors of ``A = W_H^-1 G^T G`` and ``B = H^T H W_G^-1`` (see :func:`_sylvester_factors`)."""
+        raise NotImplementedError
 
     # The metric's factors in the working dtype, for the n x h products: cast once, on first use, and kept (h x h per
     # head, a small share of the pair's n x h entries); a head range (heads()) takes views of them.
@@ -179,6 +219,12 @@ class GLQuotient:
         if name not in low:
             low[name] = getattr(self, f"_{name}64").to(self.dtype)
         return low[name]
+
+    def _weights64(self) -> tuple[Tensor, Tensor]:
+        return getattr(self, f"_{self.WEIGHTS[0]}64"), getattr(self, f"_{self.WEIGHTS[1]}64")
+
+    def _raise64(self) -> tuple[Tensor, Tensor]:
+        return getattr(self, f"_{self.RAISE[0]}64"), getattr(self, f"_{self.RAISE[1]}64")
 
     @property
     def P(self) -> Tensor:
@@ -231,30 +277,34 @@ class GLQuotient:
 
     def _row_sum(self, a: Tensor, b: Tensor, factor: int) -> Tensor:
         """``a^T b`` over the rows of factor ``factor`` (0: G, 1: H), summed over the ranks that share them."""
-        n = self._rows[factor]
-        if n == a.shape[1] == b.shape[1]:  # every row counted here: no slices
-            return self._reduce(a.mT @ b)
-        return self._reduce(a[:, :n].mT @ b[:, :n])
+        return self.rows.gram(a, b, factor)
 
-    def heads(self, heads: slice) -> GLQuotient:
-        """The same geometry restricted to a range of heads (views, no copies): heads are independent, so an
-        operation can run on a few heads at a time with small temporaries."""
+    def heads(self, heads: slice, base: Pair | None = None) -> GLQuotient:
+        """The same geometry restricted to a range of heads (views, no copies), at ``base`` (those heads' ``G`` and
+        ``H``, e.g. read from the weights) or at views of the kept base point: heads are independent, so an operation
+        can run on a few heads at a time with small temporaries. All heads and no ``base``: the geometry itself."""
+        k = self._P64.shape[0]
+        whole = heads.indices(k)[:2] == (0, k) and heads.indices(k)[2] == 1
+        if whole and base is None:
+            return self
         part = copy.copy(self)
-        part._low = {name: self._lowered(name)[heads] for name in ("P", "Q", "P_inv", "Q_inv")}
-        for name in _PER_HEAD:
-            if getattr(self, name, None) is not None:  # G and H are None when the space reads them per chunk
-                setattr(part, name, getattr(self, name)[heads])
-        part._roots = None if self._roots is None else (self._roots[0][heads], self._roots[1][heads])
+        if not whole:
+            part._low = {name: self._lowered(name)[heads] for name in ("P", "Q", "P_inv", "Q_inv")}
+            for name in _PER_HEAD:
+                if getattr(self, name, None) is not None:  # G and H are None when the base point is not kept
+                    setattr(part, name, getattr(self, name)[heads])
+            part._sampling = {key: (R[0][heads], R[1][heads]) for key, R in self._sampling.items()}
+        if base is not None:
+            part.G, part.H = base
         return part
 
     # ------------------------------------------------------------------ metric
     def inner_product(self, a: Pair, b: Pair) -> Tensor:
         """Per-pair metric inner product, ``[k]`` float64."""
+        WG, WH = self._weights64()
         MG = self._row_sum(a[0], b[0], 0).double()
         MH = self._row_sum(a[1], b[1], 1).double()
-        if self.metric == "inv":
-            return (self._P_inv64 * MG).sum((-2, -1)) + (self._Q_inv64 * MH).sum((-2, -1))
-        return (self._Q64 * MG).sum((-2, -1)) + (self._P64 * MH).sum((-2, -1))
+        return (WG * MG).sum((-2, -1)) + (WH * MH).sum((-2, -1))
 
     def norm(self, xi: Pair) -> Tensor:
         """Per-pair Riemannian norm, ``[k]`` float64."""
@@ -263,7 +313,7 @@ class GLQuotient:
     def euclidean_to_riemannian_gradient(self, egrad: Pair, out: Pair | None = None) -> Pair:
         """The vector ``r`` with ``<r, eta>_g = <egrad, eta>_F`` for all ``eta``; into ``out`` if given."""
         eG, eH = egrad
-        fG, fH = (self.P, self.Q) if self.metric == "inv" else (self.Q_inv, self.P_inv)
+        fG, fH = self._lowered(self.RAISE[0]), self._lowered(self.RAISE[1])
         if out is None:
             return eG @ fG, eH @ fH
         return torch.bmm(eG, fG, out=out[0]), torch.bmm(eH, fH, out=out[1])
@@ -286,87 +336,43 @@ class GLQuotient:
         xG, xH = xi
         GtX = self._row_sum(self.G, xG, 0).double()  # G^T xi_G
         XtH = self._row_sum(xH, self.H, 1).double()  # xi_H^T H
-        # <vertical(E), xi>_g = <E, Y>_F
-        if self.metric == "inv":
-            Y = GtX @ self._P_inv64 - self._Q_inv64 @ XtH
-        else:
-            Y = GtX @ self._Q64 - self._P64 @ XtH
+        WG, WH = self._weights64()
+        Y = GtX @ WG - WH @ XtH  # <vertical(E), xi>_g = <E, Y>_F
         if self.lie_basis is not None:
             y = torch.einsum("bij,kij->kb", self.lie_basis, Y)
             c = (self._K_pinv @ -y.unsqueeze(-1)).squeeze(-1)
             return torch.einsum("kb,bij->kij", c, self.lie_basis)
-        # vertical_operator(Lam) = -Y, multiplied out to A Lam + Lam B = C
-        if self.metric == "inv":
-            C = XtH @ self._P64 - self._Q64 @ GtX  # Q_eps (-Y) P_eps
-        else:
-            C = XtH @ self._Q_inv64 - self._P_inv64 @ GtX  # P_eps^-1 (-Y) Q_eps^-1
+        # vertical_operator(Lam) = -Y, multiplied out to A Lam + Lam B = C: C = W_H^-1 (-Y) W_G^-1
+        RG, RH = self._raise64()
+        C = XtH @ RG - RH @ GtX
         return self._VA @ ((self._VA_inv @ C @ self._VB) * self._sylvester_inv) @ self._VB_inv
 
     def _vertical_operator(self, Lam: Tensor) -> Tensor:
         """``Lam -> Y(vertical_vector(Lam))`` in float64 (the Gram operator of the vertical space): the vertical
         vectors are built from the unrelaxed ``G``, ``H``, the metric from the relaxed ``P_eps``, ``Q_eps``."""
-        GtG, HtH, P, Q, P_inv, Q_inv = (
-            t.unsqueeze(1) for t in (self._GtG, self._HtH, self._P64, self._Q64, self._P_inv64, self._Q_inv64)
-        )
-        if self.metric == "inv":
-            return GtG @ Lam @ P_inv + Q_inv @ Lam @ HtH
-        return GtG @ Lam @ Q + P @ Lam @ HtH
+        WG, WH = self._weights64()
+        GtG, HtH, WG, WH = (t.unsqueeze(1) for t in (self._GtG, self._HtH, WG, WH))
+        return GtG @ Lam @ WG + WH @ Lam @ HtH
 
     # ------------------------------------------------------------------ geodesics
     def exp2_correction(self, xi: Pair) -> Pair:
         r"""The second-order geodesic term :math:`-\tfrac12\Gamma(\xi,\xi)`; differentiable."""
-        xG, xH = xi
-        G, H = self.G, self.H
-        sG, sH = self._row_sum(xG, G, 0), self._row_sum(xH, H, 1)
-        tG, tH = self._row_sum(xG, xG, 0), self._row_sum(xH, xH, 1)
-        if self.metric == "inv":
-            cG = xG @ (self.P_inv @ (sG + sG.mT)) - G @ (self.P_inv @ tG)
-            cH = xH @ (self.Q_inv @ (sH + sH.mT)) - H @ (self.Q_inv @ tH)
-            return 0.5 * cG, 0.5 * cH
-        cG = xG @ ((sH + sH.mT) @ self.Q_inv) - G @ (tH @ self.Q_inv)
-        cH = xH @ ((sG + sG.mT) @ self.P_inv) - H @ (tG @ self.P_inv)
-        return -0.5 * cG, -0.5 * cH
+        raise NotImplementedError
 
-    def exp2_correction_with_pullback(
-        self, xi: Pair, out: Pair | None = None
-    ) -> tuple[Pair, Callable[[Pair, Pair, Pair | None], Pair]]:
+    def exp2_correction_with_pullback(self, xi: Pair, out: Pair | None = None) -> tuple[Pair, Pullback]:
         r""":meth:`exp2_correction` and its vector-Jacobian product, without autograd.
 
         The solver needs :math:`\partial L/\partial\xi` through the correction at every step. Autograd would record
-        about ten ``n x h`` temporaries per factor; the closed form below reuses the forward's ``h x h`` products and
-        writes each result with fused ``baddbmm`` calls: four ``n``-sized matmuls per factor forward, five back.
-        For the inv factor :math:`c = \tfrac12[x A - W B]` with :math:`A = P^{-1}(S + S^T)`, :math:`S = x^T W`,
-        :math:`B = P^{-1} x^T x`, the pullback of a cotangent :math:`\delta` is
-        :math:`\tfrac12[\delta A^T + W(M + M^T) - x(N + N^T)]` with :math:`M = \delta^T x P^{-1}`,
-        :math:`N = \delta^T W P^{-1}`. The mix metric couples the factors the same way (G's correction depends on
-        :math:`\xi_H` and vice versa). Checked against autograd of :meth:`exp2_correction` in the tests.
+        about ten ``n x h`` temporaries per factor; the closed form reuses the forward's ``h x h`` products and
+        writes each result with fused ``baddbmm`` calls: four ``n``-sized matmuls per factor forward, five back
+        (the formulas are in each metric's class). Checked against autograd of :meth:`exp2_correction` in the tests.
 
-        The pullback is called as ``pullback(delta, xi, out)`` with the same ``xi``: it keeps only ``h x h`` factors
-        and reads the base point ``self.G``, ``self.H`` when called, so no ``n x h`` tensor stays alive through the
-        model's forward and backward passes in between (the space may set them again from the weights). Both write into
-        ``out`` buffers when given (``None``: fresh tensors), so that a caller can lend them memory it already has."""
-        (xG, xH), (oG, oH) = xi, out or (None, None)
-        if self.metric == "inv":
-            cG, pull_G = _inv_factor(xG, self.G, self.P_inv, oG, lambda a, b: self._row_sum(a, b, 0))
-            cH, pull_H = _inv_factor(xH, self.H, self.Q_inv, oH, lambda a, b: self._row_sum(a, b, 1))
-            return (cG, cH), lambda d, x, o=None: (pull_G(d[0], x[0], self.G, o and o[0]),
-                                                   pull_H(d[1], x[1], self.H, o and o[1]))
-        sG, sH = self._row_sum(xG, self.G, 0), self._row_sum(xH, self.H, 1)
-        tG, tH = self._row_sum(xG, xG, 0), self._row_sum(xH, xH, 1)
-        half_G = -0.5 * (sH + sH.mT) @ self.Q_inv  # cG = xG @ half_G + G @ (T_H Q^-1 / 2)
-        half_H = -0.5 * (sG + sG.mT) @ self.P_inv
-        cG = torch.bmm(xG, half_G, out=oG).baddbmm_(self.G, 0.5 * tH @ self.Q_inv)
-        cH = torch.bmm(xH, half_H, out=oH).baddbmm_(self.H, 0.5 * tG @ self.P_inv)
-
-        def pullback(d: Pair, x: Pair, out: Pair | None = None) -> Pair:
-            (dG, dH), (xG, xH), (oG, oH) = d, x, out or (None, None)
-            M, N = self.Q_inv @ self._row_sum(dG, xG, 0), self.Q_inv @ self._row_sum(dG, self.G, 0)  # cG: act on xH
-            M2, N2 = self.P_inv @ self._row_sum(dH, xH, 1), self.P_inv @ self._row_sum(dH, self.H, 1)  # cH: on xG
-            gG = torch.bmm(dG, half_G.mT, out=oG).baddbmm_(self.G, -0.5 * (M2 + M2.mT)).baddbmm_(xG, 0.5 * (N2 + N2.mT))
-            gH = torch.bmm(dH, half_H.mT, out=oH).baddbmm_(self.H, -0.5 * (M + M.mT)).baddbmm_(xH, 0.5 * (N + N.mT))
-            return gG, gH
-
-        return (cG, cH), pullback
+        The pullback is called as ``pullback(delta, xi, out=None, base=None)`` with the same ``xi``: it keeps only
+        ``h x h`` factors and reads the base point when called (``base``, or the geometry's own), so no ``n x h``
+        tensor stays alive through the model's forward and backward passes in between (the space may read it again
+        from the weights). Both write into ``out`` buffers when given (``None``: fresh tensors), so that a caller can
+        lend them memory it already has."""
+        raise NotImplementedError
 
     def exp2(self, xi: Pair) -> Pair:
         """Second-order geodesic ``Exp2(w; xi) = w + xi - 1/2 Gamma(xi, xi)`` (paper Eq. 5)."""
@@ -375,14 +381,7 @@ class GLQuotient:
 
     # ------------------------------------------------------------------ sampling
     def _draw(self, factor: int, generator: torch.Generator | None) -> Tensor:
-        """Standard normal draws shaped like the whole factor (CPU, float64: the same on every device), cut to this
-        rank's rows."""
-        W = self.G if factor == 0 else self.H
-        if self._global_rows is None:
-            return torch.randn(W.shape, generator=generator, dtype=torch.float64, device="cpu").to(W.device)
-        rows, n = self._global_rows[factor], self._global_rows[2 + factor]
-        Z = torch.randn((W.shape[0], n, W.shape[2]), generator=generator, dtype=torch.float64, device="cpu")
-        return Z[:, rows.cpu()].to(W.device)
+        return self.rows.draw(self.G if factor == 0 else self.H, factor, generator)
 
     def _equivariant_root(self, factor: int, W_gram_inv: Tensor, generator: torch.Generator | None) -> Tensor:
         """``R`` with ``R^T R = W^T W + eps I`` and ``R -> R A^{-1}`` when ``W -> W A^{-1}``.
@@ -394,19 +393,156 @@ class GLQuotient:
         C = self._row_sum(self._draw(factor, generator), W64, factor)
         return _sym_inv_sqrt(C @ W_gram_inv @ C.mT) @ C
 
+    def _sampling_roots(self, R_G: Tensor, R_H: Tensor) -> tuple[Tensor, Tensor]:
+        """The factors ``(root_G, root_H)`` of the sampler, ``z = Z root``, from the roots of ``P`` and ``Q``."""
+        raise NotImplementedError
+
     def random_tangent_vector(self, generator: torch.Generator | None = None) -> Pair:
         """A metric-isotropic Gaussian tangent vector (not yet projected), equivariant for a fixed generator state.
 
-        Rows of ``z_G`` have covariance ``P`` (inv) or ``Q^{-1}`` (mix)."""
-        if self._roots is None:
-            self._roots = (
+        Rows of ``z_G`` have covariance ``W_G^-1`` (inv: ``P``; mix: ``Q^{-1}``)."""
+        if "roots" not in self._sampling:
+            self._sampling["roots"] = self._sampling_roots(
                 self._equivariant_root(0, self._P_inv64, self._probe_generator),
                 self._equivariant_root(1, self._Q_inv64, self._probe_generator),
             )
-        R_G, R_H = self._roots
+        root_G, root_H = self._sampling["roots"]
         ZG, ZH = self._draw(0, generator), self._draw(1, generator)
-        if self.metric == "inv":
-            return (ZG @ R_G).to(self.dtype), (ZH @ R_H).to(self.dtype)
-        root_G = torch.linalg.inv(R_H).mT  # (R_H^{-T})^T R_H^{-T} = Q^{-1}, transforms as A^{-1}
-        root_H = torch.linalg.inv(R_G).mT
         return (ZG @ root_G).to(self.dtype), (ZH @ root_H).to(self.dtype)
+
+
+def _inv_factor(x: Tensor, W: Tensor, P_inv: Tensor, out: Tensor | None,
+                row_sum: Callable[[Tensor, Tensor], Tensor]) -> tuple[Tensor, Callable[..., Tensor]]:
+    """One factor of the inv correction ``c = (x A - W B) / 2`` and its pullback ``(d, x, W, out)``
+    (``exp2_correction_with_pullback``); ``row_sum(a, b)`` is ``a^T b`` over the factor's rows (summed over ranks on
+    a shard)."""
+    S = row_sum(x, W)
+    A_half = 0.5 * P_inv @ (S + S.mT)
+    c = torch.bmm(x, A_half, out=out).baddbmm_(W, 0.5 * P_inv @ row_sum(x, x), alpha=-1)
+
+    def pullback(d: Tensor, x: Tensor, W: Tensor, out: Tensor | None) -> Tensor:
+        M, N = row_sum(d, x) @ P_inv, row_sum(d, W) @ P_inv
+        g = torch.bmm(d, A_half.mT, out=out)
+        return g.baddbmm_(W, 0.5 * (M + M.mT)).baddbmm_(x, 0.5 * (N + N.mT), alpha=-1)
+
+    return c, pullback
+
+
+class InvQuotient(GLQuotient):
+    r"""The inv metric (paper Eq. 9): :math:`\langle\eta,\zeta\rangle = tr(P^{-1}\eta_G^T\zeta_G) +
+    tr(Q^{-1}\eta_H^T\zeta_H)`; each factor's geodesic correction involves that factor only."""
+
+    metric = "inv"
+    WEIGHTS = ("P_inv", "Q_inv")
+    RAISE = ("P", "Q")
+
+    def _sylvester_sides(self, L_P: Tensor, L_Q: Tensor) -> tuple[tuple[Tensor, Tensor, Tensor], ...]:
+        # A = Q_eps G^T G, B = H^T H P_eps
+        return _sylvester_factors(L_Q, self._GtG, "SX"), _sylvester_factors(L_P, self._HtH, "XS")
+
+    def exp2_correction(self, xi: Pair) -> Pair:
+        r""":math:`-\tfrac12\Gamma(\xi,\xi)` factor by factor: ``c_G = (xG P^-1 (S + S^T) - G P^-1 xG^T xG) / 2``,
+        ``S = xG^T G`` (H alike with ``Q``); differentiable."""
+        xG, xH = xi
+        G, H = self.G, self.H
+        sG, sH = self._row_sum(xG, G, 0), self._row_sum(xH, H, 1)
+        tG, tH = self._row_sum(xG, xG, 0), self._row_sum(xH, xH, 1)
+        cG = xG @ (self.P_inv @ (sG + sG.mT)) - G @ (self.P_inv @ tG)
+        cH = xH @ (self.Q_inv @ (sH + sH.mT)) - H @ (self.Q_inv @ tH)
+        return 0.5 * cG, 0.5 * cH
+
+    def exp2_correction_with_pullback(self, xi: Pair, out: Pair | None = None) -> tuple[Pair, Pullback]:
+        r"""For the factor :math:`c = \tfrac12[x A - W B]` with :math:`A = P^{-1}(S + S^T)`, :math:`S = x^T W`,
+        :math:`B = P^{-1} x^T x`, the pullback of a cotangent :math:`\delta` is
+        :math:`\tfrac12[\delta A^T + W(M + M^T) - x(N + N^T)]` with :math:`M = \delta^T x P^{-1}`,
+        :math:`N = \delta^T W P^{-1}`; see :meth:`GLQuotient.exp2_correction_with_pullback`."""
+        (xG, xH), (oG, oH) = xi, out or (None, None)
+        cG, pull_G = _inv_factor(xG, self.G, self.P_inv, oG, lambda a, b: self._row_sum(a, b, 0))
+        cH, pull_H = _inv_factor(xH, self.H, self.Q_inv, oH, lambda a, b: self._row_sum(a, b, 1))
+
+        def pullback(d: Pair, x: Pair, out: Pair | None = None, base: Pair | None = None) -> Pair:
+            G, H = base or (self.G, self.H)
+            return pull_G(d[0], x[0], G, out and out[0]), pull_H(d[1], x[1], H, out and out[1])
+
+        return (cG, cH), pullback
+
+    def _sampling_roots(self, R_G: Tensor, R_H: Tensor) -> tuple[Tensor, Tensor]:
+        return R_G, R_H
+
+
+class MixQuotient(GLQuotient):
+    r"""The mix metric (paper Eq. 10): :math:`\langle\eta,\zeta\rangle = tr(Q\,\eta_G^T\zeta_G) +
+    tr(P\,\eta_H^T\zeta_H)`; the geodesic correction of each factor involves the other."""
+
+    metric = "mix"
+    WEIGHTS = ("Q", "P")
+    RAISE = ("Q_inv", "P_inv")
+
+    def _sylvester_sides(self, L_P: Tensor, L_Q: Tensor) -> tuple[tuple[Tensor, Tensor, Tensor], ...]:
+        # A = P_eps^-1 G^T G, B = H^T H Q_eps^-1
+        return _sylvester_factors(L_P, self._GtG, "S^-1X"), _sylvester_factors(L_Q, self._HtH, "XS^-1")
+
+    def exp2_correction(self, xi: Pair) -> Pair:
+        r""":math:`-\tfrac12\Gamma(\xi,\xi)` with the factors coupled: ``c_G = -(xG (S_H + S_H^T) - G xH^T xH)
+        Q^-1 / 2``, ``S_H = xH^T H`` (H alike with ``P``); differentiable."""
+        xG, xH = xi
+        G, H = self.G, self.H
+        sG, sH = self._row_sum(xG, G, 0), self._row_sum(xH, H, 1)
+        tG, tH = self._row_sum(xG, xG, 0), self._row_sum(xH, xH, 1)
+        cG = xG @ ((sH + sH.mT) @ self.Q_inv) - G @ (tH @ self.Q_inv)
+        cH = xH @ ((sG + sG.mT) @ self.P_inv) - H @ (tG @ self.P_inv)
+        return -0.5 * cG, -0.5 * cH
+
+    def exp2_correction_with_pullback(self, xi: Pair, out: Pair | None = None) -> tuple[Pair, Pullback]:
+        """G's correction depends on ``xi_H`` and H's on ``xi_G``; the pullback couples them the same way (see
+        :meth:`GLQuotient.exp2_correction_with_pullback`)."""
+        (xG, xH), (oG, oH) = xi, out or (None, None)
+        sG, sH = self._row_sum(xG, self.G, 0), self._row_sum(xH, self.H, 1)
+        tG, tH = self._row_sum(xG, xG, 0), self._row_sum(xH, xH, 1)
+        half_G = -0.5 * (sH + sH.mT) @ self.Q_inv  # cG = xG @ half_G + G @ (T_H Q^-1 / 2)
+        half_H = -0.5 * (sG + sG.mT) @ self.P_inv
+        cG = torch.bmm(xG, half_G, out=oG).baddbmm_(self.G, 0.5 * tH @ self.Q_inv)
+        cH = torch.bmm(xH, half_H, out=oH).baddbmm_(self.H, 0.5 * tG @ self.P_inv)
+
+        def pullback(d: Pair, x: Pair, out: Pair | None = None, base: Pair | None = None) -> Pair:
+            (dG, dH), (xG, xH), (oG, oH) = d, x, out or (None, None)
+            G, H = base or (self.G, self.H)
+            M, N = self.Q_inv @ self._row_sum(dG, xG, 0), self.Q_inv @ self._row_sum(dG, G, 0)  # cG: act on xH
+            M2, N2 = self.P_inv @ self._row_sum(dH, xH, 1), self.P_inv @ self._row_sum(dH, H, 1)  # cH: on xG
+            gG = torch.bmm(dG, half_G.mT, out=oG).baddbmm_(G, -0.5 * (M2 + M2.mT)).baddbmm_(xG, 0.5 * (N2 + N2.mT))
+            gH = torch.bmm(dH, half_H.mT, out=oH).baddbmm_(H, -0.5 * (M + M.mT)).baddbmm_(xH, 0.5 * (N + N.mT))
+            return gG, gH
+
+        return (cG, cH), pullback
+
+    def _sampling_roots(self, R_G: Tensor, R_H: Tensor) -> tuple[Tensor, Tensor]:
+        # (R_H^{-T})^T R_H^{-T} = Q^{-1}, transforms as A^{-1}
+        return torch.linalg.inv(R_H).mT, torch.linalg.inv(R_G).mT
+
+
+_METRICS: dict[str, type[GLQuotient]] = {"inv": InvQuotient, "mix": MixQuotient}
+
+
+def gl_quotient(
+    G: Tensor,
+    H: Tensor,
+    metric: Metric = METRIC,
+    epsilon: float = EPSILON,
+    lie_basis: Tensor | None = None,
+    probe_generator: torch.Generator | None = None,
+    rows: RowSums | None = None,
+    keep_base: bool = True,
+) -> GLQuotient:
+    """The geometry of ``metric`` (``"inv"``, paper Eq. 9, or ``"mix"``, Eq. 10) at ``(G, H)``.
+
+    Args:
+        G, H: the base point, ``[k, n, h]`` and ``[k, m, h]``.
+        metric: ``"inv"`` or ``"mix"``.
+        epsilon, lie_basis, probe_generator, rows, keep_base: see :class:`GLQuotient`.
+
+    Returns:
+        An :class:`InvQuotient` or a :class:`MixQuotient`.
+    """
+    if metric not in _METRICS:
+        raise ValueError(f"metric must be 'inv' or 'mix', got {metric!r}.")
+    return _METRICS[metric](G, H, epsilon, lie_basis, probe_generator, rows, keep_base)

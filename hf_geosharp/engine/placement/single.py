@@ -20,14 +20,12 @@ from torch import Tensor, nn
 from torch.nn.utils import stateless
 
 from ...symmetry.base import PairBlock
+from ..defaults import ZERO_TOL
 from ..model_function.embedding_rows import RowLookup
 from ..settings import RunSettings
 from ..solvers.memory import BYTES_MARGIN, BYTES_PER_PARAMETER_GOAL
 from ..space.workspace import Workspace
 from .base import Backward, Holding
-
-#: Weights smaller than this in magnitude cannot move (the elementwise metric divides by them).
-ZERO_TOL = 1e-12
 
 
 @contextlib.contextmanager

@@ -200,13 +200,13 @@ class Factor:
         """``(heads of the output, rows, strided view of x)`` per piece; the view is ``[layers, heads, rows, h]`` for
         a box (all heads at once), so the output's heads are viewed the same way (:func:`_shaped`)."""
         if self.boxes is not None and heads.indices(self.shape[0])[:2] == (0, self.shape[0]):
-            return [(b.k, b.r, x.as_strided(b.size, b.stride, x.storage_offset() + b.offset)) for b in self.boxes]
+            return [(b.k, b.r, _strided(x, b.size, b.stride, b.offset)) for b in self.boxes]
         views = []
         for piece in self.pieces:
             cut = piece.restricted(heads, self.shape[0])
             if cut is not None:
                 p, where = cut
-                views.append((where, p.r, x.as_strided(p.size, p.stride, x.storage_offset() + p.offset)))
+                views.append((where, p.r, _strided(x, p.size, p.stride, p.offset)))
         return views
 
     def segment_views(self, segments: list[Tensor]) -> list[tuple[Piece, Tensor]] | None:
@@ -263,6 +263,12 @@ class Factor:
                 (view.add_ if add else view.copy_)(_shaped(own[where, rows], view))
         if self.shared is not None:
             self.shared.write(out, value[:, self.n_own :], heads, add)
+
+
+def _strided(x: Tensor, size: tuple[int, ...], stride: tuple[int, ...], offset: int) -> Tensor:
+    """The strided view of the flat vector ``x`` (1-D, stride 1) at ``offset`` entries from its start; made relative to
+    ``x`` (no read of its storage offset), so that it traces under ``torch.compile``."""
+    return x[offset:].as_strided(size, stride)
 
 
 def _shaped(part: Tensor, view: Tensor) -> Tensor:

@@ -1,13 +1,13 @@
 """A group of equal-shaped attention pairs as the perturbation space works on it: where its factors sit in the flat
-vector (:class:`~hf_geosharp.engine.space.coordinates.Factor`), its geometry at the base point, the head chunks in which
-every operation runs, and, where the layout allows, views of its base point into the weights, so that no copy of the
-paired weights is kept (each chunk reads its own into the workspace).
+vector (:class:`~hf_geosharp.engine.space.coordinates.Factor`), its geometry at the base point, and the head chunks in
+which every operation runs. The geometry keeps the base point where the workspace's rule allows (one chunk: each
+operation runs once on the whole group, whatever the depth); otherwise, where the layout allows, the group holds views
+of its base point into the weights, so that no copy of the paired weights is kept (each chunk reads its own into the
+workspace and hands it to the geometry).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -29,8 +29,8 @@ class PairGroup:
     h: Factor
     geometry: GLQuotient
     chunks: list[slice]
-    #: The base point's factors as views into the weights (see :meth:`Factor.segment_views`); the geometry then
-    #: keeps no copy of them, and each head chunk reads its own into the workspace (:meth:`part`).
+    #: The base point's factors as views into the weights (see :meth:`Factor.segment_views`) where the geometry
+    #: keeps no copy of them (``geometry.G is None``); each head chunk then reads its own into the workspace.
     base_views: tuple[list, list] | None = None
     #: With ``base_views`` on a shard: the base point's shared rows of ``G`` and ``H`` (a copy; None without any).
     shared_base: tuple[Tensor | None, Tensor | None] = (None, None)
@@ -38,13 +38,17 @@ class PairGroup:
     #: :func:`~hf_geosharp.engine.space.perturbation_space.pair_weights`); None: the paper's unweighted metric.
     weight: Tensor | None = None
 
-    def part(self, ws: Workspace, heads: slice, geometry: GLQuotient | None = None) -> GLQuotient:
-        """The geometry of ``heads`` (or ``geometry`` again), with its base point read into ``ws`` if not kept."""
-        part = geometry or self.geometry.heads(heads)
-        if self.base_views is not None:
-            part.G, part.H = (self._read(f, views, shared, ws.take(f.rows(heads)), heads) for f, views, shared
-                              in zip((self.g, self.h), self.base_views, self.shared_base))
-        return part
+    def base(self, ws: Workspace, heads: slice) -> Pair | None:
+        """The base point of ``heads`` read into ``ws`` where the geometry does not keep it; None where it does."""
+        if self.base_views is None:
+            return None
+        return tuple(self._read(f, views, shared, ws.take(f.rows(heads)), heads) for f, views, shared
+                     in zip((self.g, self.h), self.base_views, self.shared_base))
+
+    def part(self, ws: Workspace, heads: slice) -> GLQuotient:
+        """The geometry of ``heads`` at its base point (read into ``ws`` if not kept; the geometry itself for one
+        chunk of a kept base point)."""
+        return self.geometry.heads(heads, self.base(ws, heads))
 
     @staticmethod
     def _read(factor: Factor, views: list, shared: Tensor | None, out: Tensor, heads: slice = slice(None)) -> Tensor:
@@ -54,20 +58,14 @@ class PairGroup:
             out[:, factor.n_own :].copy_(shared[heads])
         return out
 
-    @contextlib.contextmanager
-    def whole_base(self) -> Iterator[GLQuotient]:
-        """The whole group's geometry with its base point (a fresh copy while the block runs, if not kept)."""
-        geometry = self.geometry
+    def whole(self) -> GLQuotient:
+        """The whole group's geometry at its base point (a fresh copy of the base point, if not kept)."""
         if self.base_views is None:
-            yield geometry
-            return
-        dtype, device = geometry.dtype, geometry._P64.device
-        geometry.G, geometry.H = (self._read(f, views, shared, torch.empty(f.shape, dtype=dtype, device=device))
-                                  for f, views, shared in zip((self.g, self.h), self.base_views, self.shared_base))
-        try:
-            yield geometry
-        finally:
-            geometry.G = geometry.H = None
+            return self.geometry
+        dtype, device = self.geometry.dtype, self.geometry._P64.device
+        base = tuple(self._read(f, views, shared, torch.empty(f.shape, dtype=dtype, device=device))
+                     for f, views, shared in zip((self.g, self.h), self.base_views, self.shared_base))
+        return self.geometry.heads(slice(None), base)
 
     def gather(self, x: Tensor, ws: Workspace, heads: slice) -> Pair:
         """This group's coordinates of the flat vector ``x`` for ``heads``, in workspace tensors."""
@@ -81,6 +79,4 @@ class PairGroup:
 
     def own_dot(self, a: Pair, b: Pair) -> Tensor:
         """``<a, b>`` (Frobenius) over the rows this rank counts (shared rows on one rank only), float64."""
-        nG, nH = self.geometry._rows
-        return (torch.dot(a[0][:, :nG].reshape(-1), b[0][:, :nG].reshape(-1)).double()
-                + torch.dot(a[1][:, :nH].reshape(-1), b[1][:, :nH].reshape(-1)).double())
+        return self.geometry.rows.frobenius(a, b)

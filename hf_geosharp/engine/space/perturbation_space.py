@@ -11,9 +11,9 @@ Performance and memory: a solver step must cost one forward and one backward plu
 vector is large (1e8 entries), so
 
 * pair blocks of equal shape (every layer of a BERT) are stacked into one group, and every geometric operation runs
-  on a few heads of a group at a time, with temporaries from the space's
-  :class:`~hf_geosharp.engine.space.workspace.Workspace`: nothing pair-sized is allocated per step and the peak does not
-  grow with the pairs;
+  once on the whole group (a few heads at a time only where memory requires it, :meth:`Workspace.plan`), with
+  temporaries from the space's :class:`~hf_geosharp.engine.space.workspace.Workspace`: nothing pair-sized is allocated
+  per step, and the count of operations per step does not grow with depth;
 * the space stores nothing parameter-sized: it reads the base point from the weights and recomputes ``w^2`` in
   each pass;
 * :meth:`PerturbationSpace.exp_point` writes the perturbed point into a caller's buffer without autograd; the
@@ -40,7 +40,7 @@ from torch import Tensor
 from ...symmetry.base import PairBlock
 from ..defaults import BALL, ELEMENTWISE_CURVATURE, EPSILON, METRIC
 from ..geometry.elementwise import Curvature, ElementwiseGeometry, per_segment
-from ..geometry.gl_quotient import GLQuotient, Metric
+from ..geometry.gl_quotient import GLQuotient, Metric, RowSums, gl_quotient
 from .coordinates import Factor, stack_alike
 from .pair_group import PairGroup
 from .workspace import Workspace
@@ -49,7 +49,7 @@ Pullback = Callable[[Tensor], None]
 Pair = tuple[Tensor, Tensor]
 Ball = Literal["calibrated", "paper"]
 BALLS: tuple[Ball, ...] = get_args(Ball)
-#: Head-sized temporaries one operation holds at most (the pullback: base point, cotangent, point and result).
+#: Group-sized temporaries one operation holds at most (the pullback: base point, cotangent, point and result).
 _TEMPORARIES = 4
 
 
@@ -201,45 +201,42 @@ class PerturbationSpace:
         flat = torch.cat([b.to(self.dtype) for b in self.base])
         probe = torch.Generator().manual_seed(probe_seed)
         groups, stacked = [], stack_alike(blocks)
-        # one chunk per group where the workspace may grow so far (Workspace.sized_for)
-        self.workspace.reserve(_TEMPORARIES * max(gi.shape[0] * (gi.shape[1] + hi.shape[1]) * gi.shape[2]
-                                                  for gi, hi, _ in stacked))
+        # global sizes: every rank decides and chunks alike
+        keep = self.workspace.plan([gi.shape[0] * (gi.shape[1] + hi.shape[1]) * gi.shape[2] for gi, hi, _ in stacked],
+                                   _TEMPORARIES)
         for gi, hi, basis in stacked:
             if self.shard is None:
                 g, h = Factor.of(gi, self.device), Factor.of(hi, device=self.device)
-                rows, global_rows = None, None
+                rows = None
             else:
                 g, nG, rows_G, n_global_G = self.shard.pair_factors(gi, self.device)
                 h, nH, rows_H, n_global_H = self.shard.pair_factors(hi, self.device)
-                rows, global_rows = (nG, nH), (rows_G, rows_H, n_global_G, n_global_H)
+                rows = RowSums((nG, nH), self._reduce, (rows_G, rows_H), (n_global_G, n_global_H))
             G = g.gather(flat, torch.empty(g.shape, dtype=self.dtype, device=self.device))
             H = h.gather(flat, torch.empty(h.shape, dtype=self.dtype, device=self.device))
-            geometry = GLQuotient(G, H, self.options.metric, self.options.epsilon, basis, probe,
-                                  reduce=None if self.shard is None else self._reduce, reduce_rows=rows,
-                                  global_rows=global_rows)
             views, shared = (g.segment_views(self.base), h.segment_views(self.base)), (None, None)
             rows_shared = sum(f.shape[1] - f.n_own for f in (g, h))  # copied anyway (heads cut across ranks, biases)
-            if None in views or 2 * rows_shared > g.shape[1] + h.shape[1]:
+            if keep or None in views or 2 * rows_shared > g.shape[1] + h.shape[1]:
                 views = None  # the geometry keeps its copy of the base point
             else:  # read from the weights, a head chunk at a time
                 shared = tuple(F[:, f.n_own :].clone() if f.shared is not None else None for F, f in ((G, g), (H, h)))
-                geometry.G = geometry.H = None
+            geometry = gl_quotient(G, H, self.options.metric, self.options.epsilon, basis, probe, rows=rows,
+                                   keep_base=views is None)
             per_head = (gi.shape[1] + hi.shape[1]) * gi.shape[2]  # global sizes: every rank chunks alike
-            step = self.workspace.heads_per_chunk(per_head, _TEMPORARIES)
+            step = self.workspace.heads_per_chunk(per_head, _TEMPORARIES - 1 if keep else _TEMPORARIES)
             chunks = [slice(k, min(k + step, gi.shape[0])) for k in range(0, gi.shape[0], step)]
             calibrated = self.options.ball == "calibrated" and self.options.riemannian_norm
-            weight = self._pair_weights(G, H, rows, global_rows) if calibrated else None
+            weight = self._pair_weights(G, H, rows) if calibrated else None
             groups.append(PairGroup(g, h, geometry, chunks, views, shared, weight))
         return groups
 
-    def _pair_weights(self, G: Tensor, H: Tensor, rows: tuple[int, int] | None,
-                      global_rows: tuple[Tensor, Tensor, int, int] | None) -> Tensor:
+    def _pair_weights(self, G: Tensor, H: Tensor, rows: RowSums | None) -> Tensor:
         """:func:`pair_weights` of a group from its gathered factors (on a shard: the rows this rank counts, summed
         over the ranks, and the factors' global row counts)."""
-        nG, nH = rows or (G.shape[1], H.shape[1])
-        G64, H64 = G[:, :nG].double(), H[:, :nH].double()
-        GtG, HtH = self._reduce(G64.mT @ G64), self._reduce(H64.mT @ H64)
-        n, m = (G.shape[1], H.shape[1]) if global_rows is None else global_rows[2:]
+        rows = rows or RowSums()
+        G64, H64 = G.double(), H.double()
+        GtG, HtH = rows.gram(G64, G64, 0), rows.gram(H64, H64, 1)
+        n, m = (G.shape[1], H.shape[1]) if rows.whole is None else rows.whole
         return pair_weights(GtG, HtH, self.options.metric, n, m)
 
     @staticmethod
@@ -298,8 +295,8 @@ class PerturbationSpace:
         :func:`hf_geosharp.engine.solvers.memory.keeps_best_gradient`)."""
         tensors = []
         for group in self.pairs:
-            tensors += [*vars(group.geometry).values(), *vars(group.geometry).get("_low", {}).values(),
-                        *group.shared_base]
+            geometry = vars(group.geometry)
+            tensors += [*geometry.values(), *geometry.get("_low", {}).values(), *group.shared_base]
             for factor in (group.g, group.h):
                 tensors += [factor.index, None if factor.shared is None else factor.shared.positions]
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
@@ -496,7 +493,7 @@ class PerturbationSpace:
                 x = group.gather(xi, self.workspace, heads)
                 correction, pull = geometry.exp2_correction_with_pullback(x, out=self._like(x))
                 group.write(out, correction, heads, add=True)
-                pulls.append((group, heads, pull, geometry))
+                pulls.append((group, heads, pull))
         if not need_grad or (curvature is None and not pulls):
             return None
 
@@ -504,11 +501,11 @@ class PerturbationSpace:
             # Every product reads dL/dtheta before any is added to it: the curvature's product is made first, and
             # each head chunk reads and writes only its own coordinates.
             extra = None if curvature is None else torch.autograd.grad(curvature[0], curvature[1], grad)[0]
-            for group, heads, pull, geometry in pulls:
+            for group, heads, pull in pulls:
                 ws = self.workspace.fresh()
-                group.part(ws, heads, geometry)  # the base point again (the workspace was used in between)
+                base = group.base(ws, heads)  # the base point again (the workspace was used in between)
                 x = group.gather(xi, ws, heads)
-                group.write(grad, pull(group.gather(grad, ws, heads), x, self._like(x)), heads, add=True)
+                group.write(grad, pull(group.gather(grad, ws, heads), x, self._like(x), base), heads, add=True)
             if extra is not None:
                 grad.add_(extra)
 
@@ -538,10 +535,9 @@ class PerturbationSpace:
             z = z + self.pair_elementwise.random_tangent_vector(generator, draw)
         else:
             for group in self.pairs:
-                with group.whole_base() as geometry:
-                    draw_pair = geometry.random_tangent_vector(generator)
-                    if group.weight is not None:
-                        scale = group.weight.rsqrt().to(draw_pair[0].dtype)[:, None, None]
-                        draw_pair = (draw_pair[0] * scale, draw_pair[1] * scale)
-                    group.write(z, draw_pair, slice(None))
+                draw_pair = group.whole().random_tangent_vector(generator)
+                if group.weight is not None:
+                    scale = group.weight.rsqrt().to(draw_pair[0].dtype)[:, None, None]
+                    draw_pair = (draw_pair[0] * scale, draw_pair[1] * scale)
+                group.write(z, draw_pair, slice(None))
         return self.horizontal(z)

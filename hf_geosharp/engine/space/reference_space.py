@@ -34,12 +34,11 @@ import torch
 from torch import Tensor
 
 from ...symmetry.base import PairBlock
+from ..defaults import ZERO_TOL
 from ..geometry.gl_quotient import GLQuotient
 from ..geometry.lie import algebra_basis
 from .perturbation_space import Pullback, SpaceOptions
 
-#: Weights smaller than this in magnitude are frozen (``ElementwiseGeometry``'s default).
-ZERO_TOL = 1e-12
 _F64, _CPU = torch.float64, torch.device("cpu")
 
 

@@ -1,10 +1,10 @@
 """The one owner of the geometry's scratch memory.
 
 A solver step needs a few pair-sized temporaries (gathered gradients, directions, geodesic corrections). Making them
-fresh at every step costs page faults (the C allocator returns large freed blocks to the system), and sizing them
-for whole pair groups would add several bytes per parameter to the peak. So the perturbation space works on a few
-heads at a time (:meth:`Workspace.heads_per_chunk`) and carves its temporaries, front to back, from one buffer that
-this object allocates once and that nothing else touches. Every operation of the space starts with
+fresh at every step costs page faults (the C allocator returns large freed blocks to the system). So the
+perturbation space carves its temporaries, front to back, from one buffer that this object allocates once and that
+nothing else touches, sized by one rule (:meth:`Workspace.plan`): a whole pair group at a time where the memory
+allows, else a few heads at a time (:meth:`Workspace.heads_per_chunk`). Every operation of the space starts with
 :meth:`Workspace.fresh`, so no scratch tensor outlives the operation that took it.
 """
 
@@ -75,6 +75,24 @@ class Workspace:
         view = self._buffer[self._used : self._used + n].view(shape)
         self._used += n
         return view
+
+    def plan(self, group_entries: list[int], temporaries: int) -> bool:
+        """Decide, once, how the pair geometry uses memory, and grow the buffer for it; whether the base point is kept.
+
+        ``group_entries`` are the pair groups' sizes (entries of ``G`` and ``H`` together) and ``temporaries`` the
+        group-sized tensors one operation holds at most, the base point among them. The rule prefers one chunk per
+        group with the base point kept by the geometry (an operation is then one stacked batch over every layer,
+        read nowhere at each step): it is taken when the limit holds ``temporaries - 1`` group-sized temporaries
+        of the largest group beside a copy of every group's base point (for one group, the bytes of reading its base
+        point into the workspace; the copies count in the space's ``held_bytes``). Otherwise the buffer
+        grows to ``temporaries`` of the largest group, as far as the limit allows, and groups are cut into chunks of
+        as many heads as fit (:meth:`heads_per_chunk`), each reading its base point from the weights."""
+        if not group_entries:
+            return False
+        largest, room = max(group_entries), self.limit if self._buffer is None else self.entries
+        keep = (temporaries - 1) * largest + sum(group_entries) <= room
+        self.reserve((temporaries - 1 if keep else temporaries) * largest)
+        return keep
 
     def heads_per_chunk(self, entries_per_head: int, tensors: int) -> int:
         """How many heads fit when an operation holds ``tensors`` head-sized temporaries of ``entries_per_head``."""

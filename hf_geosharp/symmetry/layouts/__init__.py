@@ -6,7 +6,7 @@ index tensors in ``nn.Linear`` orientation, plus heads, RoPE and qk-norm), or ra
 recognises the layout but cannot map it safely. Turning a layout into GL(h) pairs is done once, in
 :mod:`hf_geosharp.symmetry.mapping`, for all layouts alike.
 
-The adapters live in one module per family (:mod:`.separate`, :mod:`.fused`, :mod:`.deberta`) over the shared
+The adapters live in one module per family (:mod:`.separate`, :mod:`.fused`, :mod:`.disentangled`) over the shared
 description (:mod:`.layout`) and module introspection (:mod:`.introspect`); this module is the registry.
 :func:`~hf_geosharp.symmetry.map_symmetries` tries :data:`ADAPTERS` in order and the first adapter that recognises a
 module wins, so an adapter that recognises a special case of another's layout must come first: :data:`PRECEDES`
@@ -15,7 +15,7 @@ declares each such overlap.
 
 from __future__ import annotations
 
-from .deberta import deberta, deberta_v2
+from .disentangled import deberta, deberta_v2
 from .fused import codegen, falcon, fused_blocks, gpt2_conv1d, gpt_bigcode, interleaved_qkv, multihead_attention
 from .latent import latent_attention
 from .layout import Adapter, AttentionLayout, DecoupledRope, LayoutContext, Proj, Unmappable, is_lora_layer, unwrap_lora

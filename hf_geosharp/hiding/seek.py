@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from ..durable import atomic_path
-from ..measures import DEFAULT_MEASURES, Settings, run_measure
-from ..symmetry import map_symmetries
+from ..measures import DEFAULT_MEASURES, Settings
+from ..pipeline import Request, measure
 from .transform import DEFAULT_CONDITION, hide, reparametrize_checked
 
 #: ``cache(name, key, compute) -> record``: see :func:`hide_and_seek`.
@@ -132,9 +132,7 @@ def _stages(
     tag = dict(settings.as_dict(), condition=condition, seed=seed, dtype=str(dtype))
 
     def measured(model: nn.Module, batches: list) -> dict[str, float]:
-        smap = map_symmetries(model)
-        return {k: float(run_measure(k, model, batches, settings, symmetry_map=smap, progress=False).value)
-                for k in measures}
+        return {k: float(r.value) for k, r in measure(Request(model, batches, measures, settings)).items()}
 
     def stage(name: str, index: int, how: str) -> dict[str, Any]:
         def compute() -> dict[str, Any]:

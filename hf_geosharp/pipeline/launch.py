@@ -1,4 +1,5 @@
-"""How ``geosharp run`` runs under a launcher: data parallel through ``accelerate``, or FSDP2-sharded (``--fsdp``).
+"""The processes of one measurement under a launcher: data parallel through ``accelerate``, or FSDP2-sharded
+(``--fsdp``, ``fsdp=True``); and what the launcher was asked for.
 
 Data parallel: every process holds the whole model and the engine shares the batches out. Sharded (``torchrun ...
 -m hf_geosharp run --fsdp``, or ``accelerate launch`` with an FSDP config such as ``examples/accelerate_fsdp2.yaml``):
@@ -16,13 +17,14 @@ import os
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..data import DataError, launch_accelerator
-from ..engine.placement.sharding import attention_placement, init_distributed, shard_model
+from ..engine.placement.sharding import init_distributed
 
 logger = logging.getLogger(__name__)
 
@@ -86,10 +88,6 @@ class Launch:
             os._exit(code)
         return code
 
-    def shard(self, model: torch.nn.Module, symmetry_map: Any) -> torch.nn.Module:
-        """Shard ``model`` (mapped beforehand into ``symmetry_map``) with pair rows kept whole where possible."""
-        return shard_model(model, placement=attention_placement(model, symmetry_map))
-
 
 def accelerate_fsdp() -> bool:
     """Whether ``accelerate launch`` was given an FSDP config (it says so in the environment of every process)."""
@@ -110,3 +108,40 @@ def start(fsdp: bool) -> Launch:
     if not fsdp:
         logger.info("accelerate launch with an FSDP config: the model is sharded as with --fsdp")
     return Launch(fsdp=True, rank=dist.get_rank(), world=dist.get_world_size(), device=device)
+
+
+def asked_processes(environ: dict[str, str], parent_cmdline: list[str] | None) -> int | None:
+    """How many processes the launcher was asked for: ``WORLD_SIZE``, or ``accelerate launch --num_processes N``
+    read from the parent's command line (accelerate's single-process launcher does not export it)."""
+    if "WORLD_SIZE" in environ:
+        return int(environ["WORLD_SIZE"])
+    if not any(k.startswith("ACCELERATE_") for k in environ) or not parent_cmdline:
+        return None
+    for i, arg in enumerate(parent_cmdline):
+        flag, _, value = arg.partition("=")
+        if flag in ("--num_processes", "--num-processes") and (value or i + 1 < len(parent_cmdline)):
+            text = value or parent_cmdline[i + 1]
+            return int(text) if text.isdigit() else None
+    return None
+
+
+def parent_cmdline() -> list[str] | None:
+    """The parent process's command line (the launcher's), or ``None`` where it cannot be read (not Linux)."""
+    try:
+        raw = Path(f"/proc/{os.getppid()}/cmdline").read_bytes()
+    except OSError:  # not Linux, or not readable: no check
+        return None
+    return [a.decode(errors="replace") for a in raw.split(b"\0") if a]
+
+
+def launch_warning(started: int) -> str | None:
+    """A warning when a launcher was asked for more processes than started (e.g. ``accelerate launch --cpu
+    --num_processes 2`` starts one)."""
+    asked = asked_processes(dict(os.environ), parent_cmdline())
+    if asked is None or asked <= started:
+        return None
+    return (
+        f"the launcher was asked for {asked} processes but {started} started, so the batches are not shared out. "
+        "accelerate starts several CPU processes only with --multi_gpu (accelerate launch --multi_gpu "
+        f"--num_processes {asked} ...), or use torchrun --nproc_per_node {asked}."
+    )

@@ -18,7 +18,7 @@ from torch import nn
 
 from ..durable import held_interrupts
 from ..engine.geometry.lie import random_group_element
-from .base import SymmetryMap
+from .base import SymmetryMap, renamed_map
 from .flat import flat_vector, pair_mask, parameters_in_order
 from .mapping import map_symmetries
 
@@ -107,6 +107,8 @@ def reparametrize(
     seed: int = 0,
     scale: float = 1.0,
     condition: float = 10.0,
+    symmetry_map: SymmetryMap | None = None,
+    *,
     smap: SymmetryMap | None = None,
 ) -> list[torch.Tensor]:
     """Act on every pair with its own random group element: ``G <- G A^{-1}``, ``H <- H A^T``, in place.
@@ -116,15 +118,17 @@ def reparametrize(
         seed: seed of the random group elements.
         scale: overall size of each ``A`` (its singular values are ``scale * condition^{+-1/2}`` at the extremes).
         condition: condition number of each ``A``; larger moves the weights further from the original.
-        smap: the map to use; default ``map_symmetries(model)``.
+        symmetry_map: the map to use; default ``map_symmetries(model)``.
+        smap: deprecated name of ``symmetry_map``.
 
     Returns:
-        One float64 tensor ``[k, h, h]`` per block of ``smap.blocks`` (same order): the ``A`` applied to each pair.
+        One float64 tensor ``[k, h, h]`` per block of the map's ``blocks`` (same order): the ``A`` applied to each pair.
         Blocks with a ``lie_basis`` get elements of that subgroup (e.g. the RoPE commutant).
 
     The arithmetic runs in float64 on a flat copy of the parameters (the model's size again, in float64), and the
     moved parameters are kept once more while they are swapped in (to restore them on an exception or Ctrl-C).
     """
+    smap = renamed_map(symmetry_map, smap, "reparametrize")
     smap = map_symmetries(model) if smap is None else smap
     applied = random_group_elements(smap, seed=seed, condition=condition, scale=scale)
     apply_group_elements(model, smap, applied)

@@ -23,8 +23,8 @@ from ..engine.model_function.objective import LossFn, default_loss, preserved_mo
 from ..engine.symmetry_search import Target, search_group_element
 from ..measures import Settings, run_measure
 from ..symmetry import map_symmetries
-from ..symmetry.base import SymmetryMap
-from ..symmetry.reparametrize import apply_group_elements, random_group_elements
+from ..symmetry.base import SymmetryMap, renamed_map
+from ..symmetry.group_action import apply_group_elements, random_group_elements
 
 logger = logging.getLogger(__name__)
 
@@ -134,11 +134,14 @@ def reparametrize_checked(
     condition: float = DEFAULT_CONDITION,
     tolerance: float | None = None,
     loss_fn: LossFn | None = None,
+    symmetry_map: SymmetryMap | None = None,
     smap: SymmetryMap | None = None,
 ) -> tuple[list[Tensor], float]:
     """:func:`hf_geosharp.reparametrize` (a random group element, in place) with the probe of :func:`hide`: returns
     the applied elements and the relative output deviation; rolls back and raises :class:`FunctionChangedError`
-    when the outputs moved by more than ``tolerance`` (default ``sqrt(eps)`` of the weights' dtype)."""
+    when the outputs moved by more than ``tolerance`` (default ``sqrt(eps)`` of the weights' dtype); ``smap=`` is
+    the deprecated name of ``symmetry_map=``."""
+    smap = renamed_map(symmetry_map, smap, "reparametrize_checked")
     smap = map_symmetries(model) if smap is None else smap
     elements = random_group_elements(smap, seed=seed, condition=condition)
     deviation, _ = _checked_apply(model, list(batches), smap, elements, tolerance, loss_fn)
@@ -161,6 +164,7 @@ def hide(
     geodesic: bool = False,
     tolerance: float | None = None,
     loss_fn: LossFn | None = None,
+    symmetry_map: SymmetryMap | None = None,
     smap: SymmetryMap | None = None,
 ) -> HideResult:
     """Apply, in place, the symmetry element that makes ``measure`` as small (``"flat"``) or large (``"sharp"``) as
@@ -185,7 +189,8 @@ def hide(
             ~1.5e-8 in float64, ~3.5e-4 in float32); above it the model is rolled back and
             :class:`FunctionChangedError` raised.
         loss_fn: ``loss_fn(model, batch) -> scalar`` instead of ``model(**batch).loss``.
-        smap: the symmetry map (default ``map_symmetries(model)``).
+        symmetry_map: the symmetry map (default ``map_symmetries(model)``).
+        smap: deprecated name of ``symmetry_map``.
 
     Returns:
         A :class:`HideResult`. On any exception or Ctrl-C the model is exactly as before.
@@ -195,6 +200,7 @@ def hide(
                          "(that is the point), so there is nothing to hide from it.")
     batches = list(batches)
     settings = Settings() if settings is None else settings
+    smap = renamed_map(symmetry_map, smap, "hide")
     smap = map_symmetries(model) if smap is None else smap
     found = search_group_element(model, batches, smap, target, rho=settings.rho, condition=condition,
                                  search_steps=search_steps, restarts=restarts, seed=seed, lr=lr,
