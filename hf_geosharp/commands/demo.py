@@ -57,15 +57,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    "working directory)")
     p.add_argument("--threads", type=positive(int), default=1,
                    help="torch threads (default: 1; tiny models gain nothing more)")
-    add_data_arguments(p, n_examples=256, batch_size=64)
+    add_data_arguments(p, n_examples=256, batch_size=64, rho_sweep=RHO_SWEEP,
+                       sweep_examples=SWEEP_EXAMPLES)
     p.add_argument("--no-hide-seek", action="store_true", help="skip the hide & seek section")
     p.add_argument("--hide-steps", type=positive(int), default=HIDE_STEPS,
                    help=f"solver steps of the hide & seek measurements (default: {HIDE_STEPS})")
     p.add_argument("--hide-condition", type=float, default=HIDE_CONDITION,
                    help=f"largest condition number of the group elements (default: {HIDE_CONDITION:g})")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, sweep_title="the demo's zoo of small ViTs")
 
 
+#: The radii the demo ranks the zoo at besides --rho (its figure: the reading of a measure depends on its radius).
+RHO_SWEEP = (0.03, 0.3)
+#: The sweep measures on the first batch (three radii with --rho): on all four it would double the demo's time.
+SWEEP_EXAMPLES = 64
 HIDE_STEPS = 10
 HIDE_CONDITION = 1000.0  # measured in float64 (hide_and_seek), where this is far from round-off
 HIDE_EXAMPLES = 128  # the first two of the leaderboard's batches

@@ -192,3 +192,28 @@ def write_outputs(board: Leaderboard, out_dir: Path) -> dict[str, Path]:
         paths["plot"] = out_dir / "scatter.png"
         scatter_plot(board, paths["plot"])
     return paths
+
+
+def sweep_markdown(sweep: dict[str, Any]) -> str:
+    """A rho sweep as Markdown: per measure and radius, its tau with interval and its certified count."""
+    rhos = sweep["rhos"]
+    lines = [f"Kendall tau against the gap [95 % interval] and certified count per radius ({sweep['n_models']} "
+             "models)\n", "| measure | " + " | ".join(f"rho {r:g}" for r in rhos) + " |",
+             "|---|" + "---|" * len(rhos)]
+    for name, e in sweep["measures"].items():
+        cells = [f"{_fmt(t, '+.2f')} [{_fmt(lo, '+.2f')}, {_fmt(hi, '+.2f')}], {c}/{n}"
+                 for t, lo, hi, c, n in zip(e["tau"], e["ci_low"], e["ci_high"], e["certified"], e["total"])]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_sweep(sweep: dict[str, Any], out_dir: Path, title: str = "") -> dict[str, Path]:
+    """``rho_sweep.json`` (the data behind the figure) and ``rho_sweep.png``
+    (:func:`~hf_geosharp.plots.rho_sweep_figure`), each replaced durably."""
+    from ..plots import rho_sweep_figure, save_figure
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"sweep": out_dir / "rho_sweep.json", "sweep plot": out_dir / "rho_sweep.png"}
+    write_json(paths["sweep"], sweep)
+    save_figure(rho_sweep_figure(sweep, title), paths["sweep plot"])
+    return paths

@@ -4,6 +4,7 @@ split metrics, storing each number the moment it exists so that a rerun computes
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import time
@@ -18,7 +19,7 @@ from tqdm.auto import tqdm
 from ..api import SharpnessResult, collected_convergence_notes
 from ..data import DataError, DataSpec, load_batches, load_processor, load_split, require_task
 from ..engine.progress import bar_disabled
-from ..measures import Settings
+from ..measures import MEASURES, Settings
 from ..pipeline import Memo, ModelSource, Request, load, prepare
 from .inputs import Column, GapSpec, ModelRef, read_gap_file
 from .statistics import kendall_taus, tau_differences
@@ -83,6 +84,8 @@ class Leaderboard:
     taus: dict[str, dict[str, float]] = field(default_factory=dict)
     #: Each measure's tau minus the parameter norm's, with a paired interval: does it rank better than the norm?
     versus_param_norm: dict[str, dict[str, float]] = field(default_factory=dict)
+    #: The radius measures' taus and certified counts across radii (:func:`rho_sweep`), when one was asked for.
+    sweep: dict[str, Any] | None = None
 
     @property
     def predictors(self) -> list[str]:
@@ -113,12 +116,16 @@ def run_leaderboard(
     gap: GapSpec | None = None,
     progress: bool = True,
     trust_remote_code: bool = False,
+    desc: str = "leaderboard",
+    warn_unconverged: bool = True,
+    statistics: bool = True,
 ) -> Leaderboard:
     """Measure every model (skipping whatever ``store`` already holds) and assemble the ranked table.
 
     Each (model, measure) result, each model's trivial predictors and each model's split metrics is written to the
     store as soon as it exists, so killing the run loses at most the computation in flight. Results are keyed by the
-    content of each model's files and of the data, so editing either recomputes them.
+    content of each model's files and of the data, so editing either recomputes them. ``desc`` names the progress
+    bar; ``warn_unconverged=False`` leaves out the warning about uncertified results, ``statistics=False`` the taus.
     """
     if not columns:
         raise ValueError("no measures given; pick some of 'inv', 'mix', 'adaptive'.")
@@ -128,7 +135,7 @@ def run_leaderboard(
     data_key = data_identity(data, None if Path(data.dataset).exists() else load_split(data))
     rows, results = [], {}
     todo = len(models) * (len(runs) + 1 + (gap is not None and gap_table is None))
-    bar = tqdm(total=todo, desc="leaderboard", unit="result", disable=bar_disabled(progress))
+    bar = tqdm(total=todo, desc=desc, unit="result", disable=bar_disabled(progress))
     for ref in models:
         model = model_identity(ref.source)
         keys = {name: fingerprint(kind="measure", model=model, measure=name, data=data_key,
@@ -146,14 +153,72 @@ def run_leaderboard(
         results[ref.name] = [store.get(keys[name]) for name in runs]
     bar.close()
     board = Leaderboard(rows, list(runs), gap.metric if gap is not None else None, results)
-    if unconverged := board.not_converged():
+    if warn_unconverged and (unconverged := board.not_converged()):
         logger.warning("%d of the worst-case results are not converged at steps=%s (not certified as the maximum; "
                        "each stored record says so in 'converged' and why in 'convergence_note'); %s.",
                        len(unconverged), settings.steps, convergence_fix(settings.steps))
-    if gap is not None:
+    if gap is not None and statistics:
         board.taus = kendall_taus(rows, board.predictors, seed=settings.seed)
         board.versus_param_norm = tau_differences(rows, board.measures, "param_norm", seed=settings.seed)
     return board
+
+
+#: The families whose value depends on the radius: a rho sweep measures these columns again at each radius.
+RADIUS_FAMILIES = ("geodesic", "adaptive")
+
+
+def radius_columns(columns: list[Column]) -> list[Column]:
+    """The columns of ``columns`` whose measure has a radius (geodesic and adaptive sharpness)."""
+    return [c for c in columns if MEASURES[c.key].family in RADIUS_FAMILIES]
+
+
+def rho_sweep(
+    models: list[ModelRef],
+    data: DataSpec,
+    columns: list[Column],
+    store: ResultStore,
+    rhos: list[float],
+    *,
+    settings: Settings,
+    gap: GapSpec,
+    progress: bool = True,
+    trust_remote_code: bool = False,
+) -> dict[str, Any]:
+    """Each radius measure's Kendall tau against the gap (with its interval) and its certified count at every radius
+    of ``rhos`` and at ``settings.rho``, each radius a leaderboard of its own through ``store`` (a rerun measures
+    only what is missing; the leaderboard at ``settings.rho`` is usually stored already).
+
+    Returns:
+        Plain data (JSON): ``rhos`` (sorted), ``rho`` (the leaderboard's), ``gap_metric``, ``n_models``,
+        ``n_examples`` (measured on), ``settings`` (the shared settings but the radius) and per column name
+        ``measures[name]``: its registry ``key`` and, one entry per radius, ``tau``, ``ci_low``, ``ci_high``,
+        ``p_value``, ``certified`` and ``total``.
+    """
+    columns = radius_columns(columns)
+    if not columns:
+        raise ValueError("a rho sweep needs a measure with a radius (inv, mix or adaptive).")
+    grid = sorted({float(r) for r in rhos} | {float(settings.rho)})
+    out: dict[str, Any] = {"rhos": grid, "rho": float(settings.rho), "gap_metric": gap.metric, "n_models": len(models),
+                           "n_examples": data.n_examples,
+                           "settings": {k: v for k, v in fingerprint_settings(settings).items() if k != "rho"},
+                           "measures": {}}
+    for rho in grid:
+        board = run_leaderboard(models, data, columns, store, settings=dataclasses.replace(settings, rho=rho), gap=gap,
+                                progress=progress, trust_remote_code=trust_remote_code, desc=f"rho {rho:g}",
+                                warn_unconverged=False,  # the figure shows the certified fraction per radius
+                                statistics=False)
+        # the measures' taus only: the trivial predictors do not depend on the radius (bootstraps are half the cost)
+        taus = kendall_taus(board.rows, board.measures, seed=settings.seed)
+        for name in board.measures:
+            entry = out["measures"].setdefault(name, {"key": plan(columns, settings)[name][0], "tau": [],
+                                                       "ci_low": [], "ci_high": [], "p_value": [], "certified": [],
+                                                       "total": []})
+            certified, total = board.certified(name)
+            for field_name in ("tau", "ci_low", "ci_high", "p_value"):
+                entry[field_name].append(taus[name][field_name])
+            entry["certified"].append(certified)
+            entry["total"].append(total)
+    return out
 
 
 @contextlib.contextmanager
