@@ -180,7 +180,8 @@ def settings_args(result: dict[str, Any]) -> dict[str, Any]:
     the metric's args."""
     config = result.get("config") or {}
     args = {k: config[k] for k in _SETTINGS if config.get(k) is not None and _finite(config[k])}
-    if "ball" not in args and (key := key_of_engine_name(result.get("measure", ""))) and MEASURES[key].family == "geodesic":
+    key = key_of_engine_name(result.get("measure", ""))
+    if "ball" not in args and key and MEASURES[key].family == "geodesic":
         args["ball"] = "paper"  # recorded before the radius convention existed: the paper's unweighted metrics
     budget = "steps" if args.get("mode") == "worst" else "n_samples"  # the solver effort that matters in this mode
     args.pop("n_samples" if budget == "steps" else "steps", None)
