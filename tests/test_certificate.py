@@ -120,5 +120,6 @@ def test_the_measured_misses_end_at_the_higher_maximum_or_uncertified(demo_batch
     model, batches = demo_batches[name]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", gs.NotConvergedWarning)
-        res = gs.geodesic_sharpness(model, batches, metric=metric, rho=rho, steps="auto", progress=False)
+        res = gs.geodesic_sharpness(model, batches, metric=metric, rho=rho, steps="auto", ball="paper",
+                                     progress=False)
     assert res.value >= higher * (1 - 1e-3) or not res.converged, (res.value, res.convergence_note)
