@@ -27,6 +27,7 @@ from ..leaderboard import GapSpec, Leaderboard, convergence_fix, ranked
 from ..leaderboard.store import ResultStore, fingerprint, model_identity
 from ..measures import Settings
 from ..pipeline import Memo, ModelSource
+from ..pipeline import load as load_source
 from ..zoo import build_zoo, cache_root, cached_members, torch_threads, zoo_members
 from .board import add_data_arguments, execute
 from .common import EXIT_BAD_INPUT, EXIT_OK, folder_path, keep_on_interrupt, positive
@@ -86,8 +87,8 @@ def _hide_and_seek(args: argparse.Namespace, zoo, data: DataSpec, board) -> None
     spec = DataSpec(**{**vars(data), "n_examples": min(HIDE_EXAMPLES, data.n_examples)})
     batches: dict[str, list] = {}
 
-    def load(name: str):
-        model = load(ModelSource(sources[name]))
+    def load_member(name: str):
+        model = load_source(ModelSource(sources[name]))
         if name not in batches:
             batches[name] = load_batches(model, load_processor(sources[name], model), spec)
         return model, batches[name]
@@ -108,7 +109,7 @@ def _hide_and_seek(args: argparse.Namespace, zoo, data: DataSpec, board) -> None
             bar.set_postfix(model=name)
 
         with collected_convergence_notes():  # few steps on purpose: the section compares values, not maxima
-            report = hide_and_seek(names, load, [gaps[n] for n in names], settings=settings,
+            report = hide_and_seek(names, load_member, [gaps[n] for n in names], settings=settings,
                                    condition=args.hide_condition, seed=args.seed, cache=cache, on_model=on_model)
         bar.update(len(names) - bar.n)
     plot = args.out / "hide_and_seek.png"
