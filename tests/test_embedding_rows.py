@@ -8,7 +8,7 @@ not see is refused, not answered with a wrong row.
 
 from __future__ import annotations
 
-import contextlib
+import warnings
 
 import pytest
 import torch
@@ -102,11 +102,13 @@ def test_value_equals_whole_weights(measure, monkeypatch):
     run = (lambda: gs.adaptive_sharpness(model, batches, **SOLVE)) if measure == "adaptive" else (
         lambda: gs.geodesic_sharpness(model, batches, metric=measure, **SOLVE))
     snap = snapshot(model)
-    with pytest.warns(UserWarning) if measure == "mix" else contextlib.nullcontext():  # mix is still rising at 8 steps
+    with warnings.catch_warnings():  # whether 8 steps certify is not this test's question
+        warnings.simplefilter("ignore", gs.NotConvergedWarning)
         rows = run()
     assert_intact(model, snap)
     _whole(monkeypatch)
-    with pytest.warns(UserWarning) if measure == "mix" else contextlib.nullcontext():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", gs.NotConvergedWarning)
         whole = run()
     assert whole.value != 0
     assert rows.per_batch == pytest.approx(whole.per_batch, rel=1e-12, abs=0)

@@ -117,7 +117,7 @@ def test_default_adaptive_variant_is_clean_and_as23_stalls_below_it():
 
 def test_steps_auto_reaches_the_long_run_value_where_20_steps_do_not():
     model, batches = _noisy_bert(0.2), _batches(n=1)
-    kw = dict(rho=0.5, metric="mix", progress=False)
+    kw = dict(rho=0.5, metric="mix", ball="paper", progress=False)  # a ball 20 steps do not settle
     with pytest.warns(UserWarning, match="steps='auto'"):
         short = gs.geodesic_sharpness(model, batches, steps=20, **kw)
     long = gs.geodesic_sharpness(model, batches, steps=1000, **kw)
@@ -178,7 +178,8 @@ def test_not_converged_is_said_once_and_names_the_fix(caplog):
     """One NotConvergedWarning, no log line besides it (Python printed both); the CLI shows it as a log line."""
     model, batches = _noisy_bert(0.2), _batches(n=1)
     with caplog.at_level("DEBUG", logger="hf_geosharp"), pytest.warns(gs.NotConvergedWarning) as record:
-        res = gs.geodesic_sharpness(model, batches, rho=1.0, metric="inv", steps=20, progress=False)
+        res = gs.geodesic_sharpness(model, batches, rho=1.0, metric="inv", steps=20, ball="paper",
+                                    progress=False)
     assert not res.converged and "NOT converged" in str(res) and "not stationary" in res.convergence_note
     assert len(record) == 1 and "steps='auto'" in str(record[0].message)
     assert not [r for r in caplog.records if "not converged" in r.getMessage()]
@@ -192,7 +193,8 @@ def test_collected_convergence_notes_replace_the_per_call_warning(caplog):
     with warnings.catch_warnings():
         warnings.simplefilter("error", gs.NotConvergedWarning)  # a warning inside the block would raise here
         with caplog.at_level("WARNING", logger="hf_geosharp.engine.result"), collected_convergence_notes() as notes:
-            res = gs.geodesic_sharpness(model, batches, rho=1.0, metric="inv", steps=20, progress=False)
+            res = gs.geodesic_sharpness(model, batches, rho=1.0, metric="inv", steps=20, ball="paper",
+                                        progress=False)
     assert not res.converged and len(notes) == 1 and "steps='auto'" in notes[0]
     assert not [r for r in caplog.records if r.name == "hf_geosharp.engine.result"]
 

@@ -279,7 +279,7 @@ def test_an_unreachable_hub_is_a_readable_message(app, monkeypatch, tmp_path, wh
 
 
 def test_zoo_is_described_by_settings_and_plot_axes_are_labelled(app):
-    labels = dict((value, label) for label, value in app.Space("mini", None, Path("unused")).model_choices())
+    labels = dict((value, label) for label, value in app.App("mini", None, Path("unused")).model_choices())
     assert "1 layer, 2 heads, width 16, patch 4" in labels["mini-00"] and "label noise" in labels["mini-01"]
     results = {k: SimpleNamespace(per_batch=v) for k, v in ((INV, [0.18, 0.31, 0.58]), (ADAPTIVE, [0.2, 0.4, 0.5]))}
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -301,7 +301,7 @@ def test_every_worst_case_number_shows_its_certificate(app, zoo_cache, tmp_path)
 
     from hf_geosharp.engine.result import certificate_words
 
-    space = app.Space("mini", zoo_cache, tmp_path)
+    space = app.App("mini", zoo_cache, tmp_path)
     table, _, plot, card_yaml, status, *_ = space.measure("mini-01", "", app.BUNDLED, "", "train", 64, 0.5,
                                                       [MIX, ADAPTIVE], 1, progress=lambda *a, **k: None)
     rows = {row["measure"]: row for _, row in table.iterrows()}
