@@ -436,7 +436,7 @@ def test_ctrl_c_in_any_command_is_exit_130(files, monkeypatch, capsys):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(symmetry, "map_symmetries", interrupted)
+    monkeypatch.setattr(symmetry, "symmetry_map", interrupted)
     assert cli.main(["symmetry", str(files["model"])]) == 130
     err = capsys.readouterr().err
     assert err.strip() == "interrupted (Ctrl-C); nothing was written." and "Traceback" not in err
