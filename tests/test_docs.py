@@ -91,3 +91,17 @@ def test_every_public_function_has_args_and_returns(objects):
         if returns not in (None, "None", inspect.Signature.empty) and "Returns:" not in doc:
             missing.append(f"{name}: Returns")
     assert not missing, missing
+
+
+def test_the_guides_python_example_runs(capsys):
+    """docs/guide.md's first example (every measure of the Python API) runs as written on a model and batches of the
+    kind it names, and prints one line of the values it says."""
+    from .fixtures.intact import tiny_batches, tiny_bert
+
+    guide = (REPO / "docs" / "guide.md").read_text()
+    code = re.findall(r"^```python\n(.*?)^```", guide, re.S | re.M)[0]
+    namespace = {"model": tiny_bert(), "batches": tiny_batches(n=1)}
+    exec(compile(code, "docs/guide.md (python block 1)", "exec"), namespace)
+    value, stderr, converged, per_batch, *others = capsys.readouterr().out.split(" ", 3)
+    assert float(value) > 0 and converged in ("True", "False") and namespace["res"].per_batch == [float(value)]
+    assert namespace["base"].value > 0 and namespace["flat"].value > 0 and namespace["smap"].summary()["n_pairs_qk"]
