@@ -73,7 +73,7 @@ class SolveResult:
             return NOT_CERTIFIED, (
                 f"the value {self.sharpness:.3g} is below the resolution of the loss in {self.dtype} ({floor:.2g} = "
                 f"{PRECISION_FACTOR} eps |loss|): the largest loss found cannot be told from the clean loss, so "
-                "nothing about a maximum is certified; a larger rho (or a wider dtype) resolves it")
+                "nothing about a maximum is certified")
         gap_abs = self.gap * self.sharpness if self.sharpness > 0 else (0.0 if self.gap == 0 else math.inf)
         if not (self.gap <= tol or gap_abs <= floor):
             return NOT_CERTIFIED, f"not stationary (Frank-Wolfe gap {self.gap:.2%} of the value, tolerance {tol:.2%})"
