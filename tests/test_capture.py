@@ -12,7 +12,7 @@ from hf_geosharp.engine.capture import capture_choice
 from hf_geosharp.engine.solvers.apgd import apgd
 
 from .fixtures.hf_models import one_thread  # noqa: F401  (autouse: one torch thread for tiny models)
-from .fixtures.intact import tiny_bert
+from .fixtures.intact import tiny_batches, tiny_bert
 from .test_device_climb import _objective, _same
 
 BACKEND = "aot_eager"  # inductor compiles for minutes on a CI CPU; the capture is the same
@@ -92,5 +92,30 @@ def test_a_solve_as_cuda_graphs_gives_the_eager_numbers():
     torch._dynamo.reset()
     space, objective = _objective(tiny_bert(torch.float32).cuda(), "inv", 0.5)
     objective.batch = {k: v.cuda() for k, v in objective.batch.items()}
-    runs = [apgd(space, objective.on_device, rho=0.5, steps=8, compile=compile) for compile in ("off", "reduce-overhead")]
+    runs = [apgd(space, objective.on_device, rho=0.5, steps=8, compile=compile)
+            for compile in ("off", "reduce-overhead")]
     _same(runs[1], runs[0], 1e-5)
+
+
+def test_the_compile_setting_reaches_the_solver_from_every_face():
+    """One declaration (``Settings.compile``): the command lines' ``--compile``, the public functions' keyword and
+    the engine's settings; a bad value or CUDA graphs on a CPU model are refused before any work, and results and
+    cache keys do not record it (it changes no number beyond rounding)."""
+    import hf_geosharp as gs
+    from hf_geosharp.cli import build_parser
+    from hf_geosharp.commands.common import settings_of
+    from hf_geosharp.engine.settings import RunSettings
+    from hf_geosharp.measures import Settings
+
+    args = build_parser().parse_args(["run", "--model", "m", "--dataset", "d", "--compile", "aot_eager"])
+    settings = settings_of(args)
+    assert settings.compile == "aot_eager" and Settings().compile == "off" and "compile" not in settings.as_dict()
+    assert RunSettings(rho=0.1, compile="aot_eager").compile == "aot_eager"
+    assert "compile" not in RunSettings(rho=0.1, compile="aot_eager").config()
+    with pytest.raises(ValueError, match="no torch.compile backend"):
+        RunSettings(rho=0.1, compile="no-such-backend")
+    model = tiny_bert(torch.float32)
+    with pytest.raises(ValueError, match="CUDA device"):
+        gs.geodesic_sharpness(model, tiny_batches(1), rho=0.1, compile="reduce-overhead", progress=False)
+    with pytest.raises(ValueError, match="CUDA device"):
+        gs.adaptive_sharpness(model, tiny_batches(1), rho=0.1, compile="reduce-overhead", progress=False)

@@ -19,13 +19,13 @@ def compile_backend(compile: str) -> str | None:
     return None if compile == "off" else "inductor" if compile in ("default", "reduce-overhead") else compile
 
 
-def capture_choice(compile: str, device: torch.device) -> str:
-    """``compile`` checked for ``device`` (before any work): ``"off"``, ``"default"``, ``"reduce-overhead"`` (CUDA
-    only) or a registered ``torch.compile`` backend; returns it."""
+def capture_choice(compile: str, device: torch.device | None = None) -> str:
+    """``compile`` checked (before any work): ``"off"``, ``"default"``, ``"reduce-overhead"`` (CUDA only: refused
+    where ``device`` is given and is not CUDA) or a registered ``torch.compile`` backend; returns it."""
     if not isinstance(compile, str) or not compile:
         raise ValueError(f"compile must be 'off', 'default', 'reduce-overhead' or a torch.compile backend name, got "
                          f"{compile!r}.")
-    if compile == "reduce-overhead" and device.type != "cuda":
+    if compile == "reduce-overhead" and device is not None and device.type != "cuda":
         raise ValueError(f"compile='reduce-overhead' captures the step as CUDA graphs, which need a CUDA device; the "
                          f"vectors are on {device}. Use compile='default' (or 'off') there.")
     if compile not in ("off", "default", "reduce-overhead"):
