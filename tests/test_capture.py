@@ -81,6 +81,12 @@ def test_cuda_graphs_are_refused_on_a_cpu_before_any_work(spaces):
         apgd(space, counted, rho=0.5, steps=2, compile="reduce-overhead")
     with pytest.raises(ValueError, match="no torch.compile backend"):
         apgd(space, counted, rho=0.5, steps=2, compile="no-such-backend")
+    space.shard = object()  # a sharded space sums over the ranks between its operations: refused
+    try:
+        with pytest.raises(ValueError, match="sharded space"):
+            apgd(space, counted, rho=0.5, steps=2, compile=BACKEND)
+    finally:
+        space.shard = None
     assert not calls and space._capture is None
     assert capture_choice("off", torch.device("cpu")) == "off"
 

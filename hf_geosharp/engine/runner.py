@@ -91,6 +91,10 @@ def run(
     if settings.compile == "reduce-overhead":  # CUDA graphs: refused off CUDA before any work
         capture_choice(settings.compile, next(model.parameters()).device)
     placement: Placement = FsdpPlacement.of(model) or SingleProcess(model, accelerator)
+    if settings.compile != "off" and not isinstance(placement, SingleProcess):
+        raise ValueError(f"compile={settings.compile!r} captures the step of a model in one process; an FSDP-sharded "
+                         "model's step sums over the ranks between its operations and runs eagerly. Pass "
+                         "compile='off'.")
     mine = placement.batches(len(batches))
     direction = settings.mode == "worst" and isinstance(placement, SingleProcess)
     if (return_perturbation or profile_points) and not direction:

@@ -629,6 +629,9 @@ class _Captured:
 @contextlib.contextmanager
 def _capturing(space: PerturbationSpace, compile: str) -> Iterator[None]:
     capture_choice(compile, space.device)
+    if compile != "off" and space.shard is not None:
+        raise ValueError(f"compile={compile!r} captures one process's step; a sharded space sums over the ranks "
+                         "between its operations and runs eagerly. Pass compile='off'.")
     if compile == "off":
         yield
         return
