@@ -616,7 +616,6 @@ class _Captured:
         self.direction = capture(space._direction)
         self._exp = capture(space._exp_first_order)
         self._pull = capture(space._pull_first_order)
-        self.static = compile == "reduce-overhead"
 
     def exp_point(self, xi: Tensor, out: Tensor, need_grad: bool) -> Pullback | None:
         """:meth:`PerturbationSpace.exp_point` through the captured graphs."""
@@ -635,11 +634,14 @@ def _capturing(space: PerturbationSpace, compile: str) -> Iterator[None]:
     if compile == "off":
         yield
         return
+    # What the step's functions cache on first use is made here, eagerly: a graph cannot branch on data (the
+    # segments' kinds) and should not allocate what outlives it (the metric's casts).
+    space.elementwise.kinds()
+    for group in space.pairs:
+        for name in ("P", "Q", "P_inv", "Q_inv"):
+            getattr(group.geometry, name)
     if compile not in space._compiled:
         space._compiled[compile] = _Captured(space, compile)
-    if compile == "reduce-overhead":  # CUDA graphs write these in place: their addresses must not change
-        space.workspace.take((1,))  # (allocates the buffer)
-        torch._dynamo.mark_static_address(space.workspace._buffer)
     space._capture = space._compiled[compile]
     try:
         yield
