@@ -24,7 +24,7 @@ LOWEST = ("engine/defaults.py", "engine/geometry/elementwise.py", "engine/geomet
           "engine/solvers/apgd.py", "engine/solvers/as23.py", "engine/solvers/average.py",
           "engine/solvers/certificate.py", "engine/solvers/interface.py", "engine/solvers/memory.py",
           "engine/solvers/pool.py", "engine/solvers/schedule.py", "engine/solvers/climb.py",
-          "engine/solvers/device_climb.py", "engine/checks.py", "engine/result.py")
+          "engine/solvers/device_climb.py", "engine/checks.py", "engine/result.py", "engine/capture.py")
 
 
 def _module(path: Path) -> str:
