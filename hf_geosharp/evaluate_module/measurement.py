@@ -121,7 +121,8 @@ def settings_text() -> str:
     for name in SETTING_NAMES:
         meaning = "; ".join(filter(None, (setting_help(name), _SETTING_NOTES.get(name))))
         entry = f"{name} ({_type_text(hints[name])}, default {_value_text(getattr(DEFAULTS, name))}): {meaning}."
-        entries.append(textwrap.fill(entry, 120, initial_indent="    ", subsequent_indent="        "))
+        entries.append(textwrap.fill(entry, 120, initial_indent="    ", subsequent_indent="        ",
+                                     break_on_hyphens=False))
     return "\n".join(entries)
 
 
@@ -436,6 +437,7 @@ class GeodesicSharpness(evaluate.Measurement):
         epsilon: float | None = None,
         ball: str | None = None,
         adaptive_variant: str | None = None,
+        compile: str | None = None,
         loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None,
         accelerator: Any = None,
         progress: bool = False,
@@ -443,7 +445,7 @@ class GeodesicSharpness(evaluate.Measurement):
     ) -> dict[str, Any]:
         keys = _keys(measures, metric, baseline)
         settings = settings_from(dict(rho=rho, mode=mode, steps=steps, n_samples=n_samples, seed=seed, epsilon=epsilon,
-                                      ball=ball, adaptive_variant=adaptive_variant))
+                                      ball=ball, adaptive_variant=adaptive_variant, compile=compile))
         model = _model(model, model_id, device, fsdp)
         task = task_of(model)
         if task is None and loss_fn is None:
