@@ -12,12 +12,14 @@ from hf_geosharp.commands.common import Parser, folder_path, non_negative, posit
 from hf_geosharp.durable import write_json
 
 from . import default_call, floor, fsdp_memory, launch, memory, overhead, peer, scaling, step_profile
-from .common import machine
+from .common import load_average, machine
 from .config import RunConfig
 
 SUITES = {"default_call": default_call, "overhead": overhead, "floor": floor, "memory": memory, "scaling": scaling,
           "peer": peer, "fsdp_memory": fsdp_memory, "step_profile": step_profile,
           "launch": launch}
+#: The suites that ``--only`` filters (the others run all their workloads).
+ONLY_SUITES = ("floor", "overhead", "memory")
 RESULTS = Path(__file__).parent / "results"
 
 
@@ -30,6 +32,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="timed repeats per case (default 2, quick 1)")
     parser.add_argument("--threads", type=non_negative(int), default=0,
                         help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--only", default="",
+                        help="comma-separated workloads of the floor, overhead and memory suites to run, e.g. "
+                        "minilm-8x128 (default: all)")
     parser.add_argument("--out", type=folder_path, default=RESULTS, help="folder for the JSON results")
     args = parser.parse_args(argv)
     suites = [s.strip() for s in args.suite.split(",") if s.strip()]
@@ -41,13 +46,19 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    cfg = RunConfig(device=args.device, quick=args.quick, repeats=args.repeats or (1 if args.quick else 2))
+    cfg = RunConfig(device=args.device, quick=args.quick, repeats=args.repeats or (1 if args.quick else 2),
+                    only=tuple(s.strip() for s in args.only.split(",") if s.strip()))
+    known = {w.label for name in suites if name in ONLY_SUITES for w in SUITES[name].workloads(cfg)}
+    missing = [label for label in cfg.only if label not in known]
+    if missing:
+        parser.error(f"--only names no workload of the chosen suites: {missing}; choose from {sorted(known)}")
     args.out.mkdir(parents=True, exist_ok=True)
     for name in suites:
-        start = time.time()
+        start, load = time.time(), load_average()
         print(f"\n## {name} ({'quick' if cfg.quick else 'full'}, {cfg.device})\n", flush=True)
         result = SUITES[name].run(cfg)
-        result.update(machine=machine(cfg.device), quick=cfg.quick, repeats=cfg.repeats,
+        result.update(machine={**machine(cfg.device), "load_average_at_start": load,
+                               "load_average_at_end": load_average()}, quick=cfg.quick, repeats=cfg.repeats,
                       seconds=round(time.time() - start, 1), date=time.strftime("%Y-%m-%d %H:%M:%S"))
         device = cfg.device.split(":")[0]
         path = args.out / f"{name}-{device}.json"

@@ -102,7 +102,7 @@ def machine(device: str) -> dict[str, Any]:
         "cpu": _cpu_model(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
-        "load_average_at_start": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
     }
     try:
         import transformers
@@ -116,6 +116,11 @@ def machine(device: str) -> dict[str, Any]:
         info["gpu_memory_gib"] = round(props.total_memory / 2**30, 1)
         info["cuda"] = torch.version.cuda
     return info
+
+
+def load_average() -> list[float] | None:
+    """The machine's 1, 5 and 15 minute load averages (None where the platform has none)."""
+    return list(os.getloadavg()) if hasattr(os, "getloadavg") else None
 
 
 def _cpu_model() -> str:

@@ -92,7 +92,7 @@ def _left_out(model: torch.nn.Module, batches: list) -> int:
 
 def run(cfg: RunConfig) -> dict[str, Any]:
     rows = []
-    for w in workloads(cfg):
+    for w in cfg.chosen(workloads(cfg)):
         cases = {}
         for case in CASES:
             args = [sys.executable, "-m", "benchmarks.memory", "--case", case, "--device", cfg.device,

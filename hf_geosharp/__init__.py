@@ -5,11 +5,8 @@ Importing the package writes nothing and starts nothing: the evaluate module is 
 """
 
 import importlib
-import importlib.abc
-import importlib.util
 import sys
 import types
-import warnings
 from typing import TYPE_CHECKING
 
 from ._version import __version__
@@ -78,33 +75,4 @@ class _Package(types.ModuleType):
         pass
 
 
-class _Alias(importlib.abc.Loader):
-    """Loads a deprecated module name as the module it was renamed to (the same module object)."""
-
-    def __init__(self, new: str) -> None:
-        self.new = new
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
-        return importlib.import_module(self.new)
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        pass
-
-
-class _RenamedModules(importlib.abc.MetaPathFinder):
-    """``hf_geosharp.hide[.seek|.transform]``, the old name of ``hf_geosharp.hiding`` (renamed so that no module is
-    shadowed by the function ``gs.hide``), still imports, with a ``DeprecationWarning``."""
-
-    OLD, NEW = f"{__name__}.hide", f"{__name__}.hiding"
-
-    def find_spec(self, fullname: str, path: object, target: object = None) -> importlib.machinery.ModuleSpec | None:
-        if fullname != self.OLD and not fullname.startswith(self.OLD + "."):
-            return None
-        new = self.NEW + fullname[len(self.OLD):]
-        warnings.warn(f"{fullname} is deprecated and will be removed: import {new}.", DeprecationWarning, stacklevel=2)
-        return importlib.util.spec_from_loader(fullname, _Alias(new))
-
-
-if not any(isinstance(finder, _RenamedModules) for finder in sys.meta_path):
-    sys.meta_path.insert(0, _RenamedModules())  # before any finder that knows the old path (an older install)
 sys.modules[__name__].__class__ = _Package

@@ -23,6 +23,7 @@ from .engine.checks import check_inputs
 from .engine.defaults import (
     ADAPTIVE_VARIANT,
     BALL,
+    COMPILE,
     ELEMENTWISE_CURVATURE,
     EPSILON,
     METRIC,
@@ -115,6 +116,7 @@ def geodesic_sharpness(
     max_steps: int = AUTO_MAX_STEPS,
     return_perturbation: bool = False,
     profile_points: int = 0,
+    compile: str = COMPILE,
 ) -> SharpnessResult:
     """Geodesic sharpness (da Silva, Dangel & Oore, ICML 2025): sharpness on the quotient by the attention symmetries.
 
@@ -167,6 +169,11 @@ def geodesic_sharpness(
             only. Every worst case carries its breakdown by layer and head (``res.breakdown``; docs/where.md).
         profile_points: with an odd ``n >= 3``, the loss along each batch's worst direction at ``n`` points of
             ``[0, 2 rho]`` (``res.profile``); two forwards per point. Worst case only.
+        compile: how the worst case's solver step runs: ``"off"`` (eager, default), ``"default"`` (captured by
+            ``torch.compile`` with inductor: the direction, the geodesic point and its pullback, the step's scalar
+            updates; not the model's forward and backward), ``"reduce-overhead"`` (the same as CUDA graphs; CUDA
+            only) or a ``torch.compile`` backend's name. The number is the eager one up to rounding
+            (docs/benchmarks.md, "Captured step").
 
     Returns:
         The :class:`SharpnessResult`: the mean over batches with its standard error, the per-batch values, the clean
@@ -176,7 +183,8 @@ def geodesic_sharpness(
     """
     options = SpaceOptions(metric, epsilon, second_order, riemannian_norm, horizontal_projection, elementwise_curvature,
                            ball)
-    settings = RunSettings(rho, mode, steps, seed, params, n_samples, tol, max_steps, options, step_normalization)
+    settings = RunSettings(rho, mode, steps, seed, params, n_samples, tol, max_steps, options, step_normalization,
+                           compile=compile)
     if symmetry_map is None:  # mapped here (as the builder would map it) after the inputs are checked
         from .symmetry import map_symmetries
 
@@ -207,6 +215,7 @@ def adaptive_sharpness(
     max_steps: int = AUTO_MAX_STEPS,
     return_perturbation: bool = False,
     profile_points: int = 0,
+    compile: str = COMPILE,
 ) -> SharpnessResult:
     """Adaptive sharpness (Kwon et al. 2021; Andriushchenko et al. 2023):
     ``max_{||delta / |w| || <= rho} L(w + delta) - L(w)``.
@@ -233,11 +242,13 @@ def adaptive_sharpness(
         max_steps: step budget of ``steps="auto"``.
         return_perturbation: also return each batch's worst-case perturbation, as in :func:`geodesic_sharpness`.
         profile_points: the loss along each batch's worst direction, as in :func:`geodesic_sharpness`.
+        compile: how the clean solver's step runs, as in :func:`geodesic_sharpness` (``"as23"`` runs eagerly).
 
     Returns:
         The mean over batches with its standard error, the per-batch values, the clean loss and the convergence
         certificate, as :func:`geodesic_sharpness` returns them.
     """
-    settings = RunSettings(rho, mode, steps, seed, params, n_samples, tol, max_steps, variant=variant)
+    settings = RunSettings(rho, mode, steps, seed, params, n_samples, tol, max_steps, variant=variant,
+                           compile=compile)
     return run(model, batches, settings, loss_fn=loss_fn, accelerator=accelerator, progress=progress,
                return_perturbation=return_perturbation, profile_points=profile_points)

@@ -30,7 +30,7 @@ from .api import (
     symmetry_note_given,
     symmetry_noted,
 )
-from .engine.defaults import ADAPTIVE_VARIANT, BALL, EPSILON, MODE, N_SAMPLES, RHO, SEED, STEPS
+from .engine.defaults import ADAPTIVE_VARIANT, BALL, COMPILE, EPSILON, MODE, N_SAMPLES, RHO, SEED, STEPS
 from .engine.hessian import hessian_top_eigenvalue, hessian_trace
 from .engine.relative_flatness import relative_flatness
 from .engine.settings import MODES, VARIANTS, Mode, Steps, Variant, measure_name
@@ -112,6 +112,8 @@ class Settings:
             convention").
         adaptive_variant: the adaptive baseline's solver (``"clean"``; ``"as23"`` reproduces the reference code,
             which stalls below the maximum).
+        compile: how the worst case's solver step runs (:mod:`hf_geosharp.engine.capture`); it changes no number
+            beyond rounding, so :meth:`as_dict` leaves it out.
     """
 
     rho: float = _declared(RHO, "perturbation radius")
@@ -123,12 +125,15 @@ class Settings:
     ball: Ball = _declared(BALL, "radius convention of the geodesic ball: calibrated (rho comparable with adaptive's) "
                                  "or paper (the paper's unweighted metrics)", choices=BALLS)
     adaptive_variant: Variant = _declared(ADAPTIVE_VARIANT, "the adaptive baseline's solver: clean or as23")
+    compile: str = _declared(COMPILE, "how the worst case's step runs: off (eager), default (torch.compile), "
+                                      "reduce-overhead (CUDA graphs, CUDA only) or a torch.compile backend")
 
     def as_dict(self) -> dict[str, Any]:
         """The settings as a plain dict (results files, cache keys). ``ball`` is left out when it is the paper's:
         settings recorded before the convention existed hold none and were the paper's, so they keep their keys,
         and a record without ``ball`` reads as the paper's."""
         out = dataclasses.asdict(self)
+        del out["compile"]  # how, not what: results and cache keys do not depend on it
         if out["ball"] == "paper":
             del out["ball"]
         return out
@@ -180,7 +185,7 @@ def parse_measures(text: str | Iterable[str] | None) -> list[str]:
 def _engine_kwargs(settings: Settings) -> dict[str, Any]:
     """The settings every sharpness function of the engine takes."""
     return dict(rho=settings.rho, mode=settings.mode, steps=settings.steps, n_samples=settings.n_samples,
-                seed=settings.seed)
+                seed=settings.seed, compile=settings.compile)
 
 
 def run_measure(

@@ -3,7 +3,8 @@
     python scripts/supported_versions.py record floors|newest   # with the job's python: write .ci/versions/KIND.txt
     python scripts/supported_versions.py readme                 # rewrite the block in docs/install.md
 
-The dependencies are the core ones and those of every extra (``space``, ``test``): CI installs ``.[space,test]``.
+The dependencies are the core ones and those of every extra (``space``, ``tensorboard``, ``test``): CI installs
+``.[space,tensorboard,test]``.
 ``record floors`` also fails unless every one was installed at exactly the lower bound pyproject.toml declares (what
 ``uv --resolution lowest-direct`` resolves when the bound is a real release), so the floors CI tests are the floors the
 package declares.
@@ -81,7 +82,7 @@ def block() -> str:
         return ", ".join(f"{name} {versions[name].split('+')[0]}" for name in SHOWN)
 
     sentence = (f"**Supported versions**, each tested by CI (`.ci/run`, Python {new['python']}, CPU): the declared "
-                f"floors ({listed(low)}; every lower bound in `pyproject.toml`, the `space` and `test` extras' "
+                f"floors ({listed(low)}; every lower bound in `pyproject.toml`, every extra's "
                 f"included) and the newest releases as of {new['date']} ({listed(new)}); the main suite runs on the "
                 f"2.13.0 CPU wheel. Python {new['python']} is the only interpreter CI has.")
     return "\n".join([BEGIN, *textwrap.wrap(sentence, 120, break_on_hyphens=False), END])

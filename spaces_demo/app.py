@@ -28,9 +28,15 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import gradio as gr
-import pandas as pd
 import torch
+
+try:
+    import gradio as gr
+    import pandas as pd
+except ImportError as missing:  # the core install has neither: the app is the ``space`` extra's
+    raise ModuleNotFoundError(f"the Space needs the `space` extra ({missing.name} is not installed): "
+                              "pip install \"hf_geosharp[space]\", or from a checkout bash scripts/install.sh space",
+                              name=missing.name) from missing
 
 from hf_geosharp.data import (
     DataError,

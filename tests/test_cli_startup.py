@@ -3,6 +3,7 @@ a command's module (and with it the engine) is imported only when that command r
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
@@ -70,3 +71,16 @@ def test_gs_hide_is_the_function_also_after_its_sub_package_is_imported():
     from hf_geosharp.hide.seek import hide_and_seek  # the same module under its old name
 
     assert gs.hide is hide and hide_and_seek is hf_geosharp.hiding.seek.hide_and_seek
+    with pytest.warns(DeprecationWarning, match=r"hf_geosharp\.hide is deprecated.*import hf_geosharp\.hiding\."):
+        importlib.reload(sys.modules["hf_geosharp.hide"])  # the package's own warning, also where it stands alone
+    from hf_geosharp.hide import HideResult
+    from hf_geosharp.hide import hide as old_hide
+
+    assert old_hide is hide and HideResult is hf_geosharp.hiding.HideResult and gs.hide is hide
+
+
+def test_importing_the_package_installs_no_import_hook():
+    """The old name is a plain sub-package (``hf_geosharp/hide/``), not an import hook added at import."""
+    code = ("import sys; before = list(sys.meta_path); import hf_geosharp; "
+            "assert sys.meta_path == before, sys.meta_path; assert 'hf_geosharp.hide' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -125,6 +125,39 @@ def test_bare_name_loads_in_a_fresh_process_from_any_directory(tmp_path):
     assert got["value"] == pytest.approx(expected, rel=1e-5)
 
 
+def test_under_a_new_hf_home_the_path_loads_and_the_bare_name_error_is_the_one_the_docs_answer(tmp_path):
+    """Under an HF_HOME where ``geosharp register`` never ran, evaluate's resolution of the bare name (the working
+    directory, the Hub's ``evaluate-*`` orgs, then ``$HF_HOME/modules``) finds nothing and raises its own error, which
+    nothing at import may change; the docs quote that error beside the fix (``geosharp register``), and the load by
+    path (``gs.EVALUATE_MODULE_SCRIPT``) works there without registering."""
+    hf_home = tmp_path / "fresh_hf_home"
+    script = textwrap.dedent("""
+        import sys
+        import evaluate
+        import hf_geosharp as gs
+        try:
+            evaluate.load("geodesic_sharpness")
+        except FileNotFoundError as err:
+            print("bare:", err)
+        module = evaluate.load(gs.EVALUATE_MODULE_SCRIPT)
+        print("path:", type(module).__name__)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], env={**_env(hf_home), "PYTHONPATH": str(REPO)},
+                          cwd=tmp_path, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    bare, path = [line for line in proc.stdout.splitlines() if line.startswith(("bare:", "path:"))]
+    assert path == "path: GeodesicSharpness"
+    quoted = ("Couldn't find a module script", "doesn't exist on the Hugging Face Hub either")
+    assert all(part in bare for part in quoted), bare  # evaluate's words, as the docs quote them
+    guide = " ".join((REPO / "docs" / "guide.md").read_text().split())
+    answer = guide.split(quoted[0], 1)[1][:300]
+    assert quoted[1] in answer and "`geosharp register`" in answer, answer
+    readme = " ".join((REPO / "README.md").read_text().split())
+    evaluate_section = readme.split('evaluate.load("geodesic_sharpness")', 1)[1][:400]
+    assert "`geosharp register`" in evaluate_section and "HF_HOME" in evaluate_section
+    assert not (hf_home / "modules" / "evaluate_modules" / "metrics" / register.CACHE_FOLDER).exists()
+
+
 @pytest.fixture(scope="module")
 def module_from_checkout_root():
     """The literal bare name from the repository root, after ``geosharp register``, resolves to this checkout's code

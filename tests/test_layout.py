@@ -24,7 +24,7 @@ LOWEST = ("engine/defaults.py", "engine/geometry/elementwise.py", "engine/geomet
           "engine/solvers/apgd.py", "engine/solvers/as23.py", "engine/solvers/average.py",
           "engine/solvers/certificate.py", "engine/solvers/interface.py", "engine/solvers/memory.py",
           "engine/solvers/pool.py", "engine/solvers/schedule.py", "engine/solvers/climb.py",
-          "engine/solvers/device_climb.py", "engine/checks.py", "engine/result.py")
+          "engine/solvers/device_climb.py", "engine/checks.py", "engine/result.py", "engine/capture.py")
 
 
 def _module(path: Path) -> str:
@@ -151,6 +151,10 @@ def _submodules(package: Path) -> set[str]:
         p.name for p in package.iterdir() if (p / "__init__.py").is_file()}
 
 
+#: Sub-packages kept only as a deprecated old name (a shim that warns and re-exports the renamed package).
+DEPRECATED_NAMES = {"hide"}
+
+
 @pytest.mark.parametrize("package", sorted(p.parent for p in PACKAGE.rglob("__init__.py")), ids=_where)
 def test_no_module_is_shadowed_by_a_name_its_package_exports(package: Path) -> None:
     """``from .hide import hide`` in a package makes ``package.hide`` the function, so the dotted path of anything
@@ -164,6 +168,7 @@ def test_no_module_is_shadowed_by_a_name_its_package_exports(package: Path) -> N
         public = next(n for n in tree.body if isinstance(n, ast.AnnAssign | ast.Assign)
                       and "_PUBLIC" in ast.unparse(n.targets[0] if isinstance(n, ast.Assign) else n.target))
         bound |= set(ast.literal_eval(public.value))
+        bound -= DEPRECATED_NAMES  # the old path only re-exports the new one; ``_Package`` keeps ``gs.hide`` in front
     shadowed = sorted(bound & _submodules(package) - {name for name in bound if _is_module_import(package, name)})
     assert not shadowed, f"{_where(package)}: {shadowed} name both a module and something else"
 
@@ -196,3 +201,26 @@ def test_settings_are_declared_once() -> None:
         defined = [str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
                    if re.search(rf"^{constant}\s*(:[^=]*)?=", p.read_text(), re.MULTILINE)]
         assert defined == ["engine/defaults.py"], (constant, defined)
+
+
+def _defined(path: Path) -> set[str]:
+    """The functions and classes ``path`` defines (at any depth)."""
+    return {node.name for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.FunctionDef | ast.ClassDef)}
+
+
+def test_one_meaning_per_name() -> None:
+    """The vocabulary docs/architecture.md's "Names" gives each word is the code's: the names it cites are defined
+    where it says, and the names that once meant several things (a measure's key against its engine name: ``key_of``,
+    ``result_name``, ``measure_key``) are defined nowhere in the package."""
+    cited = {"measures.py": {"engine_name", "key_of_engine_name", "Settings"}, "hub/cards.py": {"key_of_result"},
+             "pipeline/measuring.py": {"measure"}, "engine/runner.py": {"run"}, "engine/settings.py": {"RunSettings"},
+             "engine/placement/sharding.py": {"attention_placement"}}
+    doc = (PACKAGE.parent / "docs" / "architecture.md").read_text().split("### Names", 1)[1].split("\n## ", 1)[0]
+    for relative, names in cited.items():
+        assert names <= _defined(PACKAGE / relative), (relative, names - _defined(PACKAGE / relative))
+        assert all(name in doc for name in names), names
+    assert "App" in _defined(PACKAGE.parent / "spaces_demo" / "app.py") and "`App`" in doc
+    retired = {"key_of", "result_name", "measure_key"}
+    for path in PACKAGE.rglob("*.py"):
+        assert not retired & _defined(path), f"{_where(path)} defines {sorted(retired & _defined(path))}"

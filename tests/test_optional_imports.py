@@ -72,3 +72,14 @@ def test_exporting_the_space_without_gradio_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "gradio", None)  # what a missing package looks like to ``import gradio``
     with pytest.raises(export_space.ExportError, match=r"pip install 'hf_geosharp\[space\]'"):
         export_space.space_readme(REPO)
+
+
+def test_the_space_app_without_gradio_names_the_extra(monkeypatch):
+    """``python spaces_demo/app.py`` after the core install: the error names the extra and its install command."""
+    import importlib.util
+
+    monkeypatch.setitem(sys.modules, "gradio", None)
+    spec = importlib.util.spec_from_file_location("space_app_without_gradio", REPO / "spaces_demo" / "app.py")
+    with pytest.raises(ModuleNotFoundError, match=r"the Space needs the `space` extra \(gradio is not installed\): "
+                                                  r"pip install \"hf_geosharp\[space\]\""):
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))

@@ -81,6 +81,7 @@ OTHERS = [
     ("benchmarks.__main__", ["--repeats", "0"], "--repeats"),
     ("benchmarks.__main__", ["--threads", "-1"], "--threads"),
     ("benchmarks.__main__", ["--suite", "nope"], "unknown suite"),
+    ("benchmarks.__main__", ["--suite", "floor", "--only", "minilm-3x3"], "--only names no workload"),
     ("benchmarks.__main__", ["--out", "{file}"], "is a file"),
     ("benchmarks.cuda_agreement", ["--out", "{folder}"], "is a folder"),
 ]

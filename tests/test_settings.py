@@ -179,3 +179,63 @@ def test_the_command_lines_share_one_declaration_of_each_option(capsys):
         with pytest.raises(SystemExit):
             parser.parse_args([*command, "--steps", "0"])
         assert parser.parse_args([*command, "--steps", "auto"]).steps == "auto"
+
+
+#: A valid value other than the declared default, for every field of ``Settings``: a new field fails here until the
+#: faces below are shown to follow it.
+OTHER_VALUES = {"rho": 0.3, "mode": "average", "steps": "auto", "n_samples": 3, "seed": 5, "epsilon": 0.0,
+                "ball": "paper", "adaptive_variant": "as23"}
+
+
+def test_every_setting_has_another_value_to_test_the_faces_with():
+    import dataclasses
+
+    assert set(OTHER_VALUES) == {f.name for f in dataclasses.fields(Settings)}
+    assert all(getattr(Settings(), name) != value for name, value in OTHER_VALUES.items())
+
+
+def test_the_evaluate_arguments_follow_the_one_declaration():
+    """The evaluate module's argument list is derived from ``Settings``: every field is a keyword of ``compute``
+    (default ``None``: the declared default), listed with its declared default and meaning, and reaches the
+    settings of the call; the published card lists each one with the same default."""
+    import dataclasses
+
+    from hf_geosharp.evaluate_module import measurement
+    from hf_geosharp.evaluate_module.register import MODULE_DIR
+    from hf_geosharp.measures import setting_help
+
+    text = " ".join(measurement._KWARGS_DESCRIPTION.split())
+    card = " ".join((MODULE_DIR / "README.md").read_text().split())
+    keywords = inspect.signature(measurement.GeodesicSharpness._compute).parameters
+    for field in dataclasses.fields(Settings):
+        name, default = field.name, field.default
+        assert keywords[name].default is None, name
+        entry = text.split(f" {name} (", 1)[1].split(" Returns:", 1)[0]
+        assert _shown_default(entry.split("): ", 1)[0].rsplit("default ", 1)[1]) == default, (name, entry[:80])
+        assert entry.split("): ", 1)[1].startswith(setting_help(name)), (name, entry[:160])
+        assert getattr(measurement.settings_from({name: OTHER_VALUES[name]}), name) == OTHER_VALUES[name]
+        on_card = card.split(f"* **{name}** (", 1)[1].split("default `", 1)[1].split("`", 1)[0]
+        assert _shown_default(on_card) == default, (name, on_card)
+
+
+def _shown_default(text: str) -> object:
+    """A default as an argument list writes it: ``"worst"``, ``20``, ``1e-06``."""
+    if text.startswith('"'):
+        return text.strip('"')
+    return int(text) if text.isdigit() else float(text)
+
+
+def test_the_minilm_family_store_key_follows_the_one_declaration():
+    """experiments/minilm_family.py keys a stored number by the settings' ``as_dict``: changing any declared setting
+    changes the key (so a new field of ``Settings`` enters the key without an edit there)."""
+    import dataclasses
+
+    import experiments.minilm_family as family
+
+    config, row = family.Config(), {"folder": "member", "weights_digest": "0" * 16}
+    base = Settings()
+    key = family.measure_key(row, "geodesic_inv", base, "original", config)
+    assert key == family.measure_key(row, "geodesic_inv", Settings(), "original", config)
+    for name, value in OTHER_VALUES.items():
+        changed = dataclasses.replace(base, **{name: value})
+        assert family.measure_key(row, "geodesic_inv", changed, "original", config) != key, name

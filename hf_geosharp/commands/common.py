@@ -137,7 +137,7 @@ def measure_keys(text: str) -> list[str]:
 #: flag is the field's name (``n_samples``: ``--n-samples``), its default and help the field's.
 SETTING_TYPES: dict[str, Callable[[str], Any]] = {
     "rho": positive(float), "steps": steps_arg, "n_samples": positive(int), "epsilon": non_negative(float),
-    "seed": seed,
+    "seed": seed, "compile": str,
 }
 
 

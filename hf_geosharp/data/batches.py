@@ -21,6 +21,9 @@ def launch_accelerator() -> Any:
 
     Every process then builds the same batches and the engine shares them out. On a host without GPUs (or other
     accelerator devices) the Accelerator must be told ``cpu=True``, or it ignores torchrun's processes and runs alone.
+
+    Returns:
+        The ``Accelerator``, or ``None`` in a single process.
     """
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 and not torch.distributed.is_initialized():
         return None
@@ -54,6 +57,15 @@ def make_batches(
     ``columns`` maps input names to per-example values: token lists of any length, pixel arrays, class ids or per-token
     label lists. A missing ``attention_mask`` is built from the row lengths; causal-LM labels default to the input ids
     with padding ignored (the model shifts them itself).
+
+    Args:
+        columns: input name -> per-example values.
+        batch_size: rows per batch (the last batch holds the remainder).
+        pad_token_id: the id token rows are padded with (``None``: 0; the attention mask hides it).
+        task: the model's task; for ``causal-lm`` missing labels are the input ids.
+
+    Returns:
+        The batches, dicts of tensors.
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
         raise DataError(f"batch_size must be a positive integer (examples per batch), got {batch_size!r}.")
@@ -90,7 +102,16 @@ def make_batches(
 
 def load_batches(model: torch.nn.Module, processor: Any, spec: DataSpec) -> list[dict[str, torch.Tensor]]:
     """All of the above: the batches ``model(**batch)`` turns into its loss (on the CPU; the engine moves each batch
-    to the model's device when it solves it)."""
+    to the model's device when it solves it).
+
+    Args:
+        model: the model the batches are for (its task, input kind and pad token).
+        processor: its tokenizer or image processor.
+        spec: the data's description (:class:`DataSpec`: dataset, split, columns, examples, batch size).
+
+    Returns:
+        The batches, dicts of CPU tensors.
+    """
     task = require_task(model)
     ds = load_split(spec)
     columns = resolve_columns(ds, spec, vision=is_vision(model), need_labels=task == "classification")

@@ -72,7 +72,19 @@ def _mask_tokens(input_ids: list[list[int]], special: list[list[int]], tokenizer
 def encode(
     ds: Any, columns: Columns, model: torch.nn.Module, processor: Any, spec: DataSpec, task: Task
 ) -> dict[str, list]:
-    """Per-example model inputs (unpadded token lists, or pixel arrays) and labels, column by column."""
+    """Per-example model inputs (unpadded token lists, or pixel arrays) and labels, column by column.
+
+    Args:
+        ds: the selected split (a ``datasets.Dataset``).
+        columns: which of its columns hold the inputs and the labels (:func:`resolve_columns`).
+        model: the model the inputs are for.
+        processor: its tokenizer (texts) or image processor (images).
+        spec: the data's description (:class:`DataSpec`: dataset, split, columns, examples, batch size).
+        task: what the model's loss measures (:func:`task_of`); it decides the labels' encoding.
+
+    Returns:
+        Input name -> per-example values (token lists, pixel arrays, labels), as :func:`make_batches` takes them.
+    """
     if columns.image is not None:
         mode = "L" if getattr(model.config, "num_channels", 3) == 1 else "RGB"
         images = [img.convert(mode) for img in list(ds[columns.image])]

@@ -18,7 +18,14 @@ from .spec import DataError, Task, not_found, require_existing_path
 
 def task_of(model: torch.nn.Module) -> Task | None:
     """What the model's own loss measures, read from its class (``None``: no supported head); it decides where the
-    labels come from."""
+    labels come from.
+
+    Args:
+        model: the model.
+
+    Returns:
+        Its task (``classification``, ``causal-lm`` or ``masked-lm``), or ``None``.
+    """
     from transformers.models.auto import modeling_auto as auto  # lazy: ~0.2 s, and only this check needs it
 
     def names(mapping: dict[str, Any]) -> set[str]:
@@ -38,7 +45,14 @@ def task_of(model: torch.nn.Module) -> Task | None:
 
 
 def require_task(model: torch.nn.Module) -> Task:
-    """:func:`task_of`, for faces that can only use the model's own loss."""
+    """:func:`task_of`, for faces that can only use the model's own loss.
+
+    Args:
+        model: the model.
+
+    Returns:
+        Its task; a ``DataError`` that names the supported heads when it has none.
+    """
     task = task_of(model)
     if task is None:
         from ..engine.result import on_command_line
@@ -121,7 +135,15 @@ def load_model(model_id: str, *, trust_remote_code: bool = False) -> torch.nn.Mo
     """Load a model with the task head its config names (``config.architectures``), in eval mode.
 
     A folder whose config, tokenizer or processor files name custom code (``auto_map``) is refused before any of that
-    code is imported, unless ``trust_remote_code=True``."""
+    code is imported, unless ``trust_remote_code=True``.
+
+    Args:
+        model_id: a local folder or a Hub id.
+        trust_remote_code: allow the folder's custom model code (``auto_map``) to run.
+
+    Returns:
+        The model with its task head, in eval mode.
+    """
     if not isinstance(model_id, (str, os.PathLike)):
         raise DataError(f"model_id must be a folder path or a Hub id (a string), got {type(model_id).__name__}.")
     model_id = str(model_id)
@@ -147,7 +169,14 @@ def load_model(model_id: str, *, trust_remote_code: bool = False) -> torch.nn.Mo
 
 
 def is_vision(model: torch.nn.Module) -> bool:
-    """Whether the model takes images (``pixel_values``) rather than token ids."""
+    """Whether the model takes images (``pixel_values``) rather than token ids.
+
+    Args:
+        model: the model.
+
+    Returns:
+        ``True`` when the model's forward takes ``pixel_values``.
+    """
     return getattr(model, "main_input_name", "input_ids") == "pixel_values"
 
 
@@ -156,6 +185,15 @@ def load_processor(model_id: str, model: torch.nn.Module, *, trust_remote_code: 
 
     A tokenizer without a pad token pads with its EOS token, and a model without ``config.pad_token_id`` gets that id
     (GPT-2-style classification heads find each row's last token by it).
+
+    Args:
+        model_id: the folder or Hub id the model was loaded from.
+        model: the loaded model: its kind picks tokenizer or image processor, and its missing ``config.pad_token_id`` is
+            set.
+        trust_remote_code: allow custom tokenizer or processor code to run.
+
+    Returns:
+        The tokenizer or image processor.
     """
     if is_vision(model):
         fix = "save it next to the model with image_processor.save_pretrained()"

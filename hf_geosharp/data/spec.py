@@ -65,7 +65,11 @@ class Columns:
 
 
 def hub_offline() -> bool:
-    """Whether huggingface_hub runs offline (``HF_HUB_OFFLINE=1``), so that errors can say so."""
+    """Whether huggingface_hub runs offline (``HF_HUB_OFFLINE=1``), so that errors can say so.
+
+    Returns:
+        ``True`` when ``HF_HUB_OFFLINE`` is set to a true value.
+    """
     return bool(constants.HF_HUB_OFFLINE)
 
 
@@ -91,7 +95,13 @@ def _looks_local(name: str, extensions: tuple[str, ...]) -> bool:
 
 def require_existing_path(what: str, name: str, extensions: tuple[str, ...] = ()) -> None:
     """Refuse at once a ``name`` that can only be a local path and does not exist, before any Hub lookup (which would
-    answer with an id-format error, or retry for half a minute before saying it cannot reach the Hub)."""
+    answer with an id-format error, or retry for half a minute before saying it cannot reach the Hub).
+
+    Args:
+        what: what ``name`` was given as, as the message names it (e.g. ``--dataset``).
+        name: the path or Hub id given.
+        extensions: file endings that make ``name`` a local path (e.g. ``.csv``), besides path separators.
+    """
     if not _looks_local(name, extensions) or Path(name).exists():
         return
     expanded = Path(name).expanduser()

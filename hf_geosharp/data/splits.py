@@ -35,7 +35,11 @@ def _loading_script(path: Path) -> Path | None:
 
 def check_source(spec: DataSpec) -> None:
     """Refuse, before anything is loaded, a local dataset path that does not exist (no Hub lookup for it) or that
-    holds a loading script."""
+    holds a loading script.
+
+    Args:
+        spec: the data's description (:class:`DataSpec`: dataset, split, columns, examples, batch size).
+    """
     require_existing_path("the dataset", spec.dataset, DATA_FILE_SUFFIXES)
     path = Path(spec.dataset)
     script = _loading_script(path) if path.exists() else None
@@ -44,7 +48,14 @@ def check_source(spec: DataSpec) -> None:
 
 
 def load_split(spec: DataSpec) -> Any:
-    """One split of a local or Hub dataset, as a ``datasets.Dataset``."""
+    """One split of a local or Hub dataset, as a ``datasets.Dataset``.
+
+    Args:
+        spec: the data's description (:class:`DataSpec`: dataset, split, columns, examples, batch size).
+
+    Returns:
+        The split, a ``datasets.Dataset``.
+    """
     import datasets  # lazy here and below: importing datasets costs ~0.4 s, paid only by the steps that read one
 
     check_source(spec)
@@ -132,7 +143,17 @@ def _pick(ds: Any, flag: str, given: str | None, candidates: tuple[str, ...], ac
 
 
 def resolve_columns(ds: Any, spec: DataSpec, *, vision: bool, need_labels: bool) -> Columns:
-    """Find (or check) the columns to read; named columns must exist, missing ones are looked for by usual names."""
+    """Find (or check) the columns to read; named columns must exist, missing ones are looked for by usual names.
+
+    Args:
+        ds: the split.
+        spec: the data's description (:class:`DataSpec`: dataset, split, columns, examples, batch size).
+        vision: whether the model takes images (an image column is looked for instead of a text one).
+        need_labels: whether a label column must be found (the model's own loss needs it).
+
+    Returns:
+        The columns to read.
+    """
     import datasets
 
     def is_string(f: Any) -> bool:
@@ -167,7 +188,15 @@ def resolve_columns(ds: Any, spec: DataSpec, *, vision: bool, need_labels: bool)
 
 def select_examples(ds: Any, spec: DataSpec) -> Any:
     """The first ``n_examples`` rows after a seeded shuffle (or in file order): the same every time. ``n_examples``
-    is a cap: a smaller split is used whole, with a warning."""
+    is a cap: a smaller split is used whole, with a warning.
+
+    Args:
+        ds: the split.
+        spec: the data's description (:class:`DataSpec`: dataset, split, columns, examples, batch size).
+
+    Returns:
+        The selected rows, a ``datasets.Dataset``.
+    """
     n = len(ds) if spec.n_examples is None else spec.n_examples
     if n > len(ds):  # a cap, like lm-evaluation-harness's --limit
         logger.warning("--n-examples %d but split %r of %r has %d rows; using all %d.", n, spec.split, spec.dataset,

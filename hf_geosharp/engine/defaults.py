@@ -36,6 +36,8 @@ ADAPTIVE_VARIANT: Final = "clean"
 STEP_NORMALIZATION: Final = "riemannian"
 #: Which parameters are perturbed: all of them, as in AS23.
 PARAMS: Final = "all"
+#: How a worst-case step runs: eagerly (``"off"``), or captured by ``torch.compile`` (hf_geosharp/engine/capture.py).
+COMPILE: Final = "off"
 #: Weights smaller than this in magnitude cannot move: the elementwise metric divides by them, so they are frozen
 #: (left out of the space) and count as zero.
 ZERO_TOL: Final = 1e-12

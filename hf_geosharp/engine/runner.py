@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from .._version import __version__
 from ..symmetry.base import SymmetryMap
 from .builder import build, measuring
+from .capture import capture_choice
 from .checks import check_inputs
 from .model_function.objective import LossFn, Objective, default_loss, preserved_model_state, to_device
 from .placement.base import Placement
@@ -58,7 +59,8 @@ def solve(settings: RunSettings, space: PerturbationSpace, objective: Objective,
     return apgd(space, objective.on_device, rho=settings.rho, steps=first,
                 step_normalization=settings.step_normalization, on_step=on_step, max_steps=budget, tol=settings.tol,
                 generator=generator, keep_best_gradient=gradient_rule(space, objective.model),
-                keep_best_point=keep_best_point, loss_dtype=loss_dtype(objective.model, space.dtype))
+                keep_best_point=keep_best_point, loss_dtype=loss_dtype(objective.model, space.dtype),
+                compile=settings.compile)
 
 
 def batch_seed(seed: int, index: int) -> int:
@@ -86,7 +88,13 @@ def run(
     if profile_points:
         profile_points_of(profile_points)  # refused before any work
     batches = check_inputs(model, batches)
+    if settings.compile == "reduce-overhead":  # CUDA graphs: refused off CUDA before any work
+        capture_choice(settings.compile, next(model.parameters()).device)
     placement: Placement = FsdpPlacement.of(model) or SingleProcess(model, accelerator)
+    if settings.compile != "off" and not isinstance(placement, SingleProcess):
+        raise ValueError(f"compile={settings.compile!r} captures the step of a model in one process; an FSDP-sharded "
+                         "model's step sums over the ranks between its operations and runs eagerly. Pass "
+                         "compile='off'.")
     mine = placement.batches(len(batches))
     direction = settings.mode == "worst" and isinstance(placement, SingleProcess)
     if (return_perturbation or profile_points) and not direction:

@@ -15,7 +15,8 @@ from typing import Any, Literal, get_args
 
 import numpy as np
 
-from .defaults import ADAPTIVE_VARIANT, MODE, N_SAMPLES, PARAMS, SEED, STEP_NORMALIZATION, STEPS
+from .capture import capture_choice
+from .defaults import ADAPTIVE_VARIANT, COMPILE, MODE, N_SAMPLES, PARAMS, SEED, STEP_NORMALIZATION, STEPS
 from .geometry.gl_quotient import Metric
 from .solvers.apgd import AUTO_MAX_STEPS
 from .solvers.certificate import CONVERGENCE_TOL
@@ -78,6 +79,9 @@ class RunSettings:
     options: SpaceOptions | None = None
     step_normalization: StepNormalization = STEP_NORMALIZATION
     variant: Variant | None = None
+    #: How the worst case's step runs (:mod:`hf_geosharp.engine.capture`); it changes no number beyond rounding,
+    #: so results do not record it.
+    compile: str = COMPILE
 
     def __post_init__(self) -> None:
         auto = isinstance(self.steps, str) and self.steps == "auto"
@@ -107,6 +111,7 @@ class RunSettings:
         if variant is not None:
             _choice("variant", variant, VARIANTS)
         _choice("params", self.params, PARAMS_CHOICES)
+        capture_choice(self.compile)
         plain = dict(rho=float(self.rho), steps=self.steps if auto else int(self.steps),
                      n_samples=int(self.n_samples), seed=int(self.seed), options=options, variant=variant)
         for name, value in plain.items():  # frozen: the checked values replace the given ones

@@ -34,6 +34,9 @@ result.
 from __future__ import annotations
 
 import dataclasses
+import textwrap
+import types
+import typing
 from collections.abc import Callable
 from typing import Any
 
@@ -51,7 +54,7 @@ from ..data import (
     task_of,
 )
 from ..engine.result import certified
-from ..measures import DEFAULT_MEASURES, MEASURES, Settings, parse_measures, result_fields
+from ..measures import DEFAULT_MEASURES, MEASURES, Settings, parse_measures, result_fields, setting_help
 from ..pipeline import ModelSource, Request, gathered_rows, init_distributed, is_sharded, load, prepare
 
 INPUTS = ("predictions", "input_ids", "attention_mask", "token_type_ids", "pixel_values", "labels")
@@ -84,6 +87,57 @@ _CITATION = """\
 DEFAULTS = Settings()
 DEFAULT_BATCH_SIZE = DataSpec.batch_size  # the CLI's defaults (dataclass field defaults)
 DEFAULT_MAX_LENGTH = DataSpec.max_length
+#: The shared settings, in declaration order: each is a keyword of ``compute`` (default ``None``: the declared one).
+SETTING_NAMES = tuple(field.name for field in dataclasses.fields(Settings))
+#: What this module adds to a setting's declared meaning, where its output or its batching says more.
+_SETTING_NOTES = {
+    "steps": "`<key>_certified` says whether a worst-case value is certified",
+    "seed": "each batch is seeded from (seed, batch index)",
+}
+
+
+def _type_text(hint: Any) -> str:
+    """A type as the argument list shows it: `int`, "auto", `int` or "auto"."""
+    if typing.get_origin(hint) is typing.Literal:
+        return " or ".join(f'"{value}"' for value in typing.get_args(hint))
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " or ".join(_type_text(arg) for arg in typing.get_args(hint))
+    return f"`{hint.__name__}`"
+
+
+def _value_text(value: Any) -> str:
+    return f'"{value}"' if isinstance(value, str) else f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def settings_text() -> str:
+    """The argument list's entries of the shared settings, derived from :class:`~hf_geosharp.measures.Settings`: each
+    field's type, default and declared meaning (:func:`~hf_geosharp.measures.setting_help`), one entry per field.
+
+    Returns:
+        The entries, indented as in ``_KWARGS_DESCRIPTION``.
+    """
+    hints = typing.get_type_hints(Settings)
+    entries = []
+    for name in SETTING_NAMES:
+        meaning = "; ".join(filter(None, (setting_help(name), _SETTING_NOTES.get(name))))
+        entry = f"{name} ({_type_text(hints[name])}, default {_value_text(getattr(DEFAULTS, name))}): {meaning}."
+        entries.append(textwrap.fill(entry, 120, initial_indent="    ", subsequent_indent="        "))
+    return "\n".join(entries)
+
+
+def settings_from(given: dict[str, Any]) -> Settings:
+    """The settings of one ``compute``: the declared defaults, replaced by the keywords given (``None``: not given).
+
+    Args:
+        given: setting name -> value or ``None``, for names of :data:`SETTING_NAMES`.
+
+    Returns:
+        The :class:`~hf_geosharp.measures.Settings` of the call.
+    """
+    return dataclasses.replace(DEFAULTS, **{k: v for k, v in given.items() if v is not None})
+
+
+_SETTINGS_TEXT = settings_text()
 
 _KWARGS_DESCRIPTION = f"""
 Args:
@@ -106,18 +160,9 @@ Args:
         where it is.
     measures (`str` or `list`, *optional*): measure keys or short forms ("inv", "mix", "adaptive"); default
         "{",".join(DEFAULT_MEASURES)}". The older `metric=` ("inv,mix") and `baseline=` select the same.
-    rho (`float`, default {DEFAULTS.rho}): radius of the perturbation ball.
-    mode (`str`, default "{DEFAULTS.mode}"): "worst" (maximise the loss over the ball) or "average".
-    steps (`int` or "auto", default {DEFAULTS.steps}): solver iterations per batch (worst case), or "auto": until the
-        worst case is certified (stationary, and a second start agrees); `<key>_certified` says whether it is.
-    n_samples (`int`, default {DEFAULTS.n_samples}): random directions per batch (average case).
     batch_size (`int`, default {DEFAULT_BATCH_SIZE}): examples per batch; values are averaged over batches.
     max_length (`int`, default {DEFAULT_MAX_LENGTH}): truncation length when tokenizing `predictions`.
-    seed (`int`, default {DEFAULTS.seed}): every batch's randomness is seeded from (seed, batch index).
-    epsilon (`float`, default {DEFAULTS.epsilon:g}): regulariser of the geodesic metric's Gram matrices.
-    ball (`str`, default "{DEFAULTS.ball}"): the geodesic ball's radius convention: "calibrated" (each attention
-        pair's metric weighted so that equal `rho` is a comparable neighbourhood for inv, mix and adaptive) or "paper"
-        (the paper's unweighted metrics, the numbers of 0.6.0).
+{_SETTINGS_TEXT}
     loss_fn (`callable`, *optional*): `loss_fn(model, batch) -> scalar tensor` instead of the model's own loss.
     accelerator (`accelerate.Accelerator`, *optional*): created automatically when torch.distributed is running.
     fsdp (`bool`, default False): under `torchrun`, load `model_id` on every rank and shard it with FSDP2 before
@@ -390,14 +435,15 @@ class GeodesicSharpness(evaluate.Measurement):
         seed: int | None = None,
         epsilon: float | None = None,
         ball: str | None = None,
+        adaptive_variant: str | None = None,
         loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None,
         accelerator: Any = None,
         progress: bool = False,
         fsdp: bool = False,
     ) -> dict[str, Any]:
         keys = _keys(measures, metric, baseline)
-        given = dict(rho=rho, mode=mode, steps=steps, n_samples=n_samples, seed=seed, epsilon=epsilon, ball=ball)
-        settings = dataclasses.replace(DEFAULTS, **{k: v for k, v in given.items() if v is not None})
+        settings = settings_from(dict(rho=rho, mode=mode, steps=steps, n_samples=n_samples, seed=seed, epsilon=epsilon,
+                                      ball=ball, adaptive_variant=adaptive_variant))
         model = _model(model, model_id, device, fsdp)
         task = task_of(model)
         if task is None and loss_fn is None:

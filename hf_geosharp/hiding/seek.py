@@ -58,7 +58,11 @@ class SeekReport:
     max_output_deviation: float
 
     def to_dict(self) -> dict[str, Any]:
-        """Every field, for JSON."""
+        """Every field, for JSON.
+
+        Returns:
+            The fields as JSON-ready values.
+        """
         return dict(self.__dict__)
 
 
@@ -94,6 +98,9 @@ def hide_and_seek(
         dtype: every model and batch is measured in this dtype. float64 by default: with float32 weights, the
             solver's round-off on an element of condition 1000 moves even geodesic sharpness by about 1 %, which
             would blur the very invariance on show.
+
+    Returns:
+        The :class:`SeekReport`: every value, tau and function check.
     """
     settings = Settings() if settings is None else settings
     if "adaptive_sharpness" not in measures:
@@ -181,7 +188,15 @@ def _report(
 
 def seek_lines(report: SeekReport, condition: float) -> list[str]:
     """The hide & seek section as printed lines: values to 3 significant digits and taus to 2 decimals, the digits
-    that agree across machines (the solver's float round-off moves later digits)."""
+    that agree across machines (the solver's float round-off moves later digits).
+
+    Args:
+        report: the experiment's report.
+        condition: the condition number of the random elements, as the heading states it.
+
+    Returns:
+        The lines.
+    """
     width = max(len(k) for k in report.measures) + 2
     lines = [f"hide & seek: {len(report.names)} models moved along their attention symmetries (group elements of "
              f"condition <= {condition:g}); function unchanged: max relative output change "
@@ -213,7 +228,12 @@ def seek_lines(report: SeekReport, condition: float) -> list[str]:
 
 def seek_figure(report: SeekReport, path: Any) -> None:
     """Before/after bars per measure: (i) rank tau under random elements, (ii) after/before of the two pushed
-    models, (iii) tau against the gap before and after the adversarial push. Written atomically to ``path``."""
+    models, (iii) tau against the gap before and after the adversarial push. Written atomically to ``path``.
+
+    Args:
+        report: the experiment's report.
+        path: where the PNG goes.
+    """
     from matplotlib.figure import Figure
 
     keys = report.measures

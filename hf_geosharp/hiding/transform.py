@@ -140,7 +140,21 @@ def reparametrize_checked(
     """:func:`hf_geosharp.reparametrize` (a random group element, in place) with the probe of :func:`hide`: returns
     the applied elements and the relative output deviation; rolls back and raises :class:`FunctionChangedError`
     when the outputs moved by more than ``tolerance`` (default ``sqrt(eps)`` of the weights' dtype); ``smap=`` is
-    the deprecated name of ``symmetry_map=``."""
+    the deprecated name of ``symmetry_map=``.
+
+    Args:
+        model: the model, moved in place.
+        batches: the inputs the function check compares the outputs on.
+        seed: seeds the random group element.
+        condition: the element's condition number.
+        tolerance: the largest relative output deviation accepted (``None``: ``sqrt(eps)`` of the weights' dtype).
+        loss_fn: ``loss_fn(model, batch)`` instead of the model's own loss.
+        symmetry_map: the model's symmetry map (default: mapped here).
+        smap: deprecated name of ``symmetry_map``.
+
+    Returns:
+        The applied group elements and the relative output deviation.
+    """
     smap = renamed_map(symmetry_map, smap, "reparametrize_checked")
     smap = map_symmetries(model) if smap is None else smap
     elements = random_group_elements(smap, seed=seed, condition=condition)

@@ -31,7 +31,14 @@ class ModelRef:
 
 
 def resolve_models(specs: Iterable[str]) -> list[ModelRef]:
-    """Model folders, folders of checkpoint folders, text files listing models (one per line) and Hub ids."""
+    """Model folders, folders of checkpoint folders, text files listing models (one per line) and Hub ids.
+
+    Args:
+        specs: model folders, folders of checkpoint folders, model-list files or Hub ids, as given.
+
+    Returns:
+        One reference per model, in the order given.
+    """
     sources: list[str] = []
 
     def add(spec: str, base: Path, reading: tuple[Path, ...]) -> None:
@@ -86,12 +93,26 @@ class Column:
         object.__setattr__(self, "key", parse_measures([self.key])[0])  # a short form becomes its key
 
     def settings(self, shared: Settings) -> Settings:
-        """The leaderboard's settings in this column's mode: what its measure runs with."""
+        """The leaderboard's settings in this column's mode: what its measure runs with.
+
+        Args:
+            shared: the leaderboard's shared settings.
+
+        Returns:
+            The settings this column's measure runs with.
+        """
         return shared if self.mode is None else dataclasses.replace(shared, mode=self.mode)
 
     def name(self, shared: Settings) -> str:
         """The column's name: the engine's name of its measure run with :meth:`settings` (e.g.
-        ``geodesic_inv_worst``), also the ``measure`` of its stored results."""
+        ``geodesic_inv_worst``), also the ``measure`` of its stored results.
+
+        Args:
+            shared: the leaderboard's shared settings.
+
+        Returns:
+            The column's name.
+        """
         return MEASURES[self.key].engine_name(self.settings(shared))
 
 
@@ -116,7 +137,14 @@ class GapSpec:
 
 
 def read_gap_file(path: Path) -> dict[str, float]:
-    """``{model: gap}`` from a JSON mapping or a CSV/TSV with ``model`` and ``gap`` columns."""
+    """``{model: gap}`` from a JSON mapping or a CSV/TSV with ``model`` and ``gap`` columns.
+
+    Args:
+        path: a ``.json``, ``.csv`` or ``.tsv`` file.
+
+    Returns:
+        Model -> generalisation gap.
+    """
     if not path.is_file():
         raise DataError(f"gap file {str(path)!r} does not exist.")
     try:

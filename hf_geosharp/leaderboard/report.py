@@ -14,7 +14,14 @@ from .run import TRIVIAL, Leaderboard
 
 
 def ranked(board: Leaderboard) -> list[dict[str, Any]]:
-    """Rows sorted by the first measure, flattest first, with a 1-based ``rank``."""
+    """Rows sorted by the first measure, flattest first, with a 1-based ``rank``.
+
+    Args:
+        board: a finished leaderboard.
+
+    Returns:
+        The rows, flattest first.
+    """
     key = board.measures[0]
     order = sorted(board.rows, key=lambda r: (math.isnan(r[key]), r[key], r["model"]))
     return [{"rank": i, **row} for i, row in enumerate(order, 1)]
@@ -27,7 +34,14 @@ def _fmt(value: Any, spec: str = ".4g") -> str:
 
 
 def table_markdown(board: Leaderboard) -> str:
-    """The ranked table as Markdown; an uncertified worst case shows as a lower bound (``≥``, the one display rule)."""
+    """The ranked table as Markdown; an uncertified worst case shows as a lower bound (``≥``, the one display rule).
+
+    Args:
+        board: a finished leaderboard.
+
+    Returns:
+        The Markdown table.
+    """
     table = ranked(board)
     cols = list(table[0])
     uncertified = set(board.not_converged())
@@ -46,7 +60,14 @@ def table_markdown(board: Leaderboard) -> str:
 
 
 def taus_markdown(board: Leaderboard) -> str:
-    """Each predictor's Kendall tau against the gap, with its interval, as Markdown (empty without a gap)."""
+    """Each predictor's Kendall tau against the gap, with its interval, as Markdown (empty without a gap).
+
+    Args:
+        board: a finished leaderboard.
+
+    Returns:
+        The Markdown table, or ``""`` without a gap.
+    """
     if not board.taus:
         return ""
     lines = [f"Kendall tau against the generalisation gap (test minus train {board.gap_metric}), "
@@ -68,12 +89,24 @@ def taus_markdown(board: Leaderboard) -> str:
 
 
 def markdown(board: Leaderboard) -> str:
-    """The ranked table and, when there is a gap, the taus."""
+    """The ranked table and, when there is a gap, the taus.
+
+    Args:
+        board: a finished leaderboard.
+
+    Returns:
+        The Markdown text.
+    """
     return "\n".join(filter(None, (table_markdown(board), taus_markdown(board))))
 
 
 def write_csv(board: Leaderboard, path: Path) -> None:
-    """Write the ranked table as CSV, one row per model, floats in full precision (``repr``)."""
+    """Write the ranked table as CSV, one row per model, floats in full precision (``repr``).
+
+    Args:
+        board: a finished leaderboard.
+        path: where the CSV goes.
+    """
     table = ranked(board)
     with atomic_path(path) as tmp, open(tmp, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(table[0]))
@@ -105,7 +138,12 @@ def public_name(name: str) -> str:
 
 
 def scatter_plot(board: Leaderboard, path: Path) -> None:
-    """Write :func:`scatter_figure` to ``path`` (PNG, 120 dpi)."""
+    """Write :func:`scatter_figure` to ``path`` (PNG, 120 dpi).
+
+    Args:
+        board: a finished leaderboard.
+        path: where the PNG goes.
+    """
     fig = scatter_figure(board)
     with atomic_path(path) as tmp:
         fig.savefig(tmp, dpi=120)
@@ -177,7 +215,15 @@ def heatmaps(board: Leaderboard, out_dir: Path) -> list[Path]:
 def write_outputs(board: Leaderboard, out_dir: Path) -> dict[str, Path]:
     """``leaderboard.md``, ``leaderboard.csv``, the heat maps of where each geodesic worst case sits
     (``where/``, :func:`heatmaps`) and, with a gap, ``taus.json`` and ``scatter.png``, each replaced durably (a
-    failed write leaves the previous file intact)."""
+    failed write leaves the previous file intact).
+
+    Args:
+        board: a finished leaderboard.
+        out_dir: the folder the files go to.
+
+    Returns:
+        Each written file's name -> its path.
+    """
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"markdown": out_dir / "leaderboard.md", "csv": out_dir / "leaderboard.csv"}
     write_text(paths["markdown"], markdown(board))

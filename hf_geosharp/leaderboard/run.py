@@ -47,7 +47,15 @@ Plan = dict[str, tuple[str, Settings]]
 
 @torch.no_grad()
 def evaluate_split(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
-    """Example-weighted mean loss and (for classifiers) error rate over ``batches``."""
+    """Example-weighted mean loss and (for classifiers) error rate over ``batches``.
+
+    Args:
+        model: a model with a loss head.
+        batches: the split's batches, labels included.
+
+    Returns:
+        ``{"loss": mean loss, "error": error rate}`` (error NaN when the labels are not class ids).
+    """
     n = loss_sum = wrong = 0.0
     for batch in batches:
         out = model(**batch)
@@ -93,7 +101,14 @@ class Leaderboard:
         return [*self.measures, *TRIVIAL]
 
     def certified(self, measure: str) -> tuple[int, int] | None:
-        """How many of ``measure``'s results are certified converged, of how many (None for a trivial predictor)."""
+        """How many of ``measure``'s results are certified converged, of how many (None for a trivial predictor).
+
+        Args:
+            measure: a column's name.
+
+        Returns:
+            (certified, measured) counts, or ``None`` for a trivial predictor.
+        """
         if measure not in self.measures:
             return None
         i = self.measures.index(measure)
@@ -101,7 +116,11 @@ class Leaderboard:
         return sum(flag is not False for flag in flags), len(flags)
 
     def not_converged(self) -> list[tuple[str, str]]:
-        """(model, measure) of every worst-case result that is not certified converged, computed or cached."""
+        """(model, measure) of every worst-case result that is not certified converged, computed or cached.
+
+        Returns:
+            (model, measure) pairs.
+        """
         return [(model, record["measure"]) for model, records in self.results.items() for record in records
                 if record is not None and record.get("converged") is False]
 
@@ -126,6 +145,22 @@ def run_leaderboard(
     store as soon as it exists, so killing the run loses at most the computation in flight. Results are keyed by the
     content of each model's files and of the data, so editing either recomputes them. ``desc`` names the progress
     bar; ``warn_unconverged=False`` leaves out the warning about uncertified results, ``statistics=False`` the taus.
+
+    Args:
+        models: the models (:func:`resolve_models`).
+        data: the data every model is measured on.
+        columns: the measures, one column each.
+        store: where results are kept and looked up.
+        settings: the shared settings (default: the declared ones).
+        gap: how each model's generalisation gap is obtained (``None``: no taus).
+        progress: show progress bars.
+        trust_remote_code: allow the models' custom code to run.
+        desc: the progress bar's name.
+        warn_unconverged: warn about uncertified worst-case results.
+        statistics: compute the taus against the gap.
+
+    Returns:
+        The :class:`Leaderboard`: rows, columns and, with a gap, the taus.
     """
     if not columns:
         raise ValueError("no measures given; pick some of 'inv', 'mix', 'adaptive'.")
@@ -241,7 +276,14 @@ def _naming(ref: ModelRef) -> Iterator[None]:
 
 def convergence_fix(steps: int | str) -> str:
     """What to change when some worst-case results are not certified at ``steps``, in the reader's words (options
-    under ``geosharp``, arguments in Python)."""
+    under ``geosharp``, arguments in Python).
+
+    Args:
+        steps: the step setting the results were measured with.
+
+    Returns:
+        The sentence that says what to change.
+    """
     from ..engine.result import setting
 
     return (f"{setting('steps', 'auto')} continues until certified or says why not" if steps != "auto"

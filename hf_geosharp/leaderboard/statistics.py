@@ -18,7 +18,17 @@ def kendall_taus(
 ) -> dict[str, dict[str, float]]:
     """Kendall tau (scipy's tau-b; tau-a when there are no ties) of each predictor against ``gap``, with a
     percentile bootstrap 95 % interval over models (resampled in pairs). Below ``MIN_MODELS_FOR_CI`` models the
-    resamples are too few and too often degenerate for an interval, so it is nan."""
+    resamples are too few and too often degenerate for an interval, so it is nan.
+
+    Args:
+        rows: one dict per model, with ``gap`` and each predictor's value.
+        predictors: the predictors' names.
+        n_resamples: bootstrap resamples.
+        seed: seeds the bootstrap.
+
+    Returns:
+        Predictor -> ``tau``, ``ci_low``, ``ci_high``, ``p_value`` and ``n`` (the number of models).
+    """
     gap = np.array([r["gap"] for r in rows], dtype=float)
     out = {}
     for name in predictors:
@@ -45,7 +55,18 @@ def tau_differences(
     """``tau(predictor, gap) - tau(baseline, gap)`` of each predictor, with a percentile bootstrap 95 % interval that
     resamples the models once for both taus. Whether a measure ranks models better than a trivial predictor is a
     paired question: two separate intervals that overlap do not answer it, since both taus move with the same models.
-    Below ``MIN_MODELS_FOR_CI`` models the interval is nan."""
+    Below ``MIN_MODELS_FOR_CI`` models the interval is nan.
+
+    Args:
+        rows: one dict per model, with ``gap`` and each predictor's value.
+        predictors: the predictors' names.
+        baseline: the predictor each is compared with.
+        n_resamples: bootstrap resamples.
+        seed: seeds the bootstrap.
+
+    Returns:
+        Predictor -> ``difference``, ``ci_low``, ``ci_high`` and ``n`` (the number of models).
+    """
     gap = np.array([r["gap"] for r in rows], dtype=float)
     base = np.array([r[baseline] for r in rows], dtype=float)
 

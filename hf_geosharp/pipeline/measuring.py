@@ -87,7 +87,15 @@ def load(source: ModelSource) -> nn.Module:
 
 def symmetry_map(model: nn.Module, **options: Any) -> SymmetryMap:
     """The model's symmetry map (:func:`hf_geosharp.map_symmetries`; ``options``: ``strict``, ``params``): the one
-    call of the mapper on the faces' side."""
+    call of the mapper on the faces' side.
+
+    Args:
+        model: the model.
+        **options: ``strict`` and ``params``, as :func:`hf_geosharp.map_symmetries` takes them.
+
+    Returns:
+        The model's :class:`~hf_geosharp.symmetry.SymmetryMap`.
+    """
     return map_symmetries(model, **options)
 
 

@@ -218,6 +218,9 @@ def jacobian_rank_audit(
         rtol: singular values below ``rtol * largest`` count as zero.
         max_params: refuse bigger models (the audit is quadratic in memory, cubic in time).
         seed: seed of the inputs.
+
+    Returns:
+        The :class:`AuditResult`: the numerical rank, the predicted dimension and whether they agree.
     """
     smap = map_symmetries(model) if smap is None else smap
     params = parameters_in_order(model, smap)

@@ -235,11 +235,15 @@ def block_audit(
         model: a float64 model (``transformers`` with token or pixel inputs); it is left exactly as it was.
         layers: layer indices, e.g. ``[0]`` for ``encoder.layer.0.attention``.
         smap: its symmetry map; default ``map_symmetries(model)``.
-        heads, dims: the slice for blocks with more than ``max_params`` parameters.
+        heads: a block with more than ``max_params`` parameters is audited on its first ``heads`` pairs ...
+        dims: ... and their first ``dims`` head dimensions.
         max_params: the most coordinates one sketch may have.
         rtol: singular values below ``rtol`` times the largest count as zero.
         seed: seed of the inputs and the sketch.
         log: where progress and the time estimate go.
+
+    Returns:
+        One result per audited block.
     """
     params = list(model.parameters())
     if any(p.dtype != torch.float64 for p in params):

@@ -28,6 +28,14 @@ def symmetry_report(smap: SymmetryMap, model: nn.Module | None = None, *, rtol: 
     ``n_pairs_vo``, ``n_pairs_lora``, ``n_pairs_linear``, ``head_dims``, ``lora_ranks``, ``n_paired_params``,
     ``n_elementwise_params``, ``orbit_dim`` (sum of the groups' dimensions), ``quotient_dim`` (in-scope
     parameters minus orbit), ``blocks``, ``fallbacks``, ``notes``, and with a model ``conditioning``.
+
+    Args:
+        smap: the model's symmetry map.
+        model: the model, for the per-head conditioning (``None``: left out).
+        rtol: a factor whose smallest singular value is below ``rtol`` times its largest is flagged.
+
+    Returns:
+        The report.
     """
     sizes = dict(zip(smap.param_names, (int(torch.Size(s).numel()) for s in smap.param_shapes)))
     n_in_scope = smap.n_params - sum(sizes[name] for name in smap.frozen)
@@ -88,7 +96,14 @@ def _conditioning(smap: SymmetryMap, model: nn.Module, rtol: float) -> dict:
 
 
 def format_report(report: dict) -> str:
-    """A plain-text table of a :func:`symmetry_report` dict, for the terminal."""
+    """A plain-text table of a :func:`symmetry_report` dict, for the terminal.
+
+    Args:
+        report: a :func:`symmetry_report` dict.
+
+    Returns:
+        The table.
+    """
     lines = [
         f"Symmetry map: {report['n_params']:,} parameters ({report['n_params_in_scope']:,} in scope "
         f"'{report['scope']}')",

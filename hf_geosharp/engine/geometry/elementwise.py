@@ -256,7 +256,7 @@ class ElementwiseGeometry:
         scaled = [outs[i] for i in kinds.scaled]
         if scaled:
             w = [self.segments[i] for i in kinds.scaled]
-            if out.data_ptr() != egrad.data_ptr():
+            if not _same_tensor(out, egrad):
                 torch._foreach_copy_(scaled, [egrad.split(self.sizes)[i] for i in kinds.scaled])
             torch._foreach_mul_(scaled, w)  # e w: its squares are e^2 w^2
             norms = torch.stack(torch._foreach_norm(scaled)).to(torch.float64)
@@ -339,6 +339,14 @@ class ElementwiseGeometry:
         draw = draw or (lambda i: torch.randn(self.sizes[i], generator=generator, dtype=torch.float64, device="cpu"))
         z = torch.cat([draw(i) for i in range(len(self.sizes))]).to(device=self.device, dtype=self.dtype)
         return z.mul_(self.scale)
+
+
+def _same_tensor(a: Tensor, b: Tensor) -> bool:
+    """Whether ``a`` and ``b`` are the same flat buffer (the pass then writes over its input); under
+    ``torch.compile`` by identity (a captured graph cannot compare data pointers), else by data pointer."""
+    if torch.compiler.is_compiling():
+        return a is b
+    return a.data_ptr() == b.data_ptr()
 
 
 def blocked_products(vectors: Tensor, x: Tensor, block: int) -> Tensor:

@@ -374,6 +374,17 @@ class GLQuotient:
         lend them memory it already has."""
         raise NotImplementedError
 
+    def exp2_correction_saving(self, xi: Pair, out: Pair | None = None) -> tuple[Pair, tuple[Tensor, ...]]:
+        """:meth:`exp2_correction_with_pullback` with the pullback's state as tensors (``h x h`` factors of the
+        forward) instead of a closure, for :meth:`exp2_pullback`: what a captured graph can return."""
+        raise NotImplementedError
+
+    def exp2_pullback(self, saved: tuple[Tensor, ...], d: Pair, x: Pair, out: Pair | None = None,
+                      base: Pair | None = None) -> Pair:
+        """The pullback of :meth:`exp2_correction_with_pullback` from the state :meth:`exp2_correction_saving`
+        returned (the same operations as the closure)."""
+        raise NotImplementedError
+
     def exp2(self, xi: Pair) -> Pair:
         """Second-order geodesic ``Exp2(w; xi) = w + xi - 1/2 Gamma(xi, xi)`` (paper Eq. 5)."""
         cG, cH = self.exp2_correction(xi)
@@ -412,20 +423,22 @@ class GLQuotient:
 
 
 def _inv_factor(x: Tensor, W: Tensor, P_inv: Tensor, out: Tensor | None,
-                row_sum: Callable[[Tensor, Tensor], Tensor]) -> tuple[Tensor, Callable[..., Tensor]]:
-    """One factor of the inv correction ``c = (x A - W B) / 2`` and its pullback ``(d, x, W, out)``
-    (``exp2_correction_with_pullback``); ``row_sum(a, b)`` is ``a^T b`` over the factor's rows (summed over ranks on
+                row_sum: Callable[[Tensor, Tensor], Tensor]) -> tuple[Tensor, Tensor]:
+    """One factor of the inv correction ``c = (x A - W B) / 2`` and the ``h x h`` factor ``A / 2`` its pullback
+    (:func:`_inv_factor_pullback`) keeps; ``row_sum(a, b)`` is ``a^T b`` over the factor's rows (summed over ranks on
     a shard)."""
     S = row_sum(x, W)
     A_half = 0.5 * P_inv @ (S + S.mT)
     c = torch.bmm(x, A_half, out=out).baddbmm_(W, 0.5 * P_inv @ row_sum(x, x), alpha=-1)
+    return c, A_half
 
-    def pullback(d: Tensor, x: Tensor, W: Tensor, out: Tensor | None) -> Tensor:
-        M, N = row_sum(d, x) @ P_inv, row_sum(d, W) @ P_inv
-        g = torch.bmm(d, A_half.mT, out=out)
-        return g.baddbmm_(W, 0.5 * (M + M.mT)).baddbmm_(x, 0.5 * (N + N.mT), alpha=-1)
 
-    return c, pullback
+def _inv_factor_pullback(A_half: Tensor, P_inv: Tensor, row_sum: Callable[[Tensor, Tensor], Tensor], d: Tensor,
+                         x: Tensor, W: Tensor, out: Tensor | None) -> Tensor:
+    """The pullback of :func:`_inv_factor` (``exp2_correction_with_pullback``)."""
+    M, N = row_sum(d, x) @ P_inv, row_sum(d, W) @ P_inv
+    g = torch.bmm(d, A_half.mT, out=out)
+    return g.baddbmm_(W, 0.5 * (M + M.mT)).baddbmm_(x, 0.5 * (N + N.mT), alpha=-1)
 
 
 class InvQuotient(GLQuotient):
@@ -456,15 +469,27 @@ class InvQuotient(GLQuotient):
         :math:`B = P^{-1} x^T x`, the pullback of a cotangent :math:`\delta` is
         :math:`\tfrac12[\delta A^T + W(M + M^T) - x(N + N^T)]` with :math:`M = \delta^T x P^{-1}`,
         :math:`N = \delta^T W P^{-1}`; see :meth:`GLQuotient.exp2_correction_with_pullback`."""
-        (xG, xH), (oG, oH) = xi, out or (None, None)
-        cG, pull_G = _inv_factor(xG, self.G, self.P_inv, oG, lambda a, b: self._row_sum(a, b, 0))
-        cH, pull_H = _inv_factor(xH, self.H, self.Q_inv, oH, lambda a, b: self._row_sum(a, b, 1))
+        correction, saved = self.exp2_correction_saving(xi, out)
 
         def pullback(d: Pair, x: Pair, out: Pair | None = None, base: Pair | None = None) -> Pair:
-            G, H = base or (self.G, self.H)
-            return pull_G(d[0], x[0], G, out and out[0]), pull_H(d[1], x[1], H, out and out[1])
+            return self.exp2_pullback(saved, d, x, out, base)
 
-        return (cG, cH), pullback
+        return correction, pullback
+
+    def exp2_correction_saving(self, xi: Pair, out: Pair | None = None) -> tuple[Pair, tuple[Tensor, ...]]:
+        """The correction, and ``(A_G / 2, A_H / 2)`` for :meth:`exp2_pullback`."""
+        (xG, xH), (oG, oH) = xi, out or (None, None)
+        cG, A_G = _inv_factor(xG, self.G, self.P_inv, oG, lambda a, b: self._row_sum(a, b, 0))
+        cH, A_H = _inv_factor(xH, self.H, self.Q_inv, oH, lambda a, b: self._row_sum(a, b, 1))
+        return (cG, cH), (A_G, A_H)
+
+    def exp2_pullback(self, saved: tuple[Tensor, ...], d: Pair, x: Pair, out: Pair | None = None,
+                      base: Pair | None = None) -> Pair:
+        """Each factor's pullback (:func:`_inv_factor_pullback`)."""
+        G, H = base or (self.G, self.H)
+        oG, oH = out or (None, None)
+        return (_inv_factor_pullback(saved[0], self.P_inv, lambda a, b: self._row_sum(a, b, 0), d[0], x[0], G, oG),
+                _inv_factor_pullback(saved[1], self.Q_inv, lambda a, b: self._row_sum(a, b, 1), d[1], x[1], H, oH))
 
     def _sampling_roots(self, R_G: Tensor, R_H: Tensor) -> tuple[Tensor, Tensor]:
         return R_G, R_H
@@ -496,6 +521,15 @@ class MixQuotient(GLQuotient):
     def exp2_correction_with_pullback(self, xi: Pair, out: Pair | None = None) -> tuple[Pair, Pullback]:
         """G's correction depends on ``xi_H`` and H's on ``xi_G``; the pullback couples them the same way (see
         :meth:`GLQuotient.exp2_correction_with_pullback`)."""
+        correction, saved = self.exp2_correction_saving(xi, out)
+
+        def pullback(d: Pair, x: Pair, out: Pair | None = None, base: Pair | None = None) -> Pair:
+            return self.exp2_pullback(saved, d, x, out, base)
+
+        return correction, pullback
+
+    def exp2_correction_saving(self, xi: Pair, out: Pair | None = None) -> tuple[Pair, tuple[Tensor, ...]]:
+        """The correction, and ``(half_G, half_H)`` (its ``h x h`` factors along ``xi``) for :meth:`exp2_pullback`."""
         (xG, xH), (oG, oH) = xi, out or (None, None)
         sG, sH = self._row_sum(xG, self.G, 0), self._row_sum(xH, self.H, 1)
         tG, tH = self._row_sum(xG, xG, 0), self._row_sum(xH, xH, 1)
@@ -503,17 +537,18 @@ class MixQuotient(GLQuotient):
         half_H = -0.5 * (sG + sG.mT) @ self.P_inv
         cG = torch.bmm(xG, half_G, out=oG).baddbmm_(self.G, 0.5 * tH @ self.Q_inv)
         cH = torch.bmm(xH, half_H, out=oH).baddbmm_(self.H, 0.5 * tG @ self.P_inv)
+        return (cG, cH), (half_G, half_H)
 
-        def pullback(d: Pair, x: Pair, out: Pair | None = None, base: Pair | None = None) -> Pair:
-            (dG, dH), (xG, xH), (oG, oH) = d, x, out or (None, None)
-            G, H = base or (self.G, self.H)
-            M, N = self.Q_inv @ self._row_sum(dG, xG, 0), self.Q_inv @ self._row_sum(dG, G, 0)  # cG: act on xH
-            M2, N2 = self.P_inv @ self._row_sum(dH, xH, 1), self.P_inv @ self._row_sum(dH, H, 1)  # cH: on xG
-            gG = torch.bmm(dG, half_G.mT, out=oG).baddbmm_(G, -0.5 * (M2 + M2.mT)).baddbmm_(xG, 0.5 * (N2 + N2.mT))
-            gH = torch.bmm(dH, half_H.mT, out=oH).baddbmm_(H, -0.5 * (M + M.mT)).baddbmm_(xH, 0.5 * (N + N.mT))
-            return gG, gH
-
-        return (cG, cH), pullback
+    def exp2_pullback(self, saved: tuple[Tensor, ...], d: Pair, x: Pair, out: Pair | None = None,
+                      base: Pair | None = None) -> Pair:
+        """Both factors' pullbacks, coupled as the correction is."""
+        (half_G, half_H), (dG, dH), (xG, xH), (oG, oH) = saved, d, x, out or (None, None)
+        G, H = base or (self.G, self.H)
+        M, N = self.Q_inv @ self._row_sum(dG, xG, 0), self.Q_inv @ self._row_sum(dG, G, 0)  # cG: act on xH
+        M2, N2 = self.P_inv @ self._row_sum(dH, xH, 1), self.P_inv @ self._row_sum(dH, H, 1)  # cH: on xG
+        gG = torch.bmm(dG, half_G.mT, out=oG).baddbmm_(G, -0.5 * (M2 + M2.mT)).baddbmm_(xG, 0.5 * (N2 + N2.mT))
+        gH = torch.bmm(dH, half_H.mT, out=oH).baddbmm_(H, -0.5 * (M + M.mT)).baddbmm_(xH, 0.5 * (N + N.mT))
+        return gG, gH
 
     def _sampling_roots(self, R_G: Tensor, R_H: Tensor) -> tuple[Tensor, Tensor]:
         # (R_H^{-T})^T R_H^{-T} = Q^{-1}, transforms as A^{-1}

@@ -59,7 +59,11 @@ def shard_model(
 def init_distributed() -> torch.device:
     """Join the launcher's process group as ``shard_model`` does (NCCL and this rank's GPU where CUDA is available,
     else gloo) and return this rank's device; faces call it before any collective of their own (gathering inputs,
-    agreeing on an exit code). Raises ``RuntimeError`` outside a distributed launch (no ``RANK``/``WORLD_SIZE``)."""
+    agreeing on an exit code). Raises ``RuntimeError`` outside a distributed launch (no ``RANK``/``WORLD_SIZE``).
+
+    Returns:
+        This rank's device.
+    """
     if not dist.is_initialized():
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
             raise RuntimeError("no distributed launch found (RANK and WORLD_SIZE are not set); start the processes "
@@ -73,7 +77,14 @@ def init_distributed() -> torch.device:
 
 
 def is_sharded(model: nn.Module) -> bool:
-    """Whether any module of ``model`` is an FSDP2 module (then the engine measures it sharded)."""
+    """Whether any module of ``model`` is an FSDP2 module (then the engine measures it sharded).
+
+    Args:
+        model: the model.
+
+    Returns:
+        ``True`` when some module of it is an FSDP2 module.
+    """
     return bool(fsdp_modules(model))
 
 

@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from ..capture import capture_choice, compile_backend
 from ..checks import non_finite_loss
 from ..defaults import STEP_NORMALIZATION, STEPS
 from .certificate import CONVERGENCE_TOL, SolveResult, next_start_kind
@@ -58,7 +59,7 @@ def apgd(
     keep_best_point: bool = False,
     loss_dtype: str | None = None,
     host_steps: bool = False,
-    compile_backend: str | None = None,
+    compile: str = "off",
 ) -> SolveResult:
     """Worst case ``max_{xi in S} L(Exp(w0; xi)) - L(w0)`` by Auto-PGD, zero init, ``eta0 = 2 rho``.
 
@@ -100,11 +101,38 @@ def apgd(
     check (a step-size checkpoint, a block's end), never inside a step. ``host_steps=True`` runs the reference
     instead (:class:`~.climb.Climb`, every quantity read as it is computed), which takes the same decisions on the
     same float64 numbers. The objective's loss may be a float or a 0-dim tensor the host does not read.
-    ``compile_backend`` (opt-in, e.g. ``"inductor"`` on CUDA) captures the step's scalar updates with
-    ``torch.compile(fullgraph=True)``.
+    ``compile`` (opt-in) captures the step with ``torch.compile(fullgraph=True)``: its scalar updates and, for a
+    space that offers it (:meth:`~hf_geosharp.engine.space.perturbation_space.PerturbationSpace.captured`), the
+    direction pass and the geodesic point with its pullback. ``"off"`` (default) runs eagerly, ``"default"``
+    compiles with inductor, ``"reduce-overhead"`` adds CUDA graphs (CUDA only, refused elsewhere before any work),
+    any other value names a ``torch.compile`` backend (``"aot_eager"``: the capture with the eager kernels, the
+    same numbers). The model's forward and backward are not captured.
     """
+    capture = _capture(space, compile)
+    with capture:
+        return _apgd(space, objective, rho, steps, momentum, step_normalization, min_update_ratio, on_step,
+                     max_steps, tol, generator, max_starts, keep_best_gradient, keep_best_point, loss_dtype,
+                     host_steps, compile)
+
+
+def _capture(space: Space, compile: str) -> contextlib.AbstractContextManager[None]:
+    """The space's capture context for ``compile`` (checked before any work), or nothing to enter."""
+    if hasattr(space, "captured"):
+        return space.captured(compile)
+    capture_choice(compile, space.empty().device if compile == "reduce-overhead" else torch.device("cpu"))
+    return contextlib.nullcontext()
+
+
+def _apgd(space: Space, objective: ObjectiveFn, rho: float, steps: int, momentum: float,
+          step_normalization: StepNormalization, min_update_ratio: float, on_step: Callable[[int, float], None] | None,
+          max_steps: int | None, tol: float, generator: torch.Generator | None, max_starts: int,
+          keep_best_gradient: bool | GradientRule, keep_best_point: bool, loss_dtype: str | None, host_steps: bool,
+          compile: str) -> SolveResult:
+    """:func:`apgd` within its capture context."""
     auto = max_steps is not None
     pool = Pool(space.empty(), 4)
+    if compile == "reduce-overhead":  # CUDA graphs write the pool's rows in place: their address must not change
+        torch._dynamo.mark_static_address(pool.matrix)
     xi = pool.free()
     work = pool.free(xi)
     xi.zero_()
@@ -120,7 +148,7 @@ def apgd(
                    min_update_ratio=min_update_ratio, on_step=on_step, tol=tol, clean_loss=clean_loss,
                    keep_best_gradient=keep, dtype=dtype)
     climb = (Climb(space, objective, pool, work, **options) if host_steps
-             else DeviceClimb(space, objective, pool, work, compile_backend=compile_backend, **options))
+             else DeviceClimb(space, objective, pool, work, compile_backend=compile_backend(compile), **options))
     budget = max_steps if auto else steps
     best = climb.run(xi, 0.0, clean_loss, egrad, steps=min(steps, budget), budget=budget, auto=auto)
     starts = _Starts(climb, best, clean_loss, dtype)

@@ -196,18 +196,24 @@ class Factor:
         """The shape of the factor restricted to ``heads``."""
         return torch.Size((len(range(*heads.indices(self.shape[0]))), *self.shape[1:]))
 
-    def _views(self, x: Tensor, heads: slice) -> list[tuple[slice, slice, Tensor]]:
-        """``(heads of the output, rows, strided view of x)`` per piece; the view is ``[layers, heads, rows, h]`` for
-        a box (all heads at once), so the output's heads are viewed the same way (:func:`_shaped`)."""
+    def _regions(self, heads: slice) -> list[tuple[slice, slice, tuple[int, ...], tuple[int, ...], int]]:
+        """``(heads of the output, rows, size, stride, offset)`` per strided region of the flat vector that ``heads``
+        cover: one per box (``[layers, heads, rows, h]``, all heads at once) or one per piece (``[heads, rows, h]``)."""
         if self.boxes is not None and heads.indices(self.shape[0])[:2] == (0, self.shape[0]):
-            return [(b.k, b.r, _strided(x, b.size, b.stride, b.offset)) for b in self.boxes]
-        views = []
+            return [(b.k, b.r, b.size, b.stride, b.offset) for b in self.boxes]
+        regions = []
         for piece in self.pieces:
             cut = piece.restricted(heads, self.shape[0])
             if cut is not None:
                 p, where = cut
-                views.append((where, p.r, _strided(x, p.size, p.stride, p.offset)))
-        return views
+                regions.append((where, p.r, p.size, p.stride, p.offset))
+        return regions
+
+    def _views(self, x: Tensor, heads: slice) -> list[tuple[slice, slice, Tensor]]:
+        """``(heads of the output, rows, strided view of x)`` per region (:meth:`_regions`); the view is
+        ``[layers, heads, rows, h]`` for a box, so the output's heads are viewed the same way (:func:`_shaped`)."""
+        return [(where, rows, _strided(x, size, stride, offset))
+                for where, rows, size, stride, offset in self._regions(heads)]
 
     def segment_views(self, segments: list[Tensor]) -> list[tuple[Piece, Tensor]] | None:
         """Each piece as a strided view into the segment (a 1-D tensor, e.g. a parameter) of the flat layout
@@ -258,6 +264,11 @@ class Factor:
         if self.pieces is None:
             index = self._own_index(heads)
             (out.index_add_ if add else out.index_copy_)(0, index, own.reshape(-1))
+        elif torch.compiler.is_compiling():  # a captured graph cannot write through as_strided views
+            for where, rows, size, stride, offset in self._regions(heads):
+                index = _strided_index(size, stride, offset, out.device)
+                part = own[where, rows].reshape(-1)
+                (out.index_add_ if add else out.index_copy_)(0, index, part)
         else:
             for where, rows, view in self._views(out, heads):
                 (view.add_ if add else view.copy_)(_shaped(own[where, rows], view))
@@ -269,6 +280,17 @@ def _strided(x: Tensor, size: tuple[int, ...], stride: tuple[int, ...], offset: 
     """The strided view of the flat vector ``x`` (1-D, stride 1) at ``offset`` entries from its start; made relative to
     ``x`` (no read of its storage offset), so that it traces under ``torch.compile``."""
     return x[offset:].as_strided(size, stride)
+
+
+def _strided_index(size: tuple[int, ...], stride: tuple[int, ...], offset: int, device: torch.device) -> Tensor:
+    """The flat indices of the strided region ``(size, stride, offset)``, in its row-major order (int64, 1-D): made
+    inside a captured graph from its shape alone, so nothing is kept (a compiler folds it into the write)."""
+    index = torch.full((), offset, dtype=torch.int64, device=device)
+    for dim, (n, st) in enumerate(zip(size, stride)):
+        shape = [1] * len(size)
+        shape[dim] = n
+        index = index + (torch.arange(n, dtype=torch.int64, device=device) * st).view(shape)
+    return index.reshape(-1)
 
 
 def _shaped(part: Tensor, view: Tensor) -> Tensor:

@@ -30,6 +30,7 @@ every sum goes through ``shard.all_reduce``.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol, get_args
@@ -38,6 +39,7 @@ import torch
 from torch import Tensor
 
 from ...symmetry.base import PairBlock
+from ..capture import capture_choice, compile_backend
 from ..defaults import BALL, ELEMENTWISE_CURVATURE, EPSILON, METRIC
 from ..geometry.elementwise import Curvature, ElementwiseGeometry, per_segment
 from ..geometry.gl_quotient import GLQuotient, Metric, RowSums, gl_quotient
@@ -176,6 +178,8 @@ class PerturbationSpace:
             or bool(movable[b.G_index.to(self.device)].all() and movable[b.H_index.to(self.device)].all())
         ]
         self.pairs = self._build_pairs(blocks, probe_seed)
+        self._capture: _Captured | None = None  # the compiled step functions, while captured() is active
+        self._compiled: dict[str, _Captured] = {}
         pair_mask = self._pair_mask()
         measure = pair_mask.logical_not() if pair_mask is not None else movable
         if pair_mask is not None and movable is not None:
@@ -373,7 +377,9 @@ class PerturbationSpace:
         the Riemannian gradient gives ``<R e, v>_g = <e, v>``, checked by the tests); it leaves the pair
         coordinates alone, so the pair directions are then made from the gradient still there, a few heads at a
         time. With ``host=False`` the square (0-dim) and the products (``[r]``) come back as float64 tensors on the
-        device, unread by the host."""
+        device, unread by the host. Under :meth:`captured` (``host=False``) it runs as one captured graph."""
+        if self._capture is not None and not host and self.pair_elementwise is None:
+            return self._capture.direction(egrad, vectors, out, save)
         if self.pair_elementwise is not None:  # ablation: the projection is not orthogonal in the measuring metric
             if save is not None:
                 save.copy_(egrad)
@@ -383,6 +389,15 @@ class PerturbationSpace:
                 return out.copy_(d), sums[0].double().clamp_min(0.0), sums[1:].double()
             square, *products = sums.tolist()
             return out.copy_(d), max(square, 0.0), products
+        out, square, products = self._direction(egrad, vectors, out, save)
+        if not host:
+            return out, square, products
+        square, *products = torch.cat([square.reshape(1), products]).tolist()
+        return out, square, products
+
+    def _direction(self, egrad: Tensor, vectors: Tensor, out: Tensor, save: Tensor | None) -> tuple[Tensor, ...]:
+        """:meth:`ascent_direction`'s work (outside the ablation): the direction into ``out``, ``<d, d>_g`` (0-dim)
+        and ``<d, v>_g`` (``[r]``), float64 on the device. A function of tensors: :meth:`captured` compiles it."""
         square, products = self.elementwise.riemannian_gradient_pass(egrad, out, vectors, save)
         sums = torch.cat([square.reshape(1), products])
         for group, heads, geometry in self._chunks():
@@ -395,10 +410,7 @@ class PerturbationSpace:
             sums[0] += group.own_dot(e, r)
             group.write(out, r, heads)
         sums = self._reduce(sums)
-        if not host:
-            return out, sums[0].double().clamp_min(0.0), sums[1:].double()
-        square, *products = sums.tolist()
-        return out, max(square, 0.0), products
+        return out, sums[0].double().clamp_min(0.0), sums[1:].double()
 
     def horizontal(self, xi: Tensor) -> Tensor:
         """g-orthogonal projection onto the horizontal space (identity on movable elementwise coordinates, zero on
@@ -476,7 +488,10 @@ class PerturbationSpace:
         that turns ``dL/dtheta`` (a flat tensor, modified in place) into ``dL/dxi``; it reads ``xi`` again, which
         must not change in between; it is ``None`` for a first-order space, where the two coincide. Pairs use the
         closed-form pullback of :meth:`GLQuotient.exp2_correction_with_pullback`; the (ablation-only) elementwise
-        curvature is differentiated by autograd."""
+        curvature is differentiated by autograd. Under :meth:`captured` (first-order elementwise coordinates) the
+        point and the pullback each run as one captured graph."""
+        if self._capture is not None and self.options.elementwise_curvature == "none":
+            return self._capture.exp_point(xi, out, need_grad)
         outs = out.split(self._base_sizes)  # w + xi, one list operation over the segments (a fused kernel on CUDA)
         torch._foreach_copy_(outs, self.base)
         torch._foreach_add_(outs, xi.split(self._base_sizes))
@@ -511,6 +526,50 @@ class PerturbationSpace:
 
         return pullback
 
+    def _exp_first_order(self, xi: Tensor, out: Tensor) -> list[tuple[Tensor, ...]]:
+        """:meth:`exp_point` of a space whose elementwise coordinates move first-order: ``w + xi`` into ``out`` and
+        the pairs' ``Exp2`` corrections added; returns each head chunk's pullback state
+        (:meth:`GLQuotient.exp2_correction_saving`). A function of tensors: :meth:`captured` compiles it."""
+        outs = out.split(self._base_sizes)
+        torch._foreach_copy_(outs, self.base)
+        torch._foreach_add_(outs, xi.split(self._base_sizes))
+        saved = []
+        if self.options.second_order:
+            for group, heads, geometry in self._chunks():
+                x = group.gather(xi, self.workspace, heads)
+                correction, keep = geometry.exp2_correction_saving(x, out=self._like(x))
+                group.write(out, correction, heads, add=True)
+                saved.append(keep)
+        return saved
+
+    def _pull_first_order(self, xi: Tensor, grad: Tensor, saved: list[tuple[Tensor, ...]]) -> None:
+        """The pullback of :meth:`_exp_first_order` applied to ``grad`` in place, from its state ``saved``."""
+        chunks = [(group, heads) for group in self.pairs for heads in group.chunks]
+        for (group, heads), keep in zip(chunks, saved):
+            ws = self.workspace.fresh()
+            base = group.base(ws, heads)
+            x = group.gather(xi, ws, heads)
+            pulled = group.geometry.heads(heads).exp2_pullback(keep, group.gather(grad, ws, heads), x, self._like(x),
+                                                               base)
+            group.write(grad, pulled, heads, add=True)
+
+    def captured(self, compile: str) -> contextlib.AbstractContextManager[None]:
+        """Within this context the solver's per-step geometry runs as captured graphs
+        (``torch.compile(fullgraph=True)``): :meth:`ascent_direction` with ``host=False`` (the elementwise pass,
+        the pairs' directions and the sums) and :meth:`exp_point` with its pullback (first-order elementwise
+        coordinates; the ablations' curvature and pair-elementwise paths stay eager). The compiled functions are
+        kept with the space, so every solve of a run reuses them.
+
+        Args:
+            compile: ``"default"`` (the inductor compiler), ``"reduce-overhead"`` (inductor with CUDA graphs; CUDA
+                only), or the name of another ``torch.compile`` backend (``"aot_eager"`` checks the capture on a
+                CPU with the eager kernels).
+
+        Returns:
+            A context manager.
+        """
+        return _capturing(self, compile)
+
     def _draw(self, i: int, seed: int) -> Tensor:
         """Standard normal entries for segment ``i``, from its own generator (float64, CPU): the whole parameter is
         drawn and, on a shard, this rank's part kept."""
@@ -541,3 +600,50 @@ class PerturbationSpace:
                     draw_pair = (draw_pair[0] * scale, draw_pair[1] * scale)
                 group.write(z, draw_pair, slice(None))
         return self.horizontal(z)
+
+
+class _Captured:
+    """A space's step functions compiled with ``torch.compile(fullgraph=True)`` (see
+    :meth:`PerturbationSpace.captured`)."""
+
+    def __init__(self, space: PerturbationSpace, compile: str) -> None:
+        options = dict(backend=compile_backend(compile))
+        if compile == "reduce-overhead":
+            options["mode"] = compile
+        def capture(fn: Callable) -> Callable:  # noqa: E306
+            return torch.compile(fn, fullgraph=True, dynamic=False, **options)
+        self.space = space
+        self.direction = capture(space._direction)
+        self._exp = capture(space._exp_first_order)
+        self._pull = capture(space._pull_first_order)
+
+    def exp_point(self, xi: Tensor, out: Tensor, need_grad: bool) -> Pullback | None:
+        """:meth:`PerturbationSpace.exp_point` through the captured graphs."""
+        saved = self._exp(xi, out)
+        if not need_grad or not saved:
+            return None
+        return lambda grad: self._pull(xi, grad, saved)
+
+
+@contextlib.contextmanager
+def _capturing(space: PerturbationSpace, compile: str) -> Iterator[None]:
+    capture_choice(compile, space.device)
+    if compile != "off" and space.shard is not None:
+        raise ValueError(f"compile={compile!r} captures one process's step; a sharded space sums over the ranks "
+                         "between its operations and runs eagerly. Pass compile='off'.")
+    if compile == "off":
+        yield
+        return
+    # What the step's functions cache on first use is made here, eagerly: a graph cannot branch on data (the
+    # segments' kinds) and should not allocate what outlives it (the metric's casts).
+    space.elementwise.kinds()
+    for group in space.pairs:
+        for name in ("P", "Q", "P_inv", "Q_inv"):
+            getattr(group.geometry, name)
+    if compile not in space._compiled:
+        space._compiled[compile] = _Captured(space, compile)
+    space._capture = space._compiled[compile]
+    try:
+        yield
+    finally:
+        space._capture = None

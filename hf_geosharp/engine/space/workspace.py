@@ -66,7 +66,11 @@ class Workspace:
 
     def take(self, shape: torch.Size | tuple[int, ...]) -> Tensor:
         """An uninitialised contiguous tensor of ``shape``; fresh memory only if the buffer is used up (a chunk that
-        does not fit, e.g. one head larger than the whole workspace)."""
+        does not fit, e.g. one head larger than the whole workspace). Inside a captured graph (``torch.compile``) a
+        fresh tensor: the graph's own temporary, whose memory the compiler plans (writing into a buffer that outlives
+        the graph would make every write a copy of the whole buffer there)."""
+        if torch.compiler.is_compiling():
+            return torch.empty(shape, dtype=self.dtype, device=self.device)
         n = math.prod(shape)
         if self._buffer is None:
             self._buffer = torch.empty(self.entries, dtype=self.dtype, device=self.device)
