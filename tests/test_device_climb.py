@@ -8,28 +8,13 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hf_geosharp.engine.model_function import objective as objective_module
-from hf_geosharp.engine.placement.base import Holding
-from hf_geosharp.engine.placement.single import SingleProcess
 from hf_geosharp.engine.solvers.apgd import apgd
 from hf_geosharp.engine.solvers.schedule import as23_checkpoints
-from hf_geosharp.engine.space.perturbation_space import PerturbationSpace, SpaceOptions
-from hf_geosharp.symmetry import map_symmetries
 
 from .fixtures.hf_models import one_thread  # noqa: F401  (autouse: one torch thread for tiny models)
-from .fixtures.intact import tiny_batches, tiny_bert
+from .fixtures.intact import tiny_bert
+from .fixtures.objective import tiny_objective as _objective
 from .test_solver import _Bowl, _Line
-
-
-def _objective(model, metric, rho):
-    names, params = objective_module.measured_parameters(model)
-    blocks = map_symmetries(model).blocks if metric is not None else []
-    space = PerturbationSpace(params, blocks, SpaceOptions(metric))
-    placement = SingleProcess(model)
-    placement.hold(Holding.whole(names, params), [])
-    objective = objective_module.Objective(model, space, placement, objective_module.default_loss, rho)
-    objective.batch = tiny_batches(1)[0]
-    return space, objective
 
 
 def _same(device, host, rel):

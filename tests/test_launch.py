@@ -52,6 +52,26 @@ def test_step_kernels_outside_the_model_do_not_grow_with_depth(counts, measure):
     assert deep <= shallow + PATH_SLACK, counts[6]["measures"][measure]["outside_kernels_by_file"]
 
 
+#: Issue 49's targets for the kernels of a step outside the model, per measure (at 6 x 384, 12 x 768, 24 x 1024).
+TARGETS = {"adaptive_clean": 100, "geodesic_inv": 300, "geodesic_mix": 300}
+#: The step's bookkeeping (device_climb.py: inner products, step sizes, projections, the best point, the stopping
+#: test) works on a state vector and a 3 x 3 Gram matrix: a few dozen kernels per step whatever the model.
+BOOKKEEPING_KERNELS = 40
+
+
+@pytest.mark.parametrize("measure", list(TARGETS))
+def test_step_kernels_outside_the_model_are_under_the_targets(counts, measure):
+    """The targets hold at the tiny shapes. What a step issues outside the model does not grow with depth (above),
+    nor with width (its operations are list operations and stacked pair groups; only the head chunks of the pair
+    geometry can add kernels, where the workspace is too small for a group), so the tiny count is a floor of the
+    count at the targets' shapes: a step that adds per-step kernels (the bookkeeping back as dozens of 0-dim
+    operations, a per-tensor loop) fails here, in CI, before the launch suite would show it at 6 x 384."""
+    for row in counts.values():
+        m = row["measures"][measure]
+        assert m["outside"]["kernels"] <= TARGETS[measure], m["outside_kernels_by_file"]
+        assert m["outside_kernels_by_file"].get("engine/solvers/device_climb.py", 0.0) <= BOOKKEEPING_KERNELS
+
+
 def test_no_sync_added_inside_the_model(counts):
     """The engine's embedding lookups (answered from the used rows) make the host wait at no forward of a step:
     inside the model's calls the syncs are the plain model's own."""

@@ -16,6 +16,7 @@ from hf_geosharp.symmetry import map_symmetries
 
 from .fixtures.hf_models import one_thread  # noqa: F401  (autouse: one torch thread for tiny models)
 from .fixtures.intact import tiny_batches, tiny_bert
+from .fixtures.objective import tiny_objective
 
 
 def test_as23_checkpoint_schedule():
@@ -95,18 +96,9 @@ def test_solver_bookkeeping_keeps_iterates_in_the_ball():
 def _counted_solve(model, metric, keep, rho, **kw):
     """A solve of the tiny BERT's first batch with the best point's gradient kept or recomputed; the result and the
     number of gradients taken."""
-    from hf_geosharp.engine.model_function import objective as objective_module
-    from hf_geosharp.engine.placement.base import Holding
-    from hf_geosharp.engine.placement.single import SingleProcess
     from hf_geosharp.engine.solvers.apgd import apgd
 
-    names, params = objective_module.measured_parameters(model)
-    blocks = map_symmetries(model).blocks if metric is not None else []
-    space = PerturbationSpace(params, blocks, SpaceOptions(metric))
-    placement = SingleProcess(model)
-    placement.hold(Holding.whole(names, params), [])
-    objective = objective_module.Objective(model, space, placement, objective_module.default_loss, rho)
-    objective.batch = tiny_batches(1)[0]
+    space, objective = tiny_objective(model, metric, rho)
     gradients = [0]
 
     def counted(xi, need_grad, out=None):

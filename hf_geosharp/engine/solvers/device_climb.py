@@ -1,12 +1,21 @@
 """One start of Auto-PGD with its bookkeeping on the device: the host never waits for the device inside a step.
 
-A step's inner products, step size, momentum coefficients, the best point's bookkeeping (which row holds it, its
-loss, squared norm and Frank-Wolfe gap), the halving rule's count of improvements and ``steps="auto"``'s stopping
-test are 0-dim float64 tensors on the vectors' device, computed with the operations, in the order, of the host
-reference (:class:`.climb.Climb`), so they are the same float64 numbers and every comparison decides the same way.
-The host reads them once per check: at each step-size checkpoint (where it halves and restarts), at the end of a
-block, and under ``steps="auto"`` at least every :data:`CHECK_STEPS` steps; there it records the losses, checks
-that they are finite and calls ``on_step``.
+The climb's state is one float64 vector on the vectors' device (the lanes below): the iterate's and the previous
+iterate's squared norms and product, the best point's loss and squared norm, the Gram entries its Frank-Wolfe gap
+is computed from (NaN until the best point is an iterate that a step starts from), where the best point sits, and
+under ``steps="auto"`` whether (and at which step) the start stopped. A step rebuilds the vector from a handful of
+vector operations on its direction's Gram matrix (``(xi, d, xi_prev)``, 3 x 3): the step size, the two radial
+projections and the next iterate's coefficients are quadratic forms of it, a few kernels whatever the model.
+
+What decides is computed as the host reference (:class:`.climb.Climb`) computes it, on the same float64 numbers:
+whether a loss is higher than the best (the loss itself), the best point's gap (from the same Gram entries, by
+:func:`.certificate.relative_gap` on the host, at the check) and under ``steps="auto"`` the stopping test (the
+reference's operations in its order). The coefficients of the next iterate are the reference's to rounding (a
+quadratic form summed in another order).
+
+The host reads the vector once per check: at each step-size checkpoint (where it halves and restarts), at the end
+of a block, and under ``steps="auto"`` at least every :data:`CHECK_STEPS` steps; there it records the losses,
+checks that they are finite, counts the improvements (the same comparisons again) and calls ``on_step``.
 
 Where the best point sits is a device index (:data:`AT_X`, :data:`AT_P`, :data:`AT_B`): the new iterate is
 combined over the previous one, whose row is first copied into the best point's row where it holds the best
@@ -16,6 +25,7 @@ and the host drops the losses of the steps it ran past the stop (at most ``CHECK
 from __future__ import annotations
 
 import math
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +34,7 @@ import torch
 from torch import Tensor
 
 from ..checks import non_finite_loss
-from .certificate import PRECISION_FACTOR
+from .certificate import PRECISION_FACTOR, relative_gap
 from .climb import Best, Climb
 from .schedule import StepSchedule
 
@@ -33,6 +43,17 @@ from .schedule import StepSchedule
 CHECK_STEPS = 5
 #: Where the best point sits: the iterate's row, the previous iterate's row, or the best point's own row.
 AT_X, AT_P, AT_B = 0, 1, 2
+
+#: The lanes of the state vector. ``SQ`` and ``SQ_PREV`` (``||xi||^2``, ``||xi_prev||^2``) sit at 2 and 4, with
+#: ``||xi_prev||^2`` again at 0 and ones between them: one comparison ``state[:5] > 0`` gives the masks of the
+#: products in either pool order (``[2::2]``, ``[0:3:2]``) and of the coefficients (``[2:5]``). ``ONE_C, ETA,
+#: ZERO_C`` are the numerators of the step sizes ``(1, c, 0)`` of ``(xi, d, xi_prev)``. The best point's Gram
+#: entries are ``<d, xi>, <d, d>`` at the step that started from it.
+PREV_A, ONE_A, SQ, ONE_B, SQ_PREV, CROSS, BEST_LOSS, BEST_SQ, BEST_DXI, BEST_SQD, AT, DONE, STOP, STEP, ONE_C, ETA, \
+    ZERO_C = range(17)
+LANES = 17
+#: The constants' vector: the momentum's base coefficients (3), 0, 1, 2, NaN, the step-size denominators' offsets.
+_BASE, _ZERO, _ONE, _TWO, _NAN, _OFFSET = slice(0, 3), 1, 3, 4, 5, slice(6, 9)
 
 
 @dataclass
@@ -52,25 +73,17 @@ class _Rows:
 
 @dataclass
 class _State:
-    """The climb's state on the device: ``||xi||^2``, ``||xi_prev||^2``, ``<xi, xi_prev>``, the best point's loss,
-    squared norm and gap (float64), where it sits, the improvements since the last checkpoint, and under auto
-    whether (and at which step) the start stopped."""
+    """The climb's state on the device (a float64 vector of :data:`LANES`, replaced by each update), the step size
+    it holds, and the best loss the host read last (where its count of improvements starts)."""
 
-    sq: Tensor
-    sq_prev: Tensor
-    cross: Tensor
-    best_loss: Tensor
-    best_sq: Tensor
-    best_gap: Tensor
-    at: Tensor
-    updates: Tensor
-    done: Tensor
-    stop: Tensor
+    vec: Tensor
+    eta: float
+    best_read: float
 
 
 @dataclass
 class _Read:
-    """What a check reads of :class:`_State`."""
+    """What a check reads of the state."""
 
     best_loss: float
     best_sq: float
@@ -86,30 +99,31 @@ class DeviceClimb(Climb):
 
     def __init__(self, *args: Any, compile_backend: str | None = None, **kwargs: Any) -> None:
         """As :class:`.climb.Climb`; with ``compile_backend`` (a ``torch.compile`` backend: ``"inductor"``, or
-        ``"aot_eager"`` to check the capture on a CPU) the step's scalar updates run as captured graphs
-        (``fullgraph=True``): a few fused kernels instead of about a hundred tiny ones."""
+        ``"aot_eager"`` to check the capture on a CPU) the step's state updates run as captured graphs
+        (``fullgraph=True``)."""
         super().__init__(*args, **kwargs)
-        self.clean = torch.full((), self.clean_loss, dtype=torch.float64, device=self.work.device)
-        self.scalars: Callable[..., tuple[Tensor, ...]] = _step_scalars
-        self.book: Callable[..., tuple[Tensor, ...]] = _bookkeep
+        m = self.momentum
+        self.constants = _filled([2 * (1 - m), 0.0, -(1 - m), 1.0, 2.0, math.nan, 0.0, 1e-12, 0.0], self.work.device)
+        self.scalars: Callable[..., tuple[Tensor, Tensor]] = _step_state
+        self.book: Callable[..., Tensor] = _bookkeep
         if compile_backend is not None:
-            self.scalars = torch.compile(_step_scalars, fullgraph=True, backend=compile_backend)
-            self.book = torch.compile(_bookkeep, fullgraph=True, backend=compile_backend)
+            self.scalars = _Captured(_step_state, compile_backend)
+            self.book = _Captured(_bookkeep, compile_backend)
 
     def run(self, xi: Tensor, sq_xi: float, loss: float, egrad: Tensor | None, *, steps: int, budget: int,
             auto: bool) -> Best:
         """As :meth:`.climb.Climb.run`: the best point found, with its gap."""
         rows = _Rows(xi, xi, xi, sq_xi == 0.0)
-        state = self.state(sq_xi, loss)
         schedule = StepSchedule(2.0 * self.rho, steps, self.min_update_ratio, loss)
+        state = self.state(sq_xi, loss, schedule.eta)
         if steps <= 0:
             return self.finish(rows, _Read(loss, sq_xi, math.nan, AT_X, 0, False, 0), egrad)
         pending: list[Tensor] = []
         total, k, last = steps, 0, -1
         while True:
-            self.step(rows, state, egrad, schedule.eta, k, auto)
+            self.step(rows, state, egrad, k, auto)
             value, egrad = self.objective(rows.x, auto or k < total - 1, out=self.work)
-            pending.append(self.bookkeep(state, value))
+            pending.append(self.bookkeep(state, value, auto))
             if not (k in schedule.checkpoints or k == total - 1 or (auto and k - last >= CHECK_STEPS)):
                 k += 1
                 continue
@@ -127,45 +141,48 @@ class DeviceClimb(Climb):
                 egrad = self.restart(rows, state, read, egrad)
             if k == total - 1:
                 break
+            if schedule.eta != state.eta:
+                state.eta = schedule.eta
+                state.vec[ETA].fill_(state.eta)
             k += 1
         return self.finish(rows, read, egrad)
 
-    def state(self, sq_xi: float, loss: float) -> _State:
+    def state(self, sq_xi: float, loss: float, eta: float) -> _State:
         """The device state at a start's first point (its best point so far)."""
-        f64 = dict(dtype=torch.float64, device=self.work.device)
-        scalar = torch.full((6,), sq_xi, **f64).unbind(0)
-        scalar[3].fill_(loss)
-        scalar[5].fill_(math.nan)
-        counts = torch.zeros((3,), dtype=torch.int64, device=self.work.device).unbind(0)
-        return _State(*scalar, counts[0], counts[1], counts[2].bool(), counts[2])
+        vec = torch.zeros((LANES,), dtype=torch.float64, device=self.work.device)
+        for lanes, value in ((slice(PREV_A, SQ_PREV + 1, 2), sq_xi), (slice(ONE_A, ONE_B + 1, 2), 1.0),
+                             (slice(CROSS, CROSS + 1), sq_xi), (slice(BEST_LOSS, BEST_LOSS + 1), loss),
+                             (slice(BEST_SQ, BEST_SQ + 1), sq_xi), (slice(BEST_DXI, BEST_SQD + 1), math.nan),
+                             (slice(ONE_C, ONE_C + 1), 1.0), (slice(ETA, ETA + 1), eta)):
+            vec[lanes].fill_(value)
+        return _State(vec, eta, loss)
 
-    def step(self, rows: _Rows, state: _State, egrad: Tensor | None, eta: float, k: int, auto: bool) -> None:
-        """Step ``k`` from ``rows.x``: its direction (consuming the gradient), the best point's gap where the iterate
-        is the best point (and under ``auto`` whether to stop there), and the next iterate in its row."""
+    def step(self, rows: _Rows, state: _State, egrad: Tensor | None, k: int, auto: bool) -> None:
+        """Step ``k`` from ``rows.x``: its direction (consuming the gradient), the best point's Gram entries where
+        the iterate is the best point (and under ``auto`` whether to stop there), and the next iterate in its row."""
         if egrad is None:  # after a restart from an earlier best point
             egrad = self.best_gradient(rows.b)
+        at_x = state.vec[AT] == AT_X
         if self.keep_best_gradient:  # the gradient at the best point, for a restart from it
             kept = self.kept_gradient()
-            torch.where(state.at == AT_X, egrad, kept, out=kept)
-        grad_norm = None
+            torch.where(at_x, egrad, kept, out=kept)
+        scale_sq = None
         if self.step_normalization == "euclidean":  # read before the direction consumes the gradient
-            grad_norm = torch.dot(egrad, egrad).double().clamp_min(0.0).sqrt()
-        sq_d, d_xi, d_prev = self.direction_sums(rows, state, egrad)
-        device = dict(dtype=torch.float64, device=sq_d.device)
-        gap, done, stop, a, b, g, sq_new, cross = self.scalars(
-            state.sq, state.sq_prev, state.cross, state.best_loss, state.best_sq, state.best_gap, state.at,
-            state.done, state.stop, sq_d, d_xi, d_prev, grad_norm, torch.full((), eta, **device),
-            torch.full((), k, dtype=torch.int64, device=sq_d.device), self.clean, first=k == 0, auto=auto,
-            normalization=self.step_normalization, rho=self.rho, momentum=self.momentum, tol=self.tol,
-            start_stop=self.start_stop, slope_stop=self.slope_stop,
+            scale_sq = torch.dot(egrad, egrad).double().clamp_min(0.0)
+        sq_d, products, order = self.direction_sums(rows, egrad)
+        case = "C" if rows.p is rows.x else "A" if rows.b is rows.p else "B"
+        at_p = state.vec[AT] == AT_P if case == "B" else None  # (before the step moves the best point's index)
+        state.vec, coefs = self.scalars(
+            state.vec, self.constants, at_x, sq_d, products, scale_sq, order=order, case=case, first=k == 0,
+            auto=auto, normalization=self.step_normalization, rho=self.rho, momentum=self.momentum, tol=self.tol,
+            start_stop=self.start_stop, slope_stop=self.slope_stop, clean=self.clean_loss,
             floor_eps=PRECISION_FACTOR * torch.finfo(getattr(torch, self.dtype)).eps)
-        state.best_gap.copy_(gap)
-        state.done.copy_(done)
-        state.stop.copy_(stop)
-        self.advance_on_device(rows, state, (a, b, None if k == 0 else g), sq_new, cross)
+        self.advance_on_device(rows, at_x if at_p is None else at_p, case, coefs.unbind(0), first=k == 0)
 
-    def direction_sums(self, rows: _Rows, state: _State, egrad: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """The direction into the working row, and ``<d, d>``, ``<d, xi>``, ``<d, xi_prev>`` (0 for a zero row)."""
+    def direction_sums(self, rows: _Rows, egrad: Tensor) -> tuple[Tensor, Tensor, str]:
+        """The direction into the working row, ``<d, d>`` and the products ``<d, v>`` with the rows it is taken
+        against (pool order), and which rows those are: ``""`` none, ``"x"`` the iterate (the previous one is the
+        same row), ``"p"`` the previous iterate (the iterate is 0), ``"xp"`` or ``"px"`` both."""
         known = [rows.x] if not rows.zero_x else []
         if rows.p is not rows.x:
             known.append(rows.p)
@@ -175,67 +192,58 @@ class DeviceClimb(Climb):
         else:  # a space that answers on the host
             _, square, listed = self.space.ascent_direction(egrad, vectors, out=self.work)
             sq_d, products = (torch.tensor(v, dtype=torch.float64, device=self.work.device) for v in (square, listed))
-        sq_d, products = sq_d.double(), products.double()
-        positions = sorted({self.pool.position(row) for row in known})  # stacked() order
-        zero = sq_d.new_zeros(())
+        if len(known) == 2:
+            order = "xp" if self.pool.position(rows.x) < self.pool.position(rows.p) else "px"
+        else:
+            order = "" if not known else "x" if known[0] is rows.x else "p"
+        return sq_d.double(), products.double(), order
 
-        def product(row: Tensor, sq: Tensor) -> Tensor:
-            if row is rows.x and rows.zero_x:
-                return zero
-            return torch.where(sq > 0, products[positions.index(self.pool.position(row))], 0.0)
-
-        return sq_d, product(rows.x, state.sq), product(rows.p, state.sq_prev)
-
-    def advance_on_device(self, rows: _Rows, state: _State, coefs: tuple[Tensor, Tensor, Tensor | None],
-                          sq_new: Tensor, new_cross: Tensor) -> None:
-        """Write the next iterate ``a xi + b d + g xi_prev`` (``g`` None at step 0) into the previous iterate's row
-        (its best point moved to the best row first), or, where that row is the iterate's, into a free row; rotate
-        the roles."""
+    def advance_on_device(self, rows: _Rows, at: Tensor, case: str, coefs: tuple[Tensor, ...], first: bool) -> None:
+        """Write the next iterate ``a xi + b d + g xi_prev`` (no ``g`` at step 0) into the previous iterate's row
+        (its best point moved to the best row first), or, where that row is the iterate's (``case`` C), into a free
+        row; rotate the roles. ``at``, before the step: whether the best point is the iterate (cases A and C), or
+        the previous iterate (case B)."""
         a, b, g = coefs
         terms = [(a, rows.x), (b, self.work)]
-        if rows.p is not rows.x:  # combine over xi_prev, its best point (if it is) moved to the best row first
-            if rows.b is rows.p:  # (the row of a start or a restart): the best row moves to a free one
-                state.at.copy_(torch.where(state.at == AT_B, AT_P, state.at))
+        if case != "C":  # combine over xi_prev, its best point (if it is) moved to the best row first
+            if case == "A":  # (the row of a start or a restart): the best row moves to a free one
                 rows.b = self.pool.free(rows.x, rows.p, self.work)
-            torch.where(state.at == AT_P, rows.p, rows.b, out=rows.b)
-            state.at.copy_(torch.where(state.at == AT_X, AT_P, AT_B))
+                torch.where(at, rows.b, rows.p, out=rows.b)  # unless at the iterate, the best point is at p
+            else:
+                torch.where(at, rows.p, rows.b, out=rows.b)
             new, scale = rows.p, g
         else:  # xi_prev is xi: into a free row
             new, scale = self.pool.free(rows.x, rows.b, self.work), None
-            if g is not None:
+            if not first:
                 terms.append((g, rows.p))
-            state.at.copy_(torch.where(state.at == AT_X, AT_P, state.at))
         self.pool.combine_on_device(new, scale, terms)
         rows.p, rows.x, rows.zero_x = rows.x, new, False
-        state.sq_prev.copy_(state.sq)
-        state.sq.copy_(sq_new)
-        state.cross.copy_(new_cross)
 
-    def bookkeep(self, state: _State, value: Tensor | float) -> Tensor:
+    def bookkeep(self, state: _State, value: Tensor | float, auto: bool) -> Tensor:
         """Take the loss at the new iterate: the best point moves there where it is higher (unless stopped)."""
-        loss = value.detach().double() if isinstance(value, Tensor) else state.sq.new_tensor(value)
-        updated = self.book(loss, state.sq, state.best_loss, state.best_sq, state.best_gap, state.at, state.updates,
-                            state.done)
-        for target, new in zip((state.best_loss, state.best_sq, state.best_gap, state.at, state.updates), updated):
-            target.copy_(new)
+        loss = value.detach().double() if isinstance(value, Tensor) else state.vec.new_full((), value)
+        state.vec = self.book(state.vec, self.constants, loss, auto=auto)
         return loss
 
     def check(self, state: _State, pending: list[Tensor], k: int) -> _Read:
         """Read the state and the losses of the steps since the last check (one read); record the losses of the
-        steps before a stop, refused where one is not finite."""
-        scalars = [state.best_loss, state.best_sq, state.best_gap, state.at, state.updates, state.done, state.stop]
-        values = torch.cat([torch.stack(pending), torch.stack([s.double() for s in scalars])]).tolist()
-        losses, tail = values[: len(pending)], values[len(pending):]
-        read = _Read(tail[0], tail[1], tail[2], int(tail[3]), int(tail[4]), bool(tail[5]), int(tail[6]))
-        state.updates.zero_()  # counted again from this check
-        first = k - len(pending) + 1
+        steps before a stop, refused where one is not finite, and count those that improved on the best."""
+        values = torch.cat([state.vec, *(loss.reshape(1) for loss in pending)]).tolist()
+        s, losses = values[:LANES], values[LANES:]
+        done, stop = s[DONE] != 0.0, int(s[STOP])
+        gap = math.nan if math.isnan(s[BEST_SQD]) else relative_gap(self.rho, s[BEST_SQD], s[BEST_DXI],
+                                                                    s[BEST_LOSS] - self.clean_loss)
+        first, updates, best = k - len(pending) + 1, 0, state.best_read
         for i, loss in enumerate(losses):
-            if read.done and first + i >= read.stop:
+            if done and first + i >= stop:
                 break
             if not math.isfinite(loss):
                 raise non_finite_loss(loss, self.rho)
             self.record(loss)
-        return read
+            if loss > best:  # the device's comparison, on the same numbers
+                updates, best = updates + 1, loss
+        state.best_read = s[BEST_LOSS]
+        return _Read(s[BEST_LOSS], s[BEST_SQ], gap, int(s[AT]), updates, done, stop)
 
     def restart(self, rows: _Rows, state: _State, read: _Read, egrad: Tensor | None) -> Tensor | None:
         """Continue from the best point (its gradient is taken, or copied, when the next step needs it)."""
@@ -244,9 +252,10 @@ class DeviceClimb(Climb):
             egrad = None
         rows.x = rows.p = rows.b = row
         rows.zero_x = read.best_sq == 0.0
-        state.at.fill_(AT_X)
-        for target in (state.sq, state.sq_prev, state.cross):
-            target.copy_(state.best_sq)
+        vec = state.vec
+        vec[PREV_A:SQ_PREV + 1:2].fill_(read.best_sq)  # (the host's copy of the device's number)
+        vec[CROSS].fill_(read.best_sq)
+        vec[AT].fill_(AT_X)
         return egrad
 
     def finish(self, rows: _Rows, read: _Read, egrad: Tensor | None) -> Best:
@@ -274,69 +283,119 @@ class DeviceClimb(Climb):
         return self.objective(row, True, out=self.work)[1]
 
 
-def _over(number: float, tensor: Tensor) -> Tensor:
-    """``number / tensor``, rounded once as the host divides (``number / tensor`` in torch multiplies by the
-    reciprocal, rounded twice)."""
-    return torch.full_like(tensor, number).div_(tensor)
+class _Captured:
+    """``fn`` under ``torch.compile(fullgraph=True)``, one graph per value of its keyword (static) arguments, each
+    from its own copy of the code (dynamo counts recompilations per code object: a step's paths are a dozen)."""
+
+    def __init__(self, fn: Callable[..., Any], backend: str) -> None:
+        self.fn, self.backend = fn, backend
+        self.graphs: dict[tuple, Callable[..., Any]] = {}
+
+    def __call__(self, *args: Any, **static: Any) -> Any:
+        key = tuple(sorted(static.items()))
+        if key not in self.graphs:
+            fn = self.fn
+            copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__,
+                                      fn.__closure__)
+            self.graphs[key] = torch.compile(copy, fullgraph=True, backend=self.backend)
+        return self.graphs[key](*args, **static)
 
 
-def _step_scalars(sq: Tensor, sq_prev: Tensor, cross: Tensor, best_loss: Tensor, best_sq: Tensor, best_gap: Tensor,
-                  at: Tensor, done: Tensor, stop: Tensor, sq_d: Tensor, d_xi: Tensor, d_prev: Tensor,
-                  grad_norm: Tensor | None, eta: Tensor, k: Tensor, clean: Tensor, *, first: bool, auto: bool,
-                  normalization: str, rho: float, momentum: float, tol: float, start_stop: float, slope_stop: float,
-                  floor_eps: float) -> tuple[Tensor, ...]:
-    """A step's scalars from its direction's Gram entries, as the host reference computes them: the best point's
-    gap (where the iterate is the best point), under ``auto`` whether the start stops there (and at step ``k``),
-    and the coefficients ``(a, b, g)`` of the next iterate with its squared norm and its product with the iterate.
-    A pure function of tensors (``torch.compile(fullgraph=True)`` captures it)."""
+def _filled(values: list[float], device: torch.device) -> Tensor:
+    """A float64 vector of ``values`` written on the device (no upload of host data)."""
+    vec = torch.empty((len(values),), dtype=torch.float64, device=device)
+    for i, value in enumerate(values):
+        vec[i].fill_(value)
+    return vec
+
+
+def _step_state(vec: Tensor, const: Tensor, at_x: Tensor, sq_d: Tensor, products: Tensor, scale_sq: Tensor | None, *,
+                order: str, case: str, first: bool, auto: bool, normalization: str, rho: float, momentum: float,
+                tol: float, start_stop: float, slope_stop: float, clean: float, floor_eps: float
+                ) -> tuple[Tensor, Tensor]:
+    """The state after a step and the coefficients ``(a, b, g)`` of the next iterate ``a xi + b d + g xi_prev``,
+    from the direction's ``<d, d>`` and its ``products`` with the rows ``order`` names (see
+    :meth:`DeviceClimb.direction_sums`; products of zero rows count as 0, as in the reference). ``case``: where the
+    next iterate goes (:meth:`DeviceClimb.advance_on_device`). A pure function of tensors
+    (``torch.compile(fullgraph=True)`` captures it)."""
+    positive = vec[:SQ_PREV + 1] > 0  # ||xi_prev||^2, 1, ||xi||^2, 1, ||xi_prev||^2
+    zero = const[_ZERO]
+    d_xi = d_prev = zero
+    if order == "x":
+        d_xi = d_prev = torch.where(positive[SQ], products[0], 0.0)
+    elif order == "p":
+        d_prev = torch.where(positive[SQ_PREV], products[0], 0.0)
+    elif order:
+        d_xi, d_prev = torch.where(positive[SQ::2] if order == "xp" else positive[PREV_A:SQ + 1:2], products, 0.0
+                                   ).unbind(0)[:: 1 if order == "xp" else -1]
+    sq, sq_prev, cross = vec[SQ], vec[SQ_PREV], vec[CROSS]
+    # the Gram matrix of (xi, d, xi_prev), then what the step sizes' denominators take the square root of
+    denominators = [const[_ONE], sq_d if normalization == "riemannian" else scale_sq, const[_ONE]]
+    entries = [sq, d_xi, cross, d_xi, sq_d, d_prev, cross, d_prev, sq_prev]
+    stacked = torch.stack(entries + (denominators if normalization != "none" else []))
+    gram = stacked[:9].view(3, 3)
+    live = at_x if not auto else at_x & (vec[DONE] == 0)  # the iterate is the best point, not stopped
+    best_entries = torch.where(live, stacked[3:5], vec[BEST_DXI:BEST_SQD + 1])  # <d, xi>, <d, d>
+    numerators = vec[ONE_C:ZERO_C + 1]  # 1, eta, 0
+    if normalization == "none":
+        sizes = numerators
+    else:  # (1, eta / (sqrt(s) + 1e-12), 0), rounded as the reference rounds it
+        sizes = numerators / (stacked[9:].sqrt() + const[_OFFSET])
+    sq_z = torch.dot(sizes, torch.mv(gram, sizes))  # ||xi + c d||^2
+    radial = torch.rsqrt(sq_z.clamp_min(rho * rho)) * rho  # P_S's scaling (1 inside the ball)
+    if first:
+        coefs, sq_new = sizes * radial, sq_z.clamp(0.0, rho * rho)
+    else:  # the momentum point xi + m (z - xi) + (1 - m)(xi - xi_prev), then P_S
+        point = torch.addcmul(const[_BASE], sizes, radial, value=momentum)
+        sq_y = torch.dot(point, torch.mv(gram, point))
+        coefs = point * (torch.rsqrt(sq_y.clamp_min(rho * rho)) * rho)
+        sq_new = sq_y.clamp(0.0, rho * rho)
+    new_cross = torch.dot(coefs, gram[:, 0])  # <xi_new, xi>
+    coefs = torch.where(positive[SQ:], coefs, 0.0)  # zero rows drop out, as in the reference
+    if case == "C":
+        at = torch.where(at_x, const[_ONE], vec[AT])  # AT_X -> AT_P; AT_B stays
+    else:
+        at = torch.where(at_x, const[_ONE], const[_TWO])  # AT_X -> AT_P; else the best row
+    done, stop, step = vec[DONE], vec[STOP], vec[STEP]
+    if auto:  # Climb.stationary_enough at the best point (the iterate), the reference's operations
+        halt = live & _stationary(rho, sq_d, d_xi, vec[BEST_LOSS], vec[BEST_SQ], clean, tol, start_stop, slope_stop,
+                                  floor_eps)
+        done = torch.where(halt, const[_ONE], done)
+        stop = torch.where(halt, step, stop)
+        step = step + 1
+    best_dxi, best_sqd = best_entries.unbind(0)
+    lanes = [sq, const[_ONE], sq_new, const[_ONE], sq, new_cross, vec[BEST_LOSS], vec[BEST_SQ], best_dxi,
+             best_sqd, at, done, stop, step, vec[ONE_C], vec[ETA], vec[ZERO_C]]  # the iterate becomes xi_prev
+    return torch.stack(lanes), coefs
+
+
+def _bookkeep(vec: Tensor, const: Tensor, loss: Tensor, *, auto: bool) -> Tensor:
+    """The state after the loss at the new iterate: the best point moves there where the loss is higher (unless
+    stopped), its gap unknown. A pure function of tensors."""
+    better = loss > vec[BEST_LOSS]
+    if auto:
+        better = better & (vec[DONE] == 0)
+    lanes = list(vec.unbind(0))
+    lanes[BEST_LOSS], lanes[BEST_SQ], lanes[BEST_DXI], lanes[BEST_SQD] = loss, vec[SQ], const[_NAN], const[_NAN]
+    lanes[AT] = const[_ZERO]
+    return torch.where(better, torch.stack(lanes), vec)
+
+
+def _stationary(rho: float, sq_d: Tensor, d_xi: Tensor, best_loss: Tensor, best_sq: Tensor, clean: float, tol: float,
+                start_stop: float, slope_stop: float, floor_eps: float) -> Tensor:
+    """:meth:`.climb.Climb.stationary_enough` at the best point (the iterate) from its direction's Gram entries,
+    with the operations of the reference, in its order."""
     sharpness = best_loss - clean
-    live = (at == AT_X) & ~done
-    best_gap = torch.where(live, _relative_gap(rho, sq_d, d_xi, sharpness), best_gap)
-    if auto:  # Climb.stationary_enough at the best point (the iterate)
-        tangential = torch.where(best_sq > 0, sq_d - d_xi * d_xi / best_sq, sq_d)
-        slope = torch.where(sharpness > 0, rho * tangential.clamp_min(0.0).sqrt() / sharpness, math.inf)
-        scaled = slope * slope_stop
-        measure = torch.where(scaled > best_gap, scaled, best_gap)
-        floor = floor_eps * best_loss.abs().clamp_min(clean.abs())
-        halt = live & ((measure <= tol * start_stop) | ((sharpness > 0) & (measure * sharpness <= start_stop * floor)))
-        stop = torch.where(halt, k, stop)
-        done = done | halt
-    c = eta
-    if normalization == "riemannian":
-        c = eta / (sq_d.sqrt() + 1e-12)
-    elif normalization == "euclidean":
-        c = eta / (grad_norm + 1e-12)
-    a, b, g, sq_new = _momentum(first, c, rho, momentum, sq, sq_d, sq_prev, d_xi, d_prev, cross)
-    new_cross = a * sq + b * d_xi + g * cross  # <xi_new, xi>
-    a = torch.where(sq > 0, a, 0.0)
-    g = torch.where(sq_prev > 0, g, 0.0)
-    return best_gap, done, stop, a, b, g, sq_new, new_cross
-
-
-def _bookkeep(loss: Tensor, sq: Tensor, best_loss: Tensor, best_sq: Tensor, best_gap: Tensor, at: Tensor,
-              updates: Tensor, done: Tensor) -> tuple[Tensor, ...]:
-    """The best point after the loss at the new iterate (it moves there where the loss is higher, unless stopped),
-    and the count of improvements. A pure function of tensors."""
-    better = (loss > best_loss) & ~done
-    return (torch.where(better, loss, best_loss), torch.where(better, sq, best_sq),
-            torch.where(better, math.nan, best_gap), torch.where(better, AT_X, at), updates + better)
+    gap = _relative_gap(rho, sq_d, d_xi, sharpness)
+    tangential = torch.where(best_sq > 0, sq_d - d_xi * d_xi / best_sq, sq_d)
+    slope = torch.where(sharpness > 0, rho * tangential.clamp_min(0.0).sqrt() / sharpness, math.inf)
+    scaled = slope * slope_stop
+    measure = torch.where(scaled > gap, scaled, gap)
+    floor = floor_eps * best_loss.abs().clamp_min(abs(clean))
+    return (measure <= tol * start_stop) | ((sharpness > 0) & (measure * sharpness <= start_stop * floor))
 
 
 def _relative_gap(rho: float, sq_d: Tensor, d_xi: Tensor, sharpness: Tensor) -> Tensor:
     """:func:`.certificate.relative_gap` on the device."""
     gap = (rho * sq_d.clamp_min(0.0).sqrt() - d_xi).clamp_min(0.0)
     return torch.where(gap == 0, 0.0, torch.where(sharpness > 0, gap / sharpness, math.inf))
-
-
-def _momentum(first: bool, c: Tensor, rho: float, momentum: float, sq_xi: Tensor, sq_d: Tensor, sq_prev: Tensor,
-              d_xi: Tensor, d_prev: Tensor, cross: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """:func:`.climb._momentum_step` on the device (the same operations in the same order; ``first``: step 0)."""
-    sq_z = (sq_xi + 2 * c * d_xi + c * c * sq_d).clamp_min(0.0)
-    s1 = torch.where(sq_z > rho * rho, _over(rho, sq_z.sqrt()), 1.0)
-    if first:
-        return s1, s1 * c, torch.zeros_like(s1), s1 * s1 * sq_z
-    a, b, g = 2 * (1 - momentum) + momentum * s1, momentum * s1 * c, -(1 - momentum)
-    sq_y = (a * a * sq_xi + b * b * sq_d + g * g * sq_prev + 2 * (a * b * d_xi + a * g * cross + b * g * d_prev)
-            ).clamp_min(0.0)
-    s2 = torch.where(sq_y > rho * rho, _over(rho, sq_y.sqrt()), 1.0)
-    return s2 * a, s2 * b, s2 * g, s2 * s2 * sq_y
