@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -37,7 +38,6 @@ def build(
     the ones this process solves, which the scan of embedding rows runs the model on. Call it inside
     :func:`~hf_geosharp.engine.model_function.objective.preserved_model_state`."""
     names, params = measured_parameters(model)
-    _warn_half_precision(params)
     blocks = _pair_blocks(model, names, settings, symmetry_map)
     sizes = [p.numel() for p in params]  # of a sharded parameter, the global size
     pair_params = pair_parameters(blocks, sizes)
@@ -53,6 +53,8 @@ def build(
     candidates = [i for i in covered if i not in pair_params and params[i].dim() == 2]
     rows = _used_rows(model, names, params, settings, placement, candidates, batches, loss_fn)
     base, blocks = placement.hold(Holding(names, params, covered, rows), blocks)
+    _warn_half_precision(params, settings.rho, sum(
+        rows[i].rows.numel() * params[i].shape[1] if i in rows else sizes[i] for i in moving))
     movable = None if all(trainable[i] for i in covered) else torch.cat(
         [torch.full((b.numel(),), trainable[i], dtype=torch.bool) for i, b in zip(covered, base)]).to(base[0].device)
     dtype = torch.promote_types(torch.float32, max((b.dtype for b in base), key=lambda d: torch.finfo(d).bits))
@@ -107,17 +109,37 @@ def _pair_blocks(model: nn.Module, names: list[str], settings: RunSettings,
     return symmetry_map.blocks
 
 
-def _warn_half_precision(params: list[Tensor]) -> None:
-    half = sorted({p.dtype for p in params if p.dtype in (torch.float16, torch.bfloat16)}, key=str)
-    if half:
-        fix = "pass --dtype float32" if on_command_line() else "cast the model to float32 (model.float())"
-        warn_at_caller(
-            f"The model computes in {', '.join(map(str, half))}. The perturbation is built in float32 (the h x h "
-            "algebra in float64) but the weights are rounded to the model's dtype for each forward pass, so "
-            f"perturbations below its resolution (relative {max(torch.finfo(d).eps for d in half):.0e} per weight) "
-            f"vanish and loss differences are quantised: small rho can give exactly 0. To measure it, {fix}.",
-            UserWarning,
-        )
+def _warn_half_precision(params: list[Tensor], rho: float, moving: int) -> None:
+    """Warn where a half-precision model's rounding swallows the perturbation: the solver's vectors are float32 and
+    the model computes at its weights plus the perturbation rounded to its dtype, where a relative change below
+    ``eps / 4`` always rounds back (half a unit in the last place is between ``eps / 4`` and ``eps / 2`` of a weight).
+    A point of the ball moves a weight by ``rho`` of itself at most (the whole radius on one coordinate) and a typical
+    one by ``rho / sqrt(n)`` (``n`` the ``moving`` weights); below ``eps / 4`` most of the perturbation vanishes."""
+    half = [d for d in (torch.bfloat16, torch.float16) if any(p.dtype == d for p in params)]
+    if not half or moving == 0:
+        return
+    dtype = max(half, key=lambda d: torch.finfo(d).eps)
+    name, cut = str(dtype).removeprefix("torch."), torch.finfo(dtype).eps / 4
+    typical = rho / math.sqrt(moving)
+    if typical >= cut:
+        return
+    fix = "pass --dtype float32" if on_command_line() else "cast the model to float32 (model.float())"
+    rho_word = "--rho" if on_command_line() else "rho"
+    if rho < cut:
+        what = (f"every weight moves by at most rho = {rho:.2g} of itself, below {name}'s rounding (a relative change "
+                f"under {cut:.2g} rounds back to the weight): the whole ball rounds back to the model's weights, and "
+                "the value is 0 or rounding")
+    else:
+        what = (f"a point of the ball moves a typical one of its {moving:,} perturbed weights by rho / sqrt(n) = "
+                f"{typical:.2g} of itself, below {name}'s rounding (a relative change under {cut:.2g} rounds back "
+                "to the weight): most of the perturbation vanishes in the model's forward, and the value measures "
+                "the weights that move")
+    warn_at_caller(
+        f"The model computes in {dtype} and {what}. To measure the whole perturbation, {fix}, or pass a larger "
+        f"{rho_word} (at least {cut * math.sqrt(moving):.2g} here). The solver's vectors and certificate are float32 "
+        f"either way, and the certificate judges loss differences against {name}'s resolution.",
+        UserWarning,
+    )
 
 
 @contextlib.contextmanager

@@ -281,6 +281,9 @@ def warn_not_converged(measure: str, config: dict[str, Any], note: str, steps_us
     if config.get("variant") == "as23":
         fix = ("AS23's reproduced solver stops where its Euclidean projection undoes the step, which is not the "
                "maximum (docs/method.md); variant='clean' reaches it")
+    elif "below the resolution" in note:  # more steps cannot resolve it
+        fix = (f"raise {setting('rho')} until the value is well above the loss's resolution, or measure the model "
+               "in a wider dtype")
     elif config["steps"] != "auto":
         fix = (f"pass {setting('steps', 'auto')} (it continues until the best point is stationary and a second start "
                "agrees)")

@@ -179,6 +179,8 @@ class Objective:
             if not isinstance(loss, Tensor) or loss.numel() != 1:
                 raise TypeError("The loss must be a scalar tensor (a mean over the batch).")
             value, differentiated = self.placement.batch_loss(loss, self.batch)
+            if value.dtype in (torch.float16, torch.bfloat16):  # a half model's loss, read in float32 (exactly)
+                value = value.float()
             if not need_grad:
                 return value, None
             self._check_graph(loss)

@@ -65,8 +65,15 @@ class SolveResult:
         from a random point found a higher maximum than two agreeing starts); ``(AT_PRECISION, what)`` when that
         holds only with the tolerances widened to the loss's :attr:`resolution` (a Frank-Wolfe gap, or a
         disagreement of starts, below what the loss's floating type can resolve); ``(NOT_CERTIFIED, why)`` else.
-        Either certified state says that two starts agree on a stationary point: a maximum, not the largest."""
+        Either certified state says that two starts agree on a stationary point: a maximum, not the largest. A value
+        below the resolution is never certified (the largest loss found cannot be told from the clean loss), unless
+        the gap is exactly 0 (no gradient: the loss is flat there)."""
         floor = self.resolution
+        if self.sharpness < floor and self.gap != 0:  # gap 0: the loss is flat there (no gradient), which is exact
+            return NOT_CERTIFIED, (
+                f"the value {self.sharpness:.3g} is below the resolution of the loss in {self.dtype} ({floor:.2g} = "
+                f"{PRECISION_FACTOR} eps |loss|): the largest loss found cannot be told from the clean loss, so "
+                "nothing about a maximum is certified")
         gap_abs = self.gap * self.sharpness if self.sharpness > 0 else (0.0 if self.gap == 0 else math.inf)
         if not (self.gap <= tol or gap_abs <= floor):
             return NOT_CERTIFIED, f"not stationary (Frank-Wolfe gap {self.gap:.2%} of the value, tolerance {tol:.2%})"
