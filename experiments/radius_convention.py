@@ -12,12 +12,15 @@ For each member (the demo's data: 4 batches of 64 training digits, seed 0):
    ``||Delta(G H^T)||_F / ||G H^T||_F``).
 
     python -m experiments.radius_convention          # ~10 min on 2 CPU cores (the zoo must be built: geosharp demo)
+    python -m experiments.radius_convention --measures "mix calibrated"   # one measure again, the rest kept
+    python -m experiments.radius_convention --spectra   # every zoo member's tau / lambda_min(P Q), in seconds
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
 import math
 import time
 import warnings
@@ -29,6 +32,7 @@ import torch
 import hf_geosharp as gs
 from hf_geosharp.data import DataSpec, load_batches, load_model, load_processor
 from hf_geosharp.durable import write_json
+from hf_geosharp.engine.space.perturbation_space import pair_weights
 from hf_geosharp.symmetry.flat import flat_vector, parameters_in_order
 from hf_geosharp.zoo import DIGITS_DIR, cache_root
 
@@ -67,8 +71,26 @@ def scaling_ratios(model: torch.nn.Module) -> dict[str, Any]:
         out["inv paper"].append(inv / adaptive)
         out["mix paper"].append(mix / adaptive)
         out["inv calibrated"].append(math.sqrt((n + m) / 2) * inv / adaptive)
-        out["mix calibrated"].append(math.sqrt((n + m) * h / (2 * square)) * mix / adaptive)
+        w_mix = float(pair_weights(P[None], Q[None], "mix", n, m, epsilon=0.0)[0])
+        out["mix calibrated"].append(math.sqrt(w_mix) * mix / adaptive)
         out["GH_over_sqrt_h"].append(math.sqrt(square / h))
+    return out
+
+
+def spectra(root: Path) -> dict[str, dict[str, float]]:
+    """Every zoo member's ``tau / lambda_min(P Q)`` over its heads (median and max; the relaxed ``P``, ``Q`` at the
+    default epsilon): how far the calibrated mix ball's scaling norm exceeds adaptive's, squared."""
+    out = {}
+    for path in sorted(root.glob("zoo-*")):
+        ratios = []
+        for G, H in _heads(load_model(str(path)))[0]:
+            (n, h), m = G.shape, H.shape[0]
+            GtG, HtH = (G.mT @ G)[None], (H.mT @ H)[None]
+            tau = float((GtG * HtH).sum()) / h
+            ratios.append(tau * float(pair_weights(GtG, HtH, "mix", n, m)[0]) / ((n + m) / 2))
+        ratios.sort()
+        out[path.name] = {"median": ratios[len(ratios) // 2], "max": ratios[-1]}
+        print(f"  {path.name}: tau / lambda_min(P Q) median {ratios[len(ratios) // 2]:.3g} max {ratios[-1]:.3g}")
     return out
 
 
@@ -92,10 +114,12 @@ def _relative_changes(model: torch.nn.Module, perturbation: Any) -> dict[str, fl
             "products_rms": math.sqrt(sum(p * p for p in products) / len(products))}
 
 
-def balls(model: torch.nn.Module, batches: list) -> dict[str, Any]:
-    """Every measure at rho 0.1, ``steps="auto"``, with its worst points' relative changes."""
+def balls(model: torch.nn.Module, batches: list, labels: list[str]) -> dict[str, Any]:
+    """The measures ``labels`` at rho 0.1, ``steps="auto"``, with their worst points' relative changes."""
     out = {}
     for label, family, kwargs in MEASURES:
+        if label not in labels:
+            continue
         fn = gs.geodesic_sharpness if family == "geodesic" else gs.adaptive_sharpness
         start = time.perf_counter()
         with warnings.catch_warnings():
@@ -119,11 +143,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--members", nargs="+", default=list(MEMBERS))
     parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--measures", nargs="+", default=[label for label, _, _ in MEASURES],
+                        choices=[label for label, _, _ in MEASURES],
+                        help="measure these again; the others' stored numbers in --out are kept")
+    parser.add_argument("--spectra", action="store_true",
+                        help="only each zoo member's tau / lambda_min(P Q) (seconds), kept beside the stored balls")
     args = parser.parse_args()
     torch.set_num_threads(1)
     root = cache_root() / "zoo"
     data = DataSpec(dataset=str(root / DIGITS_DIR), split="train", n_examples=256, batch_size=64, seed=0)
     report: dict[str, Any] = {"rho": RHO, "steps": "auto", "data": vars(data) | {"dataset": "digits"}, "members": {}}
+    previous = json.loads(args.out.read_text()) if args.out.exists() else {}
+    if args.spectra:
+        write_json(args.out, previous | {"spectra": spectra(root)})
+        print(f"written: {args.out}")
+        return
+    stored = previous.get("members", {})
+    report["spectra"] = previous.get("spectra")
     for name in args.members:
         source = str(root / name)
         model = load_model(source)
@@ -133,9 +169,9 @@ def main() -> None:
         summary = {k: {"min": min(v), "median": sorted(v)[len(v) // 2], "max": max(v)} for k, v in ratios.items()}
         for k, v in summary.items():
             print(f"  scaling norm / adaptive, {k:15s}: min {v['min']:.4g} median {v['median']:.4g} max {v['max']:.4g}")
+        measured = stored.get(name, {}).get("balls", {}) | balls(model, batches, args.measures)
         report["members"][name] = {"hidden": model.config.hidden_size, "heads": model.config.num_attention_heads,
-                                   "layers": model.config.num_hidden_layers, "scaling": summary,
-                                   "balls": balls(model, batches)}
+                                   "layers": model.config.num_hidden_layers, "scaling": summary, "balls": measured}
     write_json(args.out, report)
     print(f"written: {args.out}")
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import hf_geosharp as gs
+from hf_geosharp.engine.geometry.gl_quotient import GLQuotient
 from hf_geosharp.engine.settings import RunSettings
 from hf_geosharp.engine.space.perturbation_space import PerturbationSpace, SpaceOptions, pair_weights
 from hf_geosharp.engine.space.reference_space import calibration_weight
@@ -56,16 +57,16 @@ def _head_norms(space: PerturbationSpace, xi: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("metric", METRICS)
 @pytest.mark.parametrize("epsilon", [0.0, 1e-6])
 def test_scaling_a_head_has_its_adaptive_norm_in_the_calibrated_ball_and_not_in_the_papers(bert, metric, epsilon):
-    """``(G, H) -> (1 + t)(G, H)`` is horizontal; its calibrated norm is ``t sqrt((n + m) h)``, the adaptive norm of
-    the same change, head by head, where the paper's metric gives ``t sqrt(2h)`` (inv) or
-    ``t sqrt(2) ||G H^T||_F`` (mix)."""
+    """``(G, H) -> (1 + t)(G, H)`` is horizontal; its calibrated inv norm is ``t sqrt((n + m) h)``, the adaptive norm
+    of the same change, head by head, and its calibrated mix norm is at least that (the mix ball lies inside the inv
+    ball), where the paper's metric gives ``t sqrt(2h)`` (inv) or ``t sqrt(2) ||G H^T||_F`` (mix)."""
     _, theta, blocks = bert
     t = 0.03
     calibrated = PerturbationSpace(theta, blocks, SpaceOptions(metric, epsilon, ball="calibrated"))
     paper = PerturbationSpace(theta, blocks, SpaceOptions(metric, epsilon, ball="paper"))
     adaptive = PerturbationSpace(theta, [], SpaceOptions(None))
     rel = 1e-10 if epsilon == 0 else 10 * epsilon
-    paper_norms = []
+    paper_norms, mix_over_adaptive = [], []
     for G_index, H_index in _heads(blocks):
         xi = torch.zeros_like(theta)
         xi[G_index], xi[H_index] = t * theta[G_index], t * theta[H_index]
@@ -74,7 +75,10 @@ def test_scaling_a_head_has_its_adaptive_norm_in_the_calibrated_ball_and_not_in_
         assert float(norms.sort().values[-2]) == 0  # one head moves
         entries = G_index.numel() + H_index.numel()
         assert float(adaptive.norm(xi)) == pytest.approx(t * entries**0.5, rel=1e-12)
-        assert float(norms[head]) == pytest.approx(float(adaptive.norm(xi)), rel=rel)
+        if metric == "inv":
+            assert float(norms[head]) == pytest.approx(float(adaptive.norm(xi)), rel=rel)
+        else:
+            mix_over_adaptive.append(float(norms[head]) / float(adaptive.norm(xi)))
         assert float(calibrated.norm(calibrated.horizontal(xi))) == pytest.approx(float(norms[head]), rel=rel)
         G, H = theta[G_index], theta[H_index]
         expected = (2 * G.shape[1]) ** 0.5 if metric == "inv" else 2**0.5 * float(torch.linalg.norm(G @ H.mT))
@@ -82,6 +86,33 @@ def test_scaling_a_head_has_its_adaptive_norm_in_the_calibrated_ball_and_not_in_
         assert paper_norms[-1] == pytest.approx(expected, rel=rel)
     adaptive_norm = (G_index.numel() + H_index.numel()) ** 0.5  # equal-sized heads
     assert max(abs(n / adaptive_norm - 1) for n in paper_norms) > 0.5  # the paper's ball is another size
+    # mix: sqrt(tau / lambda_min(P Q)) >= 1 times adaptive's, and more where a head's singular values spread
+    if metric == "mix":
+        assert all(r >= 1 - rel for r in mix_over_adaptive) and max(mix_over_adaptive) > 1.5
+
+
+@pytest.mark.parametrize("epsilon", [0.0, 1e-6])
+def test_the_calibrated_mix_ball_lies_inside_the_calibrated_inv_ball_and_touches_it(bert, epsilon):
+    """``w_mix = w_inv / lambda_min(P Q)`` is the smallest weight with ``||xi||_mix >= ||xi||_inv`` for every ``xi``
+    (horizontal or not), head by head: random directions are longer under mix, and the direction ``xi_G = a u^T``
+    with ``P Q u = lambda_min u`` (``xi_H = 0``) has the same length under both."""
+    _, theta, blocks = bert
+    spaces = {metric: PerturbationSpace(theta, blocks, SpaceOptions(metric, epsilon)) for metric in METRICS}
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(3):
+        x = torch.randn(theta.shape, generator=gen, dtype=torch.float64)
+        mix, inv = (_head_norms(spaces[metric], x) for metric in ("mix", "inv"))
+        assert bool((mix >= inv * (1 - 1e-12)).all()), (mix / inv).min()
+    ratios = []
+    for G_index, H_index in _heads(blocks):
+        G, H = theta[G_index], theta[H_index]
+        P, Q = GLQuotient.relaxed_grams((G.mT @ G)[None], (H.mT @ H)[None], epsilon)
+        values, vectors = torch.linalg.eig(P[0] @ Q[0])
+        u = vectors[:, int(values.real.argmin())].real
+        xi = torch.zeros_like(theta)
+        xi[G_index] = torch.outer(torch.randn(G.shape[0], generator=gen, dtype=torch.float64), u)
+        ratios.append(float(_head_norms(spaces["mix"], xi).max() / _head_norms(spaces["inv"], xi).max()))
+    assert ratios == pytest.approx([1.0] * len(ratios), rel=1e-9)
 
 
 @pytest.mark.parametrize("metric", METRICS)
@@ -95,7 +126,7 @@ def test_the_weights_are_invariant_under_condition_1000_group_elements(bert, met
     for before, after in zip(*weights):
         assert before.weight is not None and bool((before.weight > 0).all())
         torch.testing.assert_close(after.weight, before.weight, rtol=1e-9, atol=0)
-    if metric == "mix":  # the weights follow each head's ||G H^T||_F: they differ between heads
+    if metric == "mix":  # the weights follow each head's smallest singular value of G H^T: they differ
         w = torch.cat([group.weight for group in weights[0]])
         assert float(w.max() / w.min()) > 1.2
 
@@ -127,7 +158,7 @@ def test_a_constant_per_pair_scales_norms_gradients_and_draws_and_leaves_project
     spaces = {ball: PerturbationSpace(theta, blocks, SpaceOptions(metric, 1e-6, ball=ball))
               for ball in ("calibrated", "paper")}
     cal, pap = spaces["calibrated"], spaces["paper"]
-    w = [calibration_weight(theta[G_index], theta[H_index], metric) for G_index, H_index in _heads(blocks)]
+    w = [calibration_weight(theta[G_index], theta[H_index], metric, 1e-6) for G_index, H_index in _heads(blocks)]
     assert all(g.weight is None for g in pap.pairs)
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(theta.shape, generator=gen, dtype=torch.float64) * theta.abs()
@@ -158,19 +189,32 @@ def test_a_constant_per_pair_scales_norms_gradients_and_draws_and_leaves_project
     assert torch.equal(cal.riemannian_gradient(egrad)[outside], pap.riemannian_gradient(egrad)[outside])
 
 
-def test_pair_weights_formula_and_a_dead_head():
-    """``(n + m)/2`` for inv; ``(n + m) h / (2 ||G H^T||_F^2)`` for mix, finite for a head with ``G H^T = 0``."""
+def test_pair_weights_formula_the_relaxations_floor_and_a_dead_head():
+    """``(n + m)/2`` for inv; ``(n + m) / (2 lambda_min(P Q))`` for mix: at ``epsilon = 0`` the smallest squared
+    singular value of ``G H^T``, at ``epsilon > 0`` the smallest ``(sigma_i + epsilon tau / sigma_i)^2`` (``P Q`` is
+    ``M + 2 epsilon tau I + (epsilon tau)^2 M^-1`` with ``M = G^T G H^T H``), so never below ``4 epsilon tau`` even
+    for a nearly rank-deficient head; finite for a head with ``G H^T = 0``."""
     gen = torch.Generator().manual_seed(0)
-    G, H = torch.randn(3, 5, 2, generator=gen, dtype=torch.float64), torch.randn(3, 4, 2, generator=gen,
+    G, H = torch.randn(4, 5, 2, generator=gen, dtype=torch.float64), torch.randn(4, 4, 2, generator=gen,
                                                                                 dtype=torch.float64)
+    G[3, :, 1] = G[3, :, 0] + 1e-4 * G[3, :, 1]  # nearly rank-deficient, the Gram floor still inactive
     H[2, :, :] = 0.0
     H[2, :, 0] = 1.0
     G[2, :, 0] = 0.0  # G H^T = 0 but neither factor is zero
     GtG, HtH = G.mT @ G, H.mT @ H
-    assert torch.equal(pair_weights(GtG, HtH, "inv", 5, 4), torch.full((3,), 4.5, dtype=torch.float64))
-    w = pair_weights(GtG, HtH, "mix", 5, 4)
-    square = torch.linalg.matrix_norm(G @ H.mT).square()
-    torch.testing.assert_close(w[:2], 9 * 2 / (2 * square[:2]), rtol=1e-14, atol=0)
+    assert torch.equal(pair_weights(GtG, HtH, "inv", 5, 4), torch.full((4,), 4.5, dtype=torch.float64))
+    sigma = torch.linalg.svdvals(G @ H.mT)[:, :2]
+    exact = pair_weights(GtG[:2], HtH[:2], "mix", 5, 4, epsilon=0.0)
+    torch.testing.assert_close(exact, 4.5 / sigma[:2, -1].square(), rtol=1e-12, atol=0)
+    epsilon = 1e-6
+    w = pair_weights(GtG, HtH, "mix", 5, 4, epsilon=epsilon)
+    tau = sigma.square().mean(-1)
+    relaxed = (sigma + epsilon * tau[:, None] / sigma).square().amin(-1)
+    torch.testing.assert_close(w[:2], 4.5 / relaxed[:2], rtol=1e-9, atol=0)
+    torch.testing.assert_close(w[3], 4.5 / relaxed[3], rtol=1e-5, atol=0)  # its Gram condition is 1e8
+    assert float(sigma[3, -1] / sigma[3, 0]) < 1e-4  # the relaxation holds the near-singular head's weight
+    assert 4.5 / float(tau[3]) < float(w[3]) <= 4.5 / (4 * epsilon * float(tau[3]))
+    assert float(w[3]) < 1e-3 * 4.5 / float(sigma[3, -1].square())  # unrelaxed, the weight would be 1e3 x larger
     assert bool(torch.isfinite(w[2])) and float(w[2]) > 0
 
 

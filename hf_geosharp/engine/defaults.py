@@ -25,8 +25,9 @@ SEED: Final = 0
 EPSILON: Final = 1e-6
 #: The geodesic metric: the paper's Eq. 9.
 METRIC: Final = "inv"
-#: The radius convention of the geodesic ball: each attention pair's metric calibrated so that scaling the pair's
-#: factors has the norm it has in adaptive sharpness (``"paper"``: the unweighted metrics of the paper).
+#: The radius convention of the geodesic ball: each attention pair's metric times a group-invariant constant, for inv
+#: so that scaling the pair's factors has the norm it has in adaptive sharpness, for mix the smallest that puts its
+#: ball inside inv's (``"paper"``: the unweighted metrics of the paper).
 BALL: Final = "calibrated"
 #: Geodesic for the parameters outside attention pairs: first order, as the paper.
 ELEMENTWISE_CURVATURE: Final = "none"

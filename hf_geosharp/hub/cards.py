@@ -87,7 +87,7 @@ _LOCAL_SUFFIXES = {".csv", ".tsv", ".json", ".jsonl", ".parquet", ".arrow", ".tx
 #: What a new card says of the geodesic ball, so that two published numbers can be compared.
 BALL_NOTE = ("Geodesic sharpness depends on its radius convention, the `ball` argument of each entry: `calibrated` "
              "weighs each attention pair's metric so that scaling the pair's weights by 1 + t has the norm adaptive "
-             "sharpness gives it (equal rho is a comparable neighbourhood for inv, mix and adaptive); `paper` is the "
+             "sharpness gives it (inv), or so that its ball lies inside inv's (mix); `paper` is the "
              "paper's unweighted metric (hf_geosharp 0.6.0 and earlier). Compare numbers only at equal rho and ball.")
 #: The first huggingface_hub release with the ``.eval_results`` classes (imported only where they are used).
 EVAL_RESULTS_HUB = "1.4.0"

@@ -79,14 +79,19 @@ class SpaceOptions:
     ball: Ball = BALL
 
 
-def pair_weights(GtG: Tensor, HtH: Tensor, metric: Metric, n: int, m: int) -> Tensor:
+def pair_weights(GtG: Tensor, HtH: Tensor, metric: Metric, n: int, m: int, epsilon: float = EPSILON) -> Tensor:
     """Each head's calibration weight of the metric under ``ball="calibrated"`` (float64 ``[k]``).
 
-    The weight makes the norm of scaling a head's factors, ``(G, H) -> (1 + t)(G, H)``, what adaptive sharpness gives
-    it, ``t sqrt((n + m) h)``: the inv metric gives that direction ``2 t^2 h``, so ``w = (n + m) / 2``; the mix
-    metric gives ``2 t^2 tr(G^T G H^T H) = 2 t^2 ||G H^T||_F^2``, so ``w = (n + m) h / (2 ||G H^T||_F^2)``. Both are
-    invariant under the group (``G H^T`` is), and a constant factor per head leaves the horizontal space and the
-    geodesics of the metric unchanged (docs/method.md, "Radius convention").
+    inv: ``w = (n + m) / 2``, which makes the norm of scaling a head's factors, ``(G, H) -> (1 + t)(G, H)``, what
+    adaptive sharpness gives it, ``t sqrt((n + m) h)`` (the inv metric gives that direction ``2 t^2 h``). mix:
+    ``w = w_inv / lambda_min(P Q)``, the smallest weight that puts the mix ball inside the calibrated inv ball:
+    ``w [tr(Q xi_G^T xi_G) + tr(P xi_H^T xi_H)] >= w_inv [tr(P^-1 xi_G^T xi_G) + tr(Q^-1 xi_H^T xi_H)]`` for every
+    ``xi`` iff ``w Q >= w_inv P^-1`` and ``w P >= w_inv Q^-1``, i.e. ``w lambda_min(P Q) >= w_inv``. The eigenvalues of
+    ``P Q`` (the relaxed Gram matrices) are those of ``L^T Q L`` (``P = L L^T``), so one batched ``h x h`` Cholesky
+    and ``eigvalsh``; they are the squared singular values of ``G H^T``, each raised by the relaxation to
+    ``(sigma + epsilon tau / sigma)^2 >= 4 epsilon tau`` (``tau = ||G H^T||_F^2 / h``). Both weights are invariant
+    under the group (``P Q`` transforms by similarity), and a constant factor per head leaves the horizontal space
+    and the geodesics of the metric unchanged (docs/method.md, "Radius convention").
 
     Args:
         GtG: ``[k, h, h]`` the unrelaxed ``G^T G`` (summed over the ranks on a shard).
@@ -94,19 +99,22 @@ def pair_weights(GtG: Tensor, HtH: Tensor, metric: Metric, n: int, m: int) -> Te
         metric: ``"inv"`` or ``"mix"``.
         n: the rows of ``G`` (all ranks together).
         m: the rows of ``H``.
+        epsilon: the metric's relaxation (:meth:`GLQuotient.relaxed_grams`), the same as the geometry's.
 
     Returns:
-        ``[k]`` float64, positive. A head with ``G H^T = 0`` (no function to be invariant about) uses
-        ``h ((tr G^T G + tr H^T H) / 2h)^2`` for ``||G H^T||_F^2``, as the relaxation does.
+            ``[k]`` float64, positive and finite: ``lambda_min`` is floored at ``2.2e-16 lambda_max`` (below it the
+        eigensolver's round-off); a head with ``G H^T = 0`` gets the relaxation's stand-in scale, as
+        ``relaxed_grams`` does. ``P`` must be positive definite (``epsilon > 0``, or full-rank factors).
     """
-    h = GtG.shape[-1]
+    w_inv = torch.full(GtG.shape[:1], (n + m) / 2, dtype=torch.float64, device=GtG.device)
     if metric == "inv":
-        return torch.full(GtG.shape[:1], (n + m) / 2, dtype=torch.float64, device=GtG.device)
-    GtG, HtH = GtG.double(), HtH.double()
-    product = (GtG * HtH).sum((-2, -1))  # tr(G^T G H^T H) = ||G H^T||_F^2
-    traces = GtG.diagonal(0, -2, -1).sum(-1) + HtH.diagonal(0, -2, -1).sum(-1)
-    product = torch.where(product > 0, product, h * (traces / (2 * h)).square())
-    return (n + m) * h / (2 * product.clamp_min(torch.finfo(torch.float64).tiny))
+        return w_inv
+    P, Q = GLQuotient.relaxed_grams(GtG.double(), HtH.double(), epsilon)
+    L = torch.linalg.cholesky(P)
+    eigenvalues = torch.linalg.eigvalsh(L.mT @ Q @ L)  # those of P Q, ascending
+    top = eigenvalues[..., -1].clamp_min(torch.finfo(torch.float64).tiny)
+    lowest = torch.maximum(eigenvalues[..., 0], torch.finfo(torch.float64).eps * top)
+    return w_inv / lowest
 
 
 class Shard(Protocol):
@@ -241,7 +249,7 @@ class PerturbationSpace:
         G64, H64 = G.double(), H.double()
         GtG, HtH = rows.gram(G64, G64, 0), rows.gram(H64, H64, 1)
         n, m = (G.shape[1], H.shape[1]) if rows.whole is None else rows.whole
-        return pair_weights(GtG, HtH, self.options.metric, n, m)
+        return pair_weights(GtG, HtH, self.options.metric, n, m, self.options.epsilon)
 
     @staticmethod
     def _weighted(group: PairGroup, heads: slice, values: Tensor) -> Tensor:

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from ...symmetry.base import PairBlock
-from ..defaults import ZERO_TOL
+from ..defaults import EPSILON, ZERO_TOL
 from ..geometry.gl_quotient import GLQuotient
 from ..geometry.lie import algebra_basis
 from .perturbation_space import Pullback, SpaceOptions
@@ -73,18 +73,18 @@ class _Head:
         return x[: n * h].reshape(n, h), x[n * h :].reshape(m, h)
 
 
-def calibration_weight(G: Tensor, H: Tensor, metric: str) -> float:
-    """The head's metric weight under ``ball="calibrated"``: what makes ``||(t G, t H)||_g^2 = t^2 (n + m) h``, the
-    adaptive norm of scaling every entry of the pair by ``1 + t``. Written out: ``||(G, H)||_g^2`` is
-    ``tr(P^-1 G^T G) + tr(Q^-1 H^T H) = 2 h`` for inv and ``tr(Q G^T G) + tr(P H^T H) = 2 ||G H^T||_F^2`` for mix
-    (unrelaxed ``P = G^T G``, ``Q = H^T H``)."""
-    (n, h), m = G.shape, H.shape[0]
+def calibration_weight(G: Tensor, H: Tensor, metric: str, epsilon: float = EPSILON) -> float:
+    """The head's metric weight under ``ball="calibrated"``, from the dense factors. inv: ``(n + m) / 2``, what makes
+    ``||(t G, t H)||_g^2 = t^2 (n + m) h``, the adaptive norm of scaling every entry of the pair by ``1 + t``
+    (``tr(P^-1 G^T G) + tr(Q^-1 H^T H) = 2 h`` at ``epsilon = 0``). mix: ``(n + m) / (2 lambda_min(P Q))`` with the
+    relaxed ``P``, ``Q``, read off the general (non-symmetric) eigenvalues of the product ``P Q`` itself."""
+    n, m = G.shape[0], H.shape[0]
     if metric == "inv":
         return (n + m) / 2
-    square = float(torch.linalg.matrix_norm(G @ H.mT).square())
-    if square == 0:  # a dead head: the relaxation's stand-in scale
-        square = h * (float(G.square().sum() + H.square().sum()) / (2 * h)) ** 2
-    return (n + m) * h / (2 * square)
+    G64, H64 = G.double(), H.double()
+    P, Q = GLQuotient.relaxed_grams((G64.mT @ G64)[None], (H64.mT @ H64)[None], epsilon)
+    eigenvalues = torch.linalg.eigvals(P[0] @ Q[0]).real
+    return (n + m) / 2 / max(float(eigenvalues.min()), 2.220446049250313e-16 * float(eigenvalues.max()))
 
 
 def _build_head(theta: Tensor, G_index: Tensor, H_index: Tensor, basis: Tensor, options: SpaceOptions) -> _Head:
@@ -93,7 +93,7 @@ def _build_head(theta: Tensor, G_index: Tensor, H_index: Tensor, basis: Tensor, 
     GtG, HtH = G.mT @ G, H.mT @ H
     P, Q = GLQuotient.relaxed_grams(GtG[None], HtH[None], options.epsilon)
     relax = (P[0] - GtG, Q[0] - HtH)
-    weight = calibration_weight(G, H, options.metric) if options.ball == "calibrated" else 1.0
+    weight = calibration_weight(G, H, options.metric, options.epsilon) if options.ball == "calibrated" else 1.0
     M = weight * metric_matrix(G, H, relax, options.metric)
     M = 0.5 * (M + M.mT)
     VG, VH = G @ basis, -H @ basis.mT  # [b, n, h], [b, m, h]: the vertical vectors of the basis
