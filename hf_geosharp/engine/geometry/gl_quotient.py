@@ -372,7 +372,12 @@ class GLQuotient:
         tensor stays alive through the model's forward and backward passes in between (the space may read it again
         from the weights). Both write into ``out`` buffers when given (``None``: fresh tensors), so that a caller can
         lend them memory it already has."""
-        raise NotImplementedError
+        correction, saved = self.exp2_correction_saving(xi, out)
+
+        def pullback(d: Pair, x: Pair, out: Pair | None = None, base: Pair | None = None) -> Pair:
+            return self.exp2_pullback(saved, d, x, out, base)
+
+        return correction, pullback
 
     def exp2_correction_saving(self, xi: Pair, out: Pair | None = None) -> tuple[Pair, tuple[Tensor, ...]]:
         """:meth:`exp2_correction_with_pullback` with the pullback's state as tensors (``h x h`` factors of the
@@ -464,20 +469,13 @@ class InvQuotient(GLQuotient):
         cH = xH @ (self.Q_inv @ (sH + sH.mT)) - H @ (self.Q_inv @ tH)
         return 0.5 * cG, 0.5 * cH
 
-    def exp2_correction_with_pullback(self, xi: Pair, out: Pair | None = None) -> tuple[Pair, Pullback]:
-        r"""For the factor :math:`c = \tfrac12[x A - W B]` with :math:`A = P^{-1}(S + S^T)`, :math:`S = x^T W`,
+    def exp2_correction_saving(self, xi: Pair, out: Pair | None = None) -> tuple[Pair, tuple[Tensor, ...]]:
+        r"""The correction, and ``(A_G / 2, A_H / 2)`` for :meth:`exp2_pullback`.
+
+        For the factor :math:`c = \tfrac12[x A - W B]` with :math:`A = P^{-1}(S + S^T)`, :math:`S = x^T W`,
         :math:`B = P^{-1} x^T x`, the pullback of a cotangent :math:`\delta` is
         :math:`\tfrac12[\delta A^T + W(M + M^T) - x(N + N^T)]` with :math:`M = \delta^T x P^{-1}`,
         :math:`N = \delta^T W P^{-1}`; see :meth:`GLQuotient.exp2_correction_with_pullback`."""
-        correction, saved = self.exp2_correction_saving(xi, out)
-
-        def pullback(d: Pair, x: Pair, out: Pair | None = None, base: Pair | None = None) -> Pair:
-            return self.exp2_pullback(saved, d, x, out, base)
-
-        return correction, pullback
-
-    def exp2_correction_saving(self, xi: Pair, out: Pair | None = None) -> tuple[Pair, tuple[Tensor, ...]]:
-        """The correction, and ``(A_G / 2, A_H / 2)`` for :meth:`exp2_pullback`."""
         (xG, xH), (oG, oH) = xi, out or (None, None)
         cG, A_G = _inv_factor(xG, self.G, self.P_inv, oG, lambda a, b: self._row_sum(a, b, 0))
         cH, A_H = _inv_factor(xH, self.H, self.Q_inv, oH, lambda a, b: self._row_sum(a, b, 1))
@@ -518,18 +516,11 @@ class MixQuotient(GLQuotient):
         cH = xH @ ((sG + sG.mT) @ self.P_inv) - H @ (tG @ self.P_inv)
         return -0.5 * cG, -0.5 * cH
 
-    def exp2_correction_with_pullback(self, xi: Pair, out: Pair | None = None) -> tuple[Pair, Pullback]:
-        """G's correction depends on ``xi_H`` and H's on ``xi_G``; the pullback couples them the same way (see
-        :meth:`GLQuotient.exp2_correction_with_pullback`)."""
-        correction, saved = self.exp2_correction_saving(xi, out)
-
-        def pullback(d: Pair, x: Pair, out: Pair | None = None, base: Pair | None = None) -> Pair:
-            return self.exp2_pullback(saved, d, x, out, base)
-
-        return correction, pullback
-
     def exp2_correction_saving(self, xi: Pair, out: Pair | None = None) -> tuple[Pair, tuple[Tensor, ...]]:
-        """The correction, and ``(half_G, half_H)`` (its ``h x h`` factors along ``xi``) for :meth:`exp2_pullback`."""
+        """The correction, and ``(half_G, half_H)`` (its ``h x h`` factors along ``xi``) for :meth:`exp2_pullback`.
+
+        G's correction depends on ``xi_H`` and H's on ``xi_G``; the pullback couples them the same way (see
+        :meth:`GLQuotient.exp2_correction_with_pullback`)."""
         (xG, xH), (oG, oH) = xi, out or (None, None)
         sG, sH = self._row_sum(xG, self.G, 0), self._row_sum(xH, self.H, 1)
         tG, tH = self._row_sum(xG, xG, 0), self._row_sum(xH, xH, 1)
