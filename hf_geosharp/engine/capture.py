@@ -28,7 +28,7 @@ def capture_choice(compile: str, device: torch.device | None = None) -> str:
     if compile == "reduce-overhead" and device is not None and device.type != "cuda":
         raise ValueError(f"compile='reduce-overhead' captures the step as CUDA graphs, which need a CUDA device; the "
                          f"vectors are on {device}. Use compile='default' (or 'off') there.")
-    if compile not in ("off", "default", "reduce-overhead"):
+    if compile not in COMPILE_CHOICES:
         known = torch._dynamo.list_backends(exclude_tags=())
         if compile not in known:
             raise ValueError(f"compile={compile!r} is no torch.compile backend; use 'off', 'default', "
