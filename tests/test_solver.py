@@ -304,6 +304,33 @@ class _Bowl(_Line):
         return loss, grad.add_(self.v, alpha=2 * self.s * (y + self.c) / self.rho)
 
 
+@pytest.mark.parametrize("host_steps", [True, False], ids=["host", "device"])
+def test_a_start_whose_block_stalls_stops_on_the_certificates_gap(monkeypatch, host_steps):
+    """With the strict stop out of reach (a slope bound no climb meets), a start still stops once a whole block
+    raises its best loss by at most ``START_STOP_FRACTION * tol`` of the value and its gap is within ``tol``: auto
+    certifies within its budget and within ``tol`` of the maximum, on the host reference and the device climb
+    alike. Without that rule each start climbs on until its gap and slope reach rounding, and the solve takes more
+    steps."""
+    from hf_geosharp.engine.solvers import climb as solver
+    from hf_geosharp.engine.solvers.apgd import apgd
+
+    monkeypatch.setattr(solver, "SLOPE_STOP_FRACTION", 1e12)
+    bowl = _Bowl(200, rho=0.3, radial=10.0, a=1.0, s=2.0, c=0.1)
+
+    def solve():
+        return apgd(bowl, bowl.objective, rho=bowl.rho, steps=20, max_steps=640, keep_best_gradient=False,
+                    host_steps=host_steps, generator=torch.Generator().manual_seed(0))
+
+    res = solve()
+    assert res.certificate(1e-3, starts=len(res.start_values)) is None, res.certificate(1e-3, starts=2)
+    assert res.steps_used < 640
+    assert res.sharpness == pytest.approx(bowl.maximum(), rel=1e-3)
+    assert max(res.start_gaps) <= 1e-3
+    monkeypatch.setattr(solver.Climb, "stalled", lambda self, best_loss, block_start: False)
+    spun = solve()
+    assert spun.steps_used > res.steps_used
+
+
 def test_auto_certifies_within_tol_of_the_maximum_where_the_loss_rises_steeply_outward(monkeypatch):
     """A start stopped at a gap of ``tol`` would sit 0.6 % below the maximum here, and a second start agreed with it
     (certified, wrongly); a start stops at a tenth of ``tol`` instead, and only where its slope along the sphere is

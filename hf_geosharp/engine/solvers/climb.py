@@ -126,15 +126,32 @@ class Climb:
         tangential = sq_d - d_best * d_best / best.sq if best.sq > 0 else sq_d
         return self.rho * math.sqrt(max(tangential, 0.0)) / sharpness if sharpness > 0 else math.inf
 
-    def stationary_enough(self, best: Best, slope: float) -> bool:
+    def stationary_enough(self, best: Best, slope: float, stalled: bool = False) -> bool:
         """Whether an auto start stops at ``best``: its gap and its ``slope`` are at most ``START_STOP_FRACTION`` of
-        ``tol``, or, in loss units, that fraction of the loss's resolution."""
-        measure = max(best.gap, slope * self.slope_stop)
-        if measure <= self.tol * self.start_stop:
+        ``tol``, or, in loss units, that fraction of the loss's resolution; where the block before ``stalled``
+        (:meth:`stalled`), its gap within ``tol`` (or the resolution) is enough."""
+        start_stop, slope_stop = self.stop_fractions(stalled)
+        measure = max(best.gap, slope * slope_stop)
+        if measure <= self.tol * start_stop:
             return True
         sharpness = best.loss - self.clean_loss
         floor = loss_resolution(self.dtype, self.clean_loss, best.loss)
-        return sharpness > 0 and measure * sharpness <= self.start_stop * floor
+        return sharpness > 0 and measure * sharpness <= start_stop * floor
+
+    def stop_fractions(self, stalled: bool) -> tuple[float, float]:
+        """``(start_stop, slope_stop)`` of the stopping test: the certificate's own (gap within ``tol``, no slope
+        bound) at the first step after a block that stalled, else the stricter ones."""
+        return (1.0, 0.0) if stalled else (self.start_stop, self.slope_stop)
+
+    def stalled(self, best_loss: float, block_start: float) -> bool:
+        """Whether a block raised the start's best loss (``block_start`` before it) by at most
+        ``START_STOP_FRACTION * tol`` of the value, or by the loss's resolution. Blocks double, so a block is as long
+        as all of the start's steps before it: a climb that one cannot raise sits at its basin's maximum as far as it
+        resolves it, and there the start stops on the certificate's own gap (:meth:`stationary_enough`) instead of
+        spending the budget that a second start needs to check it."""
+        sharpness = best_loss - self.clean_loss
+        floor = loss_resolution(self.dtype, self.clean_loss, best_loss)
+        return sharpness > 0 and best_loss - block_start <= max(self.start_stop * self.tol * sharpness, floor)
 
     def saving(self, best: Best) -> Tensor | None:
         """Where the step that consumes the gradient at ``best`` copies it, if gradients are kept and this one is
@@ -158,11 +175,13 @@ class Climb:
         it = _Iterates(xi, sq_xi, xi, sq_xi, sq_xi, egrad)
         best = Best(xi, loss, sq_xi)
         schedule = StepSchedule(2.0 * self.rho, steps, self.min_update_ratio, loss)
-        total, k = steps, 0
+        total, k, block_start, stalled = steps, 0, loss, False
         while k < total:
             step = self.direction(it, best, schedule.eta)
-            if auto and it.xi is best.row and self.stationary_enough(best, self.slope(best, step.sq_d, step.d_xi)):
+            if auto and it.xi is best.row and self.stationary_enough(best, self.slope(best, step.sq_d, step.d_xi),
+                                                                     stalled):
                 return best
+            stalled = False
             self.advance(it, step, best, k)
             value, it.egrad = self.objective(it.xi, auto or k < total - 1, out=self.work)
             loss = self.host_loss(value)
@@ -173,6 +192,7 @@ class Climb:
             if schedule.halve(k, best.loss):
                 it.restart(best)
             if auto and k == total - 1 and total < budget:  # one more block, from the best point
+                stalled, block_start = self.stalled(best.loss, block_start), best.loss
                 block = min(total, budget - total)
                 schedule.extend(total, block, eta=2.0 * self.rho)
                 total += block

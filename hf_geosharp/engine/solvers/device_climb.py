@@ -119,9 +119,10 @@ class DeviceClimb(Climb):
         if steps <= 0:
             return self.finish(rows, _Read(loss, sq_xi, math.nan, AT_X, 0, False, 0), egrad)
         pending: list[Tensor] = []
-        total, k, last = steps, 0, -1
+        total, k, last, block_start, stalled = steps, 0, -1, loss, False
         while True:
-            self.step(rows, state, egrad, k, auto)
+            self.step(rows, state, egrad, k, auto, stalled)
+            stalled = False
             value, egrad = self.objective(rows.x, auto or k < total - 1, out=self.work)
             pending.append(self.bookkeep(state, value, auto))
             if not (k in schedule.checkpoints or k == total - 1 or (auto and k - last >= CHECK_STEPS)):
@@ -135,6 +136,7 @@ class DeviceClimb(Climb):
             if schedule.halve(k, read.best_loss):
                 egrad = self.restart(rows, state, read, egrad)
             if auto and k == total - 1 and total < budget:  # one more block, from the best point
+                stalled, block_start = self.stalled(read.best_loss, block_start), read.best_loss
                 block = min(total, budget - total)
                 schedule.extend(total, block, eta=2.0 * self.rho)
                 total += block
@@ -157,9 +159,12 @@ class DeviceClimb(Climb):
             vec[lanes].fill_(value)
         return _State(vec, eta, loss)
 
-    def step(self, rows: _Rows, state: _State, egrad: Tensor | None, k: int, auto: bool) -> None:
+    def step(self, rows: _Rows, state: _State, egrad: Tensor | None, k: int, auto: bool, stalled: bool = False
+             ) -> None:
         """Step ``k`` from ``rows.x``: its direction (consuming the gradient), the best point's Gram entries where
-        the iterate is the best point (and under ``auto`` whether to stop there), and the next iterate in its row."""
+        the iterate is the best point (and under ``auto`` whether to stop there; ``stalled``: the first step after a
+        block that stalled, :meth:`.climb.Climb.stop_fractions`), and the next iterate in its row."""
+        start_stop, slope_stop = self.stop_fractions(stalled)
         if egrad is None:  # after a restart from an earlier best point
             egrad = self.best_gradient(rows.b)
         at_x = state.vec[AT] == AT_X
@@ -175,7 +180,7 @@ class DeviceClimb(Climb):
         state.vec, coefs = self.scalars(
             state.vec, self.constants, at_x, sq_d, products, scale_sq, order=order, case=case, first=k == 0,
             auto=auto, normalization=self.step_normalization, rho=self.rho, momentum=self.momentum, tol=self.tol,
-            start_stop=self.start_stop, slope_stop=self.slope_stop, clean=self.clean_loss,
+            start_stop=start_stop, slope_stop=slope_stop, clean=self.clean_loss,
             floor_eps=PRECISION_FACTOR * torch.finfo(getattr(torch, self.dtype)).eps)
         self.advance_on_device(rows, at_x if at_p is None else at_p, case, coefs.unbind(0), first=k == 0)
 
