@@ -70,7 +70,8 @@ def apgd(
     memory rule (:func:`~.memory.gradient_rule`), asked once with the clean point's activation bytes; the number is
     the same bits either way. With ``max_steps`` (``steps="auto"``) a start stops as soon as its best point is
     stationary within ``START_STOP_FRACTION * tol`` (the gap is free at every step: it comes from the step's own
-    direction), continuing in blocks of doubling length (each with AS23's checkpoints) while it is not; then further
+    direction), or within ``tol`` after a block that barely raised it (:meth:`.climb.Climb.stalled`), continuing
+    in blocks of doubling length (each with AS23's checkpoints) while it is not; then further
     starts (the antipode of the best point, then points near the best point found so far, up to ``max_starts``) run
     the same way until two stationary starts agree on the best value within ``tol``, all within ``max_steps`` steps.
     With ``step_normalization="riemannian"`` every quantity is g-invariant, so the iterates are equivariant under
