@@ -128,8 +128,8 @@ class Climb:
 
     def stationary_enough(self, best: Best, slope: float, stalled: bool = False) -> bool:
         """Whether an auto start stops at ``best``: its gap and its ``slope`` are at most ``START_STOP_FRACTION`` of
-        ``tol``, or, in loss units, that fraction of the loss's resolution; where the block before ``stalled``
-        (:meth:`stalled`), its gap within ``tol`` (or the resolution) is enough."""
+        ``tol``, or, in loss units, that fraction of the loss's resolution. With ``stalled`` (the block before
+        stalled, :meth:`stalled`) a gap within ``tol``, or within the resolution, is enough."""
         start_stop, slope_stop = self.stop_fractions(stalled)
         measure = max(best.gap, slope * slope_stop)
         if measure <= self.tol * start_stop:
