@@ -60,6 +60,8 @@ aten = torch.ops.aten
 #: The shapes counted: layers x hidden, heads (MiniLM, BERT-base, BERT-large).
 SHAPES = [ModelSize("6x384x12", 6, 384, 12), ModelSize("12x768x12", 12, 768, 12), ModelSize("24x1024x16", 24, 1024, 16)]
 MEASURES = ("adaptive_clean", "geodesic_inv", "geodesic_mix")
+#: The measures whose workspace the GPU rule changes (clean adaptive has no pair geometry).
+GEODESIC = ("geodesic_inv", "geodesic_mix")
 BATCH, SEQ = 2, 16
 SHORT, LONG = 2, 6
 
@@ -222,18 +224,43 @@ def _difference(long: Counter, short: Counter, steps: int) -> Counter:
     return Counter({k: (long[k] - short[k]) / steps for k in set(long) | set(short)})
 
 
+#: The free memory the suite simulates for the GPU rule's row (an H100's 80 GB): on CUDA the workspace may grow into
+#: a share of it (:func:`hf_geosharp.engine.solvers.memory.workspace_room`); on the CPU the bytes goal alone sizes it.
+SIMULATED_FREE = 80 * 10**9
+
+
+@contextlib.contextmanager
+def free_memory(free: int | None) -> Iterator[None]:
+    """Inside, the single-process placement sizes its workspace as on a device with ``free`` bytes free (None: as
+    the device itself says). Only the workspace's size depends on it, so the counts are those of a GPU with that
+    much room."""
+    if free is None:
+        yield
+        return
+    probe = single.device_free_bytes
+    single.device_free_bytes = lambda device: free
+    try:
+        yield
+    finally:
+        single.device_free_bytes = probe
+
+
 def count_shape(size: ModelSize, measures: tuple[str, ...] = MEASURES, device: str = "cpu",
-                rho: float = 0.1) -> dict[str, Any]:
-    """The counts of one shape: the plain forward+backward and, per measure, per step outside and inside."""
+                rho: float = 0.1, free: int | None = None) -> dict[str, Any]:
+    """The counts of one shape: the plain forward+backward and, per measure, per step outside and inside (with
+    ``free``, the workspace sized as on a device with that much free memory, :func:`free_memory`)."""
     model = bert_classifier(size, device=device)
     batches = bert_batches(model, n_batches=1, batch_size=BATCH, seq_len=SEQ)
     smap, _ = symmetry_map(model)
     plain = _plain(model, batches[0])
     row: dict[str, Any] = {"shape": size.name, "n_params": sum(p.numel() for p in model.parameters()),
                            "plain_forward_backward": plain, "measures": {}}
+    if free is not None:
+        row["simulated_free_bytes"] = free
     for measure in measures:
-        short = _count(measure, model, batches, smap, SHORT, rho)
-        long = _count(measure, model, batches, smap, LONG, rho)
+        with free_memory(free):
+            short = _count(measure, model, batches, smap, SHORT, rho)
+            long = _count(measure, model, batches, smap, LONG, rho)
         ops = _difference(long.ops, short.ops, LONG - SHORT)
         calls = (long.model_calls - short.model_calls) / (LONG - SHORT)
         inside = Counter()
@@ -266,6 +293,8 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     shapes = cfg.pick(SHAPES, SHAPES[:2])
     result = {"suite": "launch", "batch": [BATCH, SEQ], "steps": [SHORT, LONG],
               "rows": [count_shape(s, device=cfg.device, rho=cfg.rho) for s in shapes]}
+    if cfg.device == "cpu" and len(shapes) == len(SHAPES):  # the deepest shape's workspace as on a GPU with room
+        result["rows"].append(count_shape(shapes[-1], GEODESIC, device=cfg.device, rho=cfg.rho, free=SIMULATED_FREE))
     reference = stored_reference(cfg.device)
     if reference:
         result["reference"] = reference
@@ -283,15 +312,18 @@ def table(result: dict[str, Any]) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         p = r["plain_forward_backward"]
+        shape = r["shape"] + (f", GPU rule ({r['simulated_free_bytes'] / 1e9:.0f} GB free)"
+                              if "simulated_free_bytes" in r else "")
         for name, m in r["measures"].items():
             o, i, files = m["outside"], m["inside"], m["outside_kernels_by_file"]
             elementwise = files.get("engine/geometry/elementwise.py", 0.0)
             pairs = sum(files.get(f, 0.0) for f in PAIR_FILES)
-            lines.append(f"| {r['shape']} | {p['ops']:.0f} ({p['kernels']:.0f}) | {name} | {o['ops']:.0f} | "
+            lines.append(f"| {shape} | {p['ops']:.0f} ({p['kernels']:.0f}) | {name} | {o['ops']:.0f} | "
                          f"{o['kernels']:.0f} | {elementwise:g} | {pairs:g} | {o['syncs']:g} | "
                          f"{i['ops']:.0f} ({i['kernels']:.0f}) | {i['syncs']:g} | {m['model_calls_per_step']:g} |")
     lines.append("\nper solver step (6 steps - 2 steps, / 4), 2 x 16 tokens; outside = the solver step outside the "
                  "model's forward and backward (elementwise: engine/geometry/elementwise.py; pairs: the pair "
                  "geometry's files); inside = within them (model and engine together; compare the plain "
-                 "forward+backward); syncs include uploads of host data.")
+                 "forward+backward); syncs include uploads of host data. GPU rule: the workspace sized as on a device "
+                 "with that much free memory (simulated on the CPU; only the workspace's size depends on it).")
     return "\n".join(lines)

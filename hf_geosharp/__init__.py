@@ -40,8 +40,6 @@ EVALUATE_MODULE_DIR = str(_register.MODULE_DIR)
 EVALUATE_MODULE_SCRIPT = str(_register.SCRIPT)
 """Its loading script, for a load by path from any directory: ``evaluate.load(EVALUATE_MODULE_SCRIPT)``."""
 
-_register.quiet_cache_notice()  # evaluate's "using the latest cached version" notice, for this module only
-
 
 def __getattr__(name: str) -> object:
     """A public name, imported from its module on first use and kept (see ``_PUBLIC``)."""

@@ -104,3 +104,36 @@ def test_classification_of_ops():
     assert launch.classify(aten.nonzero.default, (x,), {}) == "sync"
     assert launch.classify(aten.empty.memory_format, ([3],), {}) == "view"
     assert launch.classify(aten.lift_fresh.default, (x,), {}) == "upload"
+
+
+#: A width at which one head chunk per pair group needs more scratch than the least workspace (1 Mi entries): with
+#: no room from the bytes goal (patched to 0, as in a deep model), the groups are cut into chunks.
+WIDE = ModelSize("wide", 2, 256, 4)
+
+
+@pytest.fixture(scope="module")
+def roomless() -> dict[tuple[int, bool], float]:
+    """Geodesic inv's kernels a step outside the model at 2 and 6 layers of width 256, with the bytes goal leaving no
+    room for the workspace, on the CPU (no free memory known) and under the GPU rule (80 GB free, simulated)."""
+    from hf_geosharp.engine.solvers import memory
+
+    goal, out = memory.BYTES_PER_PARAMETER_GOAL, {}
+    memory.BYTES_PER_PARAMETER_GOAL = 0
+    try:
+        for layers in (2, 6):
+            size = ModelSize(f"wide-{layers}", layers, WIDE.hidden, WIDE.heads)
+            for gpu in (False, True):
+                row = launch.count_shape(size, ("geodesic_inv",), rho=RHO, free=launch.SIMULATED_FREE if gpu else None)
+                out[layers, gpu] = row["measures"]["geodesic_inv"]["outside"]["kernels"]
+    finally:
+        memory.BYTES_PER_PARAMETER_GOAL = goal
+    return out
+
+
+def test_where_the_goal_cuts_the_groups_a_gpu_with_room_keeps_one_chunk(roomless):
+    """The rule that sizes the workspace prefers one chunk per pair group on a GPU with room: where the bytes goal
+    alone would cut the groups into head chunks (the count then grows with depth, the control), the free memory of a
+    GPU keeps the step's kernels independent of depth."""
+    assert roomless[6, False] > roomless[2, False] + 50 * PATH_SLACK  # the control: chunks repeat the geometry
+    assert roomless[6, True] <= roomless[2, True] + PATH_SLACK
+    assert roomless[6, True] < roomless[6, False]

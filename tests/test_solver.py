@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from hf_geosharp.engine.solvers.memory import Footprint, keeps_best_gradient
+from hf_geosharp.engine.solvers.memory import Footprint, keeps_best_gradient, workspace_room
 from hf_geosharp.engine.solvers.schedule import as23_checkpoints
 from hf_geosharp.engine.space.perturbation_space import PerturbationSpace, SpaceOptions
 from hf_geosharp.symmetry import map_symmetries
@@ -183,6 +183,23 @@ def test_the_memory_rule(model, vector, space, activations, kept):
     parameters, weights = model
     footprint = Footprint(int(vector * MB), int(space * MB), parameters, weights, int(activations * MB))
     assert keeps_best_gradient(footprint) is kept
+
+
+BERT_LARGE = 335_141_888  # parameters (24 x 1024, 16 heads)
+
+
+def test_the_workspace_room_rule():
+    """The bytes goal alone where the device's free memory is not known (a CPU); on a GPU with room, a share of what
+    is free beside the solver's vectors, where that is more; never less than the goal gives, never negative."""
+    vector = 4 * 304_000_000  # BERT-large's perturbed coordinates (its used embedding rows), float32
+    goal = workspace_room(BERT_LARGE, vector)
+    assert goal == int(0.98 * 16 * BERT_LARGE) - 4 * vector
+    one_chunk = (151_000_000 + 101_000_000) * 4  # its pair geometry's scratch and base-point copy (launch suite)
+    assert goal < one_chunk
+    gpu = workspace_room(BERT_LARGE, vector, free=80 * 10**9)
+    assert gpu == int(0.5 * (80 * 10**9 - 5 * vector)) and gpu > one_chunk
+    assert workspace_room(BERT_LARGE, vector, free=10**9) == goal  # a full GPU: the goal still holds
+    assert workspace_room(10, 4 * 100) == 0
 
 
 class _Line:

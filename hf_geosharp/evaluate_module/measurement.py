@@ -56,6 +56,7 @@ from ..data import (
 from ..engine.result import certified
 from ..measures import DEFAULT_MEASURES, MEASURES, Settings, parse_measures, result_fields, setting_help
 from ..pipeline import ModelSource, Request, gathered_rows, init_distributed, is_sharded, load, prepare
+from .register import quiet_cache_notice
 
 INPUTS = ("predictions", "input_ids", "attention_mask", "token_type_ids", "pixel_values", "labels")
 #: Inputs stored as int64: a float there would be truncated without a word, so it is refused.
@@ -366,6 +367,7 @@ class GeodesicSharpness(evaluate.Measurement):
     """Geodesic (symmetry-invariant) sharpness of a model on labelled examples, with adaptive sharpness as baseline."""
 
     def _info(self) -> evaluate.MeasurementInfo:
+        quiet_cache_notice()  # evaluate builds this module: its later loads from the cache need no notice
         return evaluate.MeasurementInfo(
             module_type="measurement",
             description=_DESCRIPTION,

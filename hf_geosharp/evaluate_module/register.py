@@ -85,7 +85,9 @@ class _CacheNoticeFilter(logging.Filter):
 
 
 def quiet_cache_notice() -> None:
-    """Install the filter on evaluate's loader logger (once; evaluate itself need not be imported yet)."""
+    """Install the filter on evaluate's loader logger (once), when evaluate builds the module: importing the package
+    leaves evaluate's logging alone, so the first bare-name load in a process shows evaluate's notice, the next ones
+    do not."""
     loader = logging.getLogger("evaluate.loading")
     if not any(isinstance(f, _CacheNoticeFilter) for f in loader.filters):
         loader.addFilter(_CacheNoticeFilter())

@@ -23,7 +23,7 @@ from ...symmetry.base import PairBlock
 from ..defaults import ZERO_TOL
 from ..model_function.embedding_rows import RowLookup
 from ..settings import RunSettings
-from ..solvers.memory import BYTES_MARGIN, BYTES_PER_PARAMETER_GOAL
+from ..solvers.memory import device_free_bytes, workspace_room
 from ..space.workspace import Workspace
 from .base import Backward, Holding
 
@@ -110,12 +110,12 @@ class SingleProcess:
         return base, _remap(blocks, [p.numel() for p in params], kept)
 
     def workspace(self, numel: int, dtype: torch.dtype) -> Workspace:
-        """A workspace sized to the vector (``Workspace.sized_for``), which may grow into what the solver's bytes
-        goal leaves beside four vectors (its margin kept): one head chunk per pair group wherever that fits."""
+        """A workspace sized to the vector (``Workspace.sized_for``), which may grow to
+        :func:`~..solvers.memory.workspace_room`: what the solver's bytes goal leaves beside four vectors, or on a GPU
+        with more room a share of its free memory; one head chunk per pair group wherever that fits."""
         params = sum(p.numel() for p in self.model.parameters())
-        goal = (1.0 - BYTES_MARGIN) * BYTES_PER_PARAMETER_GOAL * params
-        room = int(goal) - 4 * numel * dtype.itemsize
-        return Workspace.sized_for(numel, dtype, self.device, room=max(room, 0))
+        room = workspace_room(params, numel * dtype.itemsize, device_free_bytes(torch.device(self.device)))
+        return Workspace.sized_for(numel, dtype, self.device, room=room)
 
     @contextlib.contextmanager
     def substituted(self, out: Tensor, need_grad: bool) -> Iterator[Backward]:

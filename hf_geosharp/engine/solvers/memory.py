@@ -26,6 +26,14 @@ PEAK_RATIO_GOAL = 1.5
 #: allocator's rounding, a pass's temporaries): the memory suite measured 16.04 bytes per parameter where five
 #: vectors and the space came to 15.94 (BERT-base, clean adaptive).
 BYTES_MARGIN = 0.02
+#: Where the device reports its free memory (CUDA), the geometry's scratch may grow beyond what the bytes goal leaves,
+#: into this share of the memory that is free once the solve's vectors are counted (the rest is left to the model's
+#: activations and the allocator): one head chunk per pair group keeps a step's kernels independent of depth, and a
+#: deep model (24 x 1024) needs about 19 bytes per perturbed parameter for it where the goal gives 16.
+FREE_MEMORY_SHARE = 0.5
+#: The parameter-sized vectors a solve may still allocate after its workspace is sized (four rows and the kept
+#: gradient).
+SOLVER_VECTORS = 5
 
 
 @dataclass(frozen=True)
@@ -74,6 +82,37 @@ def keeps_best_gradient(footprint: Footprint) -> bool:
     least = footprint.weights + footprint.activations
     most = 2 * footprint.weights + footprint.activations
     return five <= headroom * least or four > headroom * most
+
+
+def workspace_room(parameters: int, vector_bytes: int, free: int | None = None) -> int:
+    """The bytes the geometry's scratch workspace may grow to (:meth:`~..space.workspace.Workspace.plan` takes only
+    what one head chunk per pair group needs, within this).
+
+    Everywhere: what :data:`BYTES_PER_PARAMETER_GOAL` leaves beside four solver vectors, its margin kept. Where the
+    device reports ``free`` memory (a GPU), also up to :data:`FREE_MEMORY_SHARE` of what is free once the solver's
+    vectors are counted, if that is more: a GPU with room then runs every pair group in one chunk, and the goal binds
+    only where the memory does (a CPU's memory is shared with everything else on the machine, and is not probed).
+
+    Args:
+        parameters: the model's parameter count.
+        vector_bytes: the bytes of one solver vector.
+        free: the device's free memory in bytes (:func:`device_free_bytes`), or None where it is not known.
+
+    Returns:
+        The workspace's limit in bytes (never negative)."""
+    room = int((1.0 - BYTES_MARGIN) * BYTES_PER_PARAMETER_GOAL * parameters) - 4 * vector_bytes
+    if free is not None:
+        room = max(room, int(FREE_MEMORY_SHARE * (free - SOLVER_VECTORS * vector_bytes)))
+    return max(room, 0)
+
+
+def device_free_bytes(device: torch.device) -> int | None:
+    """The memory a CUDA ``device`` can still give (free on the device plus what PyTorch's allocator holds unused);
+    None on any other device."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
 
 
 @contextlib.contextmanager
