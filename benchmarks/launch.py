@@ -295,10 +295,29 @@ def run(cfg: RunConfig) -> dict[str, Any]:
               "rows": [count_shape(s, device=cfg.device, rho=cfg.rho) for s in shapes]}
     if cfg.device == "cpu" and len(shapes) == len(SHAPES):  # the deepest shape's workspace as on a GPU with room
         result["rows"].append(count_shape(shapes[-1], GEODESIC, device=cfg.device, rho=cfg.rho, free=SIMULATED_FREE))
+        result["depth"] = depth(shapes, cfg.device)
     reference = stored_reference(cfg.device)
     if reference:
         result["reference"] = reference
     return result
+
+
+#: The radius of the depth comparison: there the shallowest and the deepest shape's 6-step solves take the same path
+#: (one model call a step, no halving restart), so their counts differ by what depth adds. At rho 0.1 the deeper
+#: shapes restart in a quarter of the steps, and a restart costs a pair-geometry pass (about 113 kernels).
+DEPTH_RHO = 0.01
+
+
+def depth(shapes: list[ModelSize], device: str) -> dict[str, Any]:
+    """Geodesic inv's kernels a step outside the model at :data:`DEPTH_RHO` for every shape (the deepest with its
+    workspace as on a GPU with room), with the model calls a step that say which path each solve took."""
+    rows = []
+    for size in shapes:
+        free = SIMULATED_FREE if size is shapes[-1] else None
+        m = count_shape(size, ("geodesic_inv",), device=device, rho=DEPTH_RHO, free=free)["measures"]["geodesic_inv"]
+        rows.append({"shape": size.name, "kernels": m["outside"]["kernels"],
+                     "model_calls_per_step": m["model_calls_per_step"], "simulated_free_bytes": free})
+    return {"rho": DEPTH_RHO, "measure": "geodesic_inv", "rows": rows}
 
 
 #: Engine files of the pair geometry (for the table's split of the outside kernels).
