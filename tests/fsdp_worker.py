@@ -16,8 +16,11 @@ import torch
 import torch.distributed as dist
 from torch.func import functional_call
 
+from hf_geosharp.engine.placement import fsdp
 from hf_geosharp.engine.placement.fsdp_layout import ShardedLayout, fsdp_state
 from hf_geosharp.engine.placement.sharding import shard_model
+from hf_geosharp.engine.solvers.memory import workspace_room
+from hf_geosharp.engine.space.workspace import DEFAULT_ENTRIES
 
 TOL = 1e-12
 QKV = ("query", "key", "value", "q_proj", "k_proj", "v_proj")
@@ -209,6 +212,25 @@ def refused(model: torch.nn.Module, words: str) -> None:
         raise AssertionError(f"{words} was accepted")
 
 
+def check_workspace(model: torch.nn.Module, layout: ShardedLayout) -> None:
+    """Every rank gets one workspace limit, the least of the ranks' rooms, so that all cut the heads alike: on a CPU
+    (no free memory known) the default size; with free memory that differs per rank (a GPU's, simulated) the
+    smallest rank's share of it."""
+    placement, f32 = fsdp.FsdpPlacement(model, layout), torch.float32
+    cpu = placement.workspace(layout.numel, f32)
+    assert cpu.limit == cpu.entries == DEFAULT_ENTRIES, (cpu.limit, cpu.entries)
+    real = fsdp.device_free_bytes
+    fsdp.device_free_bytes = lambda device: (layout.rank + 1) << 30
+    try:
+        gpu = placement.workspace(layout.numel, f32)
+    finally:
+        fsdp.device_free_bytes = real
+    limits: list[int | None] = [None] * layout.world
+    dist.all_gather_object(limits, gpu.limit)
+    least = workspace_room(layout.numel, layout.numel * f32.itemsize, 1 << 30) // f32.itemsize
+    assert limits == [least] * layout.world and least > DEFAULT_ENTRIES, (limits, least)
+
+
 def main(arch: str, shard1: bool) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -232,6 +254,7 @@ def main(arch: str, shard1: bool) -> None:
     check_serving(model, ref, batch, layout, owner, pos, frozen_index)
     check_unchanged(model, layout, before)
     check_exceptions(model, ref, batch, layout, before)
+    check_workspace(model, layout)
     total = layout.all_reduce(torch.tensor([layout.rank + 1.0], dtype=torch.float64))
     assert total.item() == layout.world * (layout.world + 1) / 2
     if arch == "bert" and not shard1:

@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from ...symmetry.base import PairBlock
 from ..model_function.embedding_rows import RowLookup, UsedRows, rows_of_every_rank
 from ..settings import RunSettings
+from ..solvers.memory import device_free_bytes, workspace_room
 from ..space.workspace import Workspace
 from .base import Backward, Holding
 from .fsdp_layout import ShardedLayout, fsdp_state
@@ -143,8 +144,12 @@ class FsdpPlacement:
         return base, blocks
 
     def workspace(self, numel: int, dtype: torch.dtype) -> Workspace:
-        """The default workspace on every rank (not sized by the local shard): all ranks must cut the heads alike."""
-        return Workspace(dtype, self.device)
+        """The default workspace on every rank, which may grow to the least of the ranks'
+        :func:`~..solvers.memory.workspace_room` (each on its shard and its device's free memory): every rank then
+        plans the same head chunks from the groups' global sizes. On GPUs with room that is one chunk per pair group;
+        where the goal leaves no room beside the vectors (a CPU), the default size."""
+        room = workspace_room(self.layout.numel, numel * dtype.itemsize, device_free_bytes(self.device))
+        return Workspace(dtype, self.device, limit=self.layout.least(room) // dtype.itemsize)
 
     @contextlib.contextmanager
     def substituted(self, out: Tensor, need_grad: bool) -> Iterator[Backward]:

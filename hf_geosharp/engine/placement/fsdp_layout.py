@@ -315,3 +315,9 @@ class ShardedLayout:
         """In-place sum of ``t`` over the FSDP group (float64 included); returns ``t``."""
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
         return t
+
+    def least(self, value: int) -> int:
+        """The smallest of the ranks' ``value`` (a collective: every rank calls it)."""
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return int(t.item())
