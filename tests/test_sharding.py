@@ -3,8 +3,9 @@
 4 ranks) and a tiny Llama with GQA and RoPE, against an unsharded copy of the same model. The worker checks, on every
 rank: the shards placed by ``localize`` rebuild every parameter exactly; the loss under ``serving`` equals the unsharded
 loss at the perturbed weights, also after ``theta`` moved in place; ``stream_gradients`` gives the local pieces of the
-unsharded gradient, zeros for a frozen parameter; every rank gets the same workspace limit; shards, ``.grad``, ``requires_grad`` and modes are unchanged
-afterwards, also after an exception or a KeyboardInterrupt inside ``serving``; unsupported setups are refused."""
+unsharded gradient, zeros for a frozen parameter; every rank gets the same workspace limit; shards, ``.grad``,
+``requires_grad`` and modes are unchanged afterwards, also after an exception or a KeyboardInterrupt inside
+``serving``; unsupported setups are refused."""
 
 from __future__ import annotations
 

@@ -264,3 +264,43 @@ def test_the_leaderboard_draws_where_each_geodesic_worst_case_sits(geodesic, ada
     written = heatmaps(board, tmp_path)
     assert written == [tmp_path / "where" / "org_tiny__geodesic_sharpness_inv.png"]
     assert written[0].read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("measure", ["geodesic", "adaptive"])
+def test_the_clean_gradient_kept_by_the_solver_gives_the_same_breakdown_with_one_pass_less(measure, model,
+                                                                                          monkeypatch):
+    """Where the memory rule keeps it, the breakdown reads the gradient at the clean point that the solver's first
+    evaluation computed: the same bits as its own forward and backward, which it then spares (one per batch)."""
+    from hf_geosharp.engine.model_function import objective as objective_module
+    from hf_geosharp.engine.solvers import memory
+
+    calls = []
+    on_device = objective_module.Objective.on_device
+
+    def counted(self, xi, need_grad, *args, **kwargs):
+        calls.append(need_grad)
+        return on_device(self, xi, need_grad, *args, **kwargs)
+
+    monkeypatch.setattr(objective_module.Objective, "on_device", counted)
+    fn = gs.geodesic_sharpness if measure == "geodesic" else gs.adaptive_sharpness
+    runs = {}
+    for keep in (True, False):
+        monkeypatch.setattr(memory, "keeps_clean_gradient", lambda footprint, keep=keep: keep)
+        calls.clear()
+        res = fn(model, _batches(), rho=RHO, steps=5, progress=False)
+        runs[keep] = (res, sum(calls))
+    (kept, passes_kept), (recomputed, passes) = runs[True], runs[False]
+    assert passes_kept == passes - 2  # two batches
+    assert kept.per_batch == recomputed.per_batch and kept.stationarity_gap == recomputed.stationarity_gap
+    assert kept.breakdown == recomputed.breakdown
+
+
+def test_the_clean_gradient_rule_counts_a_sixth_vector():
+    """The clean point's gradient is kept where six vectors fit the goals that five do; at the bytes goal's edge the
+    best point's gradient is kept and the clean point's is not."""
+    from hf_geosharp.engine.solvers.memory import Footprint, keeps_best_gradient, keeps_clean_gradient
+
+    room = Footprint(vector=100, space=0, parameters=100, weights=400, activations=10_000)
+    assert keeps_best_gradient(room) and keeps_clean_gradient(room)
+    edge = Footprint(vector=300, space=0, parameters=100, weights=400, activations=10_000)  # 1500 + 300 > 1568
+    assert keeps_best_gradient(edge) and not keeps_clean_gradient(edge)

@@ -35,7 +35,7 @@ from .solvers.apgd import AUTO_BLOCK, apgd
 from .solvers.as23 import apgd_as23
 from .solvers.average import average_case
 from .solvers.certificate import AT_PRECISION, CERTIFIED, NOT_CERTIFIED, SolveResult, loss_dtype
-from .solvers.memory import gradient_rule
+from .solvers.memory import clean_gradient_rule, gradient_rule
 from .space.perturbation_space import PerturbationSpace
 from .worst_direction import WorstDirection
 from .worst_direction import profile_points as profile_points_of
@@ -46,8 +46,9 @@ logger = logging.getLogger(__name__)
 def solve(settings: RunSettings, space: PerturbationSpace, objective: Objective, generator: torch.Generator,
           on_step: Callable[[int, float], None], keep_best_point: bool = False) -> SolveResult:
     """One batch: the average case, AS23's solver, or the clean Auto-PGD (``keep_best_point``: the result carries
-    the best point; AS23's always does). The memory decision (whether Auto-PGD keeps its best point's gradient) and
-    the loss's floating type come from the model the objective evaluates."""
+    the best point, AS23's always does, and, where the memory rule allows, the gradient at the clean point, which
+    the breakdown reads). The memory decisions (whether Auto-PGD keeps its best point's gradient, and the clean
+    point's) and the loss's floating type come from the model the objective evaluates."""
     auto = settings.steps == "auto"
     first, budget = (min(AUTO_BLOCK, settings.max_steps), settings.max_steps) if auto else (settings.steps, None)
     if settings.mode == "average":
@@ -60,7 +61,8 @@ def solve(settings: RunSettings, space: PerturbationSpace, objective: Objective,
                 step_normalization=settings.step_normalization, on_step=on_step, max_steps=budget, tol=settings.tol,
                 generator=generator, keep_best_gradient=gradient_rule(space, objective.model),
                 keep_best_point=keep_best_point, loss_dtype=loss_dtype(objective.model, space.dtype),
-                compile=settings.compile)
+                compile=settings.compile,
+                keep_clean_gradient=clean_gradient_rule(space, objective.model) if keep_best_point else False)
 
 
 def batch_seed(seed: int, index: int) -> int:
@@ -160,8 +162,9 @@ def _solve_batches(space: PerturbationSpace, objective: Objective, settings: Run
             reading = None
             if reader is not None:  # the best point alone, the solver's other vectors freed: the reading's
                 best, out.best_point = out.best_point.clone(), None  # own vectors then fit in their place
-                reading = reader.read(best, index, out.clean_loss, out.max_loss)
-                del best
+                gradient, out.clean_gradient = out.clean_gradient, None
+                reading = reader.read(best, index, out.clean_loss, out.max_loss, gradient)
+                del best, gradient
         samples = [loss - out.clean_loss for loss in out.losses[1:]] if settings.mode == "average" else None
         state, note = out.verdict(settings.tol, settings.starts) if settings.mode == "worst" else (None, None)
         precision = note if state == AT_PRECISION else None

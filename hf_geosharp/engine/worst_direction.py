@@ -159,12 +159,16 @@ class WorstDirection:
         return out
 
     # ------------------------------------------------------------------ per batch
-    def read(self, xi: Tensor, index: int, clean_loss: float, best_loss: float) -> dict[str, Any]:
+    def read(self, xi: Tensor, index: int, clean_loss: float, best_loss: float,
+             gradient: Tensor | None = None) -> dict[str, Any]:
         """``{"parts": [[norm_sq, first_order] per layer, per head, outside the pairs], "geodesic", "segment":
         profile curves or None, "perturbation": WorstCasePerturbation or None}`` for the best point ``xi`` of the
-        objective's current batch."""
+        objective's current batch; ``gradient``: the loss's gradient at the clean point where the solver kept it
+        (else one forward and backward computes it)."""
         space = self.space
-        _, grad = self.objective(space.zero(), True)  # dL/dxi at 0 = dL/dw: Exp's derivative at 0 is the identity
+        grad = gradient
+        if grad is None:  # dL/dxi at 0 = dL/dw: Exp's derivative at 0 is the identity
+            _, grad = self.objective(space.zero(), True)
         seg_norm, _ = space.segment_products(xi, xi)
         _, seg_first = space.segment_products(grad, xi)
         pair_norm = torch.cat([m for m, _ in space.pair_products(xi, xi)]) if self.pairs else torch.zeros(0)

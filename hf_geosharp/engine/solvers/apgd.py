@@ -60,6 +60,7 @@ def apgd(
     loss_dtype: str | None = None,
     host_steps: bool = False,
     compile: str = "off",
+    keep_clean_gradient: bool | GradientRule = False,
 ) -> SolveResult:
     """Worst case ``max_{xi in S} L(Exp(w0; xi)) - L(w0)`` by Auto-PGD, zero init, ``eta0 = 2 rho``.
 
@@ -94,9 +95,11 @@ def apgd(
 
     With ``keep_best_point`` the result carries the best point (``SolveResult.best_point``): the pool row that holds
     it, or, when a later start reused that row, a copy made before that start (one more vector, under
-    ``steps="auto"`` only). It changes no number. ``loss_dtype`` names the floating type the loss is computed in
-    (the model's lowest precision, :func:`~.certificate.loss_dtype`; default the vectors' dtype), which sets the
-    certificate's resolution.
+    ``steps="auto"`` only). It changes no number. With ``keep_clean_gradient`` (a bool, or the caller's memory rule,
+    :func:`~.memory.clean_gradient_rule`) it carries a copy of the gradient at the clean point, which its first
+    evaluation computes anyway (``SolveResult.clean_gradient``, one more vector during the solve). ``loss_dtype``
+    names the floating type the loss is computed in (the model's lowest precision, :func:`~.certificate.loss_dtype`;
+    default the vectors' dtype), which sets the certificate's resolution.
 
     The step's bookkeeping stays on the device (:class:`~.device_climb.DeviceClimb`): the host reads it once per
     check (a step-size checkpoint, a block's end), never inside a step. ``host_steps=True`` runs the reference
@@ -113,7 +116,7 @@ def apgd(
     with capture:
         return _apgd(space, objective, rho, steps, momentum, step_normalization, min_update_ratio, on_step,
                      max_steps, tol, generator, max_starts, keep_best_gradient, keep_best_point, loss_dtype,
-                     host_steps, compile)
+                     host_steps, compile, keep_clean_gradient)
 
 
 def _capture(space: Space, compile: str) -> contextlib.AbstractContextManager[None]:
@@ -128,7 +131,7 @@ def _apgd(space: Space, objective: ObjectiveFn, rho: float, steps: int, momentum
           step_normalization: StepNormalization, min_update_ratio: float, on_step: Callable[[int, float], None] | None,
           max_steps: int | None, tol: float, generator: torch.Generator | None, max_starts: int,
           keep_best_gradient: bool | GradientRule, keep_best_point: bool, loss_dtype: str | None, host_steps: bool,
-          compile: str) -> SolveResult:
+          compile: str, keep_clean_gradient: bool | GradientRule = False) -> SolveResult:
     """:func:`apgd` within its capture context."""
     auto = max_steps is not None
     pool = Pool(space.empty(), 4)
@@ -138,12 +141,16 @@ def _apgd(space: Space, objective: ObjectiveFn, rho: float, steps: int, momentum
     work = pool.free(xi)
     xi.zero_()
     rule = keep_best_gradient if callable(keep_best_gradient) else None
-    with saved_activation_bytes() if rule is not None else contextlib.nullcontext([0]) as activations:
+    clean_rule = keep_clean_gradient if callable(keep_clean_gradient) else None
+    measure = rule is not None or clean_rule is not None
+    with saved_activation_bytes() if measure else contextlib.nullcontext([0]) as activations:
         clean, egrad = objective(xi, True, out=work)
     clean_loss = float(clean)  # (read once, before any step)
     if not math.isfinite(clean_loss):
         raise non_finite_loss(clean_loss, None)
     keep = rule(work, activations[0]) if rule is not None else bool(keep_best_gradient)
+    keep_clean = clean_rule(work, activations[0]) if clean_rule is not None else bool(keep_clean_gradient)
+    clean_gradient = space.empty().copy_(egrad) if keep_clean else None  # (the first step consumes egrad)
     dtype = loss_dtype or str(work.dtype).removeprefix("torch.")
     options = dict(rho=rho, momentum=momentum, step_normalization=step_normalization,
                    min_update_ratio=min_update_ratio, on_step=on_step, tol=tol, clean_loss=clean_loss,
@@ -158,7 +165,8 @@ def _apgd(space: Space, objective: ObjectiveFn, rho: float, steps: int, momentum
     overall = starts.overall
     point = None if not keep_best_point else overall.row if overall is starts.last else starts.kept_point
     return SolveResult(overall.loss, clean_loss, climb.losses, math.sqrt(overall.sq), overall.gap, starts.values,
-                       starts.gaps, starts.kinds if auto else [], dtype, best_point=point)
+                       starts.gaps, starts.kinds if auto else [], dtype, best_point=point,
+                       clean_gradient=clean_gradient)
 
 
 class _Starts:

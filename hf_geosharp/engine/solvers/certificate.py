@@ -36,6 +36,8 @@ class SolveResult:
     dtype: str = "float64"
     #: The best point itself (a tangent vector of the space) when the solver was asked to keep it, else None.
     best_point: Tensor | None = field(default=None, repr=False, compare=False)
+    #: The loss's gradient at the clean point (``xi = 0``) when the solver was asked to keep it, else None.
+    clean_gradient: Tensor | None = field(default=None, repr=False, compare=False)
 
     @property
     def sharpness(self) -> float:

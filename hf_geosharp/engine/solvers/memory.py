@@ -74,14 +74,30 @@ def keeps_best_gradient(footprint: Footprint) -> bool:
 
     Small batches (a MiniLM at 1024 tokens) keep it, large ones (64 x 128 tokens) too, and a MiniLM at 16 x 128
     tokens, whose four vectors fit the peak goal and five would not, recomputes."""
+    return _within_goals(footprint, kept=1)
+
+
+def keeps_clean_gradient(footprint: Footprint) -> bool:
+    """Whether :func:`apgd` keeps the gradient at its clean point (``xi = 0``: the loss's gradient at the trained
+    weights) for the breakdown of its best point (:meth:`~hf_geosharp.engine.worst_direction.WorstDirection.read`),
+    instead of one more forward and backward after the solve. The same bits either way.
+
+    The rule of :func:`keeps_best_gradient`, with both gradients kept (six vectors): a sixth vector during the solve
+    is what the breakdown's own forward and backward would otherwise cost after it."""
+    return _within_goals(footprint, kept=2)
+
+
+def _within_goals(footprint: Footprint, kept: int) -> bool:
+    """Whether ``kept`` more vectors beside the solver's four keep the solve within the memory goals it meets without
+    them (:func:`keeps_best_gradient`)."""
     four = 4 * footprint.vector + footprint.space
-    five = four + footprint.vector
-    if five > (1.0 - BYTES_MARGIN) * BYTES_PER_PARAMETER_GOAL * footprint.parameters:
+    more = four + kept * footprint.vector
+    if more > (1.0 - BYTES_MARGIN) * BYTES_PER_PARAMETER_GOAL * footprint.parameters:
         return False
     headroom = PEAK_RATIO_GOAL - 1.0
     least = footprint.weights + footprint.activations
     most = 2 * footprint.weights + footprint.activations
-    return five <= headroom * least or four > headroom * most
+    return more <= headroom * least or four > headroom * most
 
 
 def workspace_room(parameters: int, vector_bytes: int, free: int | None = None) -> int:
@@ -180,6 +196,26 @@ def gradient_rule(space: Space, model: nn.Module) -> GradientRule:
         footprint = measured_footprint(space, model, vector, activations)
         keep = keeps_best_gradient(footprint)
         logger.debug("best point's gradient %s (%s)", "kept" if keep else "recomputed", footprint)
+        return keep
+
+    return rule
+
+
+def clean_gradient_rule(space: Space, model: nn.Module) -> GradientRule:
+    """As :func:`gradient_rule`, for the gradient at the clean point (:func:`keeps_clean_gradient`).
+
+    Args:
+        space: the perturbation space.
+        model: the model the objective evaluates.
+
+    Returns:
+        The rule :func:`hf_geosharp.engine.solvers.apgd.apgd` calls with its first vector and the clean point's
+        activation bytes."""
+
+    def rule(vector: Tensor, activations: int) -> bool:
+        footprint = measured_footprint(space, model, vector, activations)
+        keep = keeps_clean_gradient(footprint)
+        logger.debug("clean point's gradient %s (%s)", "kept" if keep else "recomputed for the breakdown", footprint)
         return keep
 
     return rule
