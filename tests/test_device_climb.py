@@ -8,11 +8,12 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import hf_geosharp as gs
 from hf_geosharp.engine.solvers.apgd import apgd
 from hf_geosharp.engine.solvers.schedule import as23_checkpoints
 
 from .fixtures.hf_models import one_thread  # noqa: F401  (autouse: one torch thread for tiny models)
-from .fixtures.intact import tiny_bert
+from .fixtures.intact import tiny_batches, tiny_bert
 from .fixtures.objective import tiny_objective as _objective
 from .test_solver import _Bowl, _Line
 
@@ -115,3 +116,36 @@ def test_the_steps_scalars_compile_to_one_graph_and_give_the_eager_numbers():
                  generator=torch.Generator().manual_seed(0), compile=backend)
             for backend in ("off", "aot_eager")]
     _same(runs[1], runs[0], 1e-6)
+
+
+@pytest.mark.parametrize("measure", ["geodesic", "adaptive"])
+def test_the_last_iterate_takes_its_gradient_from_its_own_forward(measure, monkeypatch):
+    """A fixed-step climb's last iterate keeps its forward's graph and takes its gradient from it where it is the best
+    point (its gap needs it): the same numbers, bit for bit, as a forward-only last step followed by a forward and
+    backward at the best point, with one forward less per batch where the last iterate is the best point."""
+    from hf_geosharp.engine.model_function import objective as objective_module
+
+    model, batches = tiny_bert(torch.float64), tiny_batches(2)
+    forwards = [0]
+    on_device, pending = objective_module.Objective.on_device, objective_module.Objective.pending
+
+    def counted(self, *args, **kwargs):
+        forwards[0] += 1
+        return on_device(self, *args, **kwargs)
+
+    def counted_pending(self, *args, **kwargs):
+        forwards[0] += 1
+        return pending(self, *args, **kwargs)
+
+    fn = gs.geodesic_sharpness if measure == "geodesic" else gs.adaptive_sharpness
+    monkeypatch.setattr(objective_module.Objective, "on_device", counted)
+    runs = []
+    for last in (counted_pending, None):
+        monkeypatch.setattr(objective_module.Objective, "pending", last)
+        forwards[0] = 0
+        res = fn(model, batches, rho=0.05, steps=6, progress=False)
+        runs.append((res, forwards[0]))
+    (new, n_new), (old, n_old) = runs
+    assert new.per_batch == old.per_batch and new.stationarity_gap == old.stationarity_gap
+    assert new.breakdown == old.breakdown
+    assert n_new == n_old - 2  # both batches end at their best point at this small radius

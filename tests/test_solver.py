@@ -4,6 +4,7 @@ recomputation (same bits, fewer model calls) with the memory rule that chooses b
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -148,7 +149,19 @@ def test_default_rule_keeps_the_gradient_where_it_fits_and_recomputes_where_it_d
         gradients[0] += need_grad
         return call(self, xi, need_grad, out=out)
 
+    pending = objective_module.Objective.pending  # the last iterate's gradient, taken where it is the best point
+
+    @contextlib.contextmanager
+    def counted_pending(self, xi, out):
+        with pending(self, xi, out) as (value, take):
+            def counted_take():
+                gradients[0] += 1
+                take()
+
+            yield value, counted_take
+
     monkeypatch.setattr(objective_module.Objective, "on_device", counted)
+    monkeypatch.setattr(objective_module.Objective, "pending", counted_pending)
     rule = solver.keeps_best_gradient
     for expected, measure in cases.items():
         runs = []

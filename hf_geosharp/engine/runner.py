@@ -62,7 +62,8 @@ def solve(settings: RunSettings, space: PerturbationSpace, objective: Objective,
                 generator=generator, keep_best_gradient=gradient_rule(space, objective.model),
                 keep_best_point=keep_best_point, loss_dtype=loss_dtype(objective.model, space.dtype),
                 compile=settings.compile,
-                keep_clean_gradient=clean_gradient_rule(space, objective.model) if keep_best_point else False)
+                keep_clean_gradient=clean_gradient_rule(space, objective.model) if keep_best_point else False,
+                pending=objective.pending)
 
 
 def batch_seed(seed: int, index: int) -> int:

@@ -189,6 +189,33 @@ class Objective:
             pullback(out)
         return value, out
 
+    @contextlib.contextmanager
+    def pending(self, xi: Tensor, out: Tensor) -> Iterator[tuple[Tensor, Callable[[], None]]]:
+        """As :meth:`on_device` with the gradient left pending: yields the loss (a detached 0-dim tensor) and a
+        function that takes the gradient, into ``out``, from the forward's graph (kept while inside). Take it or
+        not once the loss is known: a solver's last iterate needs its gradient only where it is the best point, and
+        this spares the forward that a separate call for it would repeat. ``out`` holds the gradient in ``xi`` after
+        the block, where it was taken."""
+        pullback = self.space.exp_point(xi, out, True)
+        taken = False
+        with torch.enable_grad(), self.placement.substituted(out, True) as backward:
+            loss = self.loss_fn(self.model, self.batch)
+            if not isinstance(loss, Tensor) or loss.numel() != 1:
+                raise TypeError("The loss must be a scalar tensor (a mean over the batch).")
+            value, differentiated = self.placement.batch_loss(loss, self.batch)
+            if value.dtype in (torch.float16, torch.bfloat16):  # a half model's loss, read in float32 (exactly)
+                value = value.float()
+
+            def take() -> None:
+                nonlocal taken
+                self._check_graph(loss)
+                backward(differentiated)
+                taken = True
+
+            yield value, take
+        if taken and pullback is not None:
+            pullback(out)
+
     def _buffer_for(self, out: Tensor | None, need_grad: bool) -> Tensor:
         """``out``, or a fresh buffer for a gradient the caller keeps, or the reused one of gradient-free calls."""
         if out is not None:

@@ -26,7 +26,7 @@ from ..defaults import STEP_NORMALIZATION, STEPS
 from .certificate import CONVERGENCE_TOL, SolveResult, next_start_kind
 from .climb import Best, Climb
 from .device_climb import DeviceClimb
-from .interface import ObjectiveFn, Space, StepNormalization
+from .interface import ObjectiveFn, PendingFn, Space, StepNormalization
 from .memory import GradientRule, saved_activation_bytes
 from .pool import Pool
 
@@ -61,22 +61,24 @@ def apgd(
     host_steps: bool = False,
     compile: str = "off",
     keep_clean_gradient: bool | GradientRule = False,
+    pending: PendingFn | None = None,
 ) -> SolveResult:
     """Worst case ``max_{xi in S} L(Exp(w0; xi)) - L(w0)`` by Auto-PGD, zero init, ``eta0 = 2 rho``.
 
     With a fixed ``steps`` (``max_steps=None``): one start, ``steps + 1`` forward passes and ``steps`` backward
     passes, plus one forward and backward at the end when the best point is the last iterate (its Frank-Wolfe gap
-    needs its gradient), and, unless the best point's gradient is kept, one for each halving that restarts from a
-    best point other than the current iterate. ``keep_best_gradient`` says whether it is: a bool, or the caller's
-    memory rule (:func:`~.memory.gradient_rule`), asked once with the clean point's activation bytes; the number is
-    the same bits either way. With ``max_steps`` (``steps="auto"``) a start stops as soon as its best point is
-    stationary within ``START_STOP_FRACTION * tol`` (the gap is free at every step: it comes from the step's own
-    direction), or within ``tol`` after a block that barely raised it (:meth:`.climb.Climb.stalled`), continuing
-    in blocks of doubling length (each with AS23's checkpoints) while it is not; then further
-    starts (the antipode of the best point, then points near the best point found so far, up to ``max_starts``) run
-    the same way until two stationary starts agree on the best value within ``tol``, all within ``max_steps`` steps.
-    With ``step_normalization="riemannian"`` every quantity is g-invariant, so the iterates are equivariant under
-    the model's symmetries.
+    needs its gradient; with ``pending``, the objective with its gradient left pending, the last iterate's forward
+    keeps its graph and only its backward runs there), and, unless the best point's gradient is kept, one for each
+    halving that restarts from a best point other than the current iterate. ``keep_best_gradient`` says whether it
+    is: a bool, or the caller's memory rule (:func:`~.memory.gradient_rule`), asked once with the clean point's
+    activation bytes; the number is the same bits either way. With ``max_steps`` (``steps="auto"``) a start stops as
+    soon as its best point is stationary within ``START_STOP_FRACTION * tol`` (the gap is free at every step: it
+    comes from the step's own direction), or within ``tol`` after a block that barely raised it
+    (:meth:`.climb.Climb.stalled`), continuing in blocks of doubling length (each with AS23's checkpoints) while it
+    is not; then further starts (the antipode of the best point, then points near the best point found so far, up to
+    ``max_starts``) run the same way until two stationary starts agree on the best value within ``tol``, all within
+    ``max_steps`` steps. With ``step_normalization="riemannian"`` every quantity is g-invariant, so the iterates are
+    equivariant under the model's symmetries.
 
     How a step stays cheap: the direction ``d`` (the projected Riemannian gradient) and the iterates ``xi``,
     ``xi_prev`` are horizontal, so ``z = P_S(xi + c d)`` and the momentum point ``P_S(a xi + b d + c xi_prev)`` are
@@ -116,7 +118,7 @@ def apgd(
     with capture:
         return _apgd(space, objective, rho, steps, momentum, step_normalization, min_update_ratio, on_step,
                      max_steps, tol, generator, max_starts, keep_best_gradient, keep_best_point, loss_dtype,
-                     host_steps, compile, keep_clean_gradient)
+                     host_steps, compile, keep_clean_gradient, pending)
 
 
 def _capture(space: Space, compile: str) -> contextlib.AbstractContextManager[None]:
@@ -131,7 +133,8 @@ def _apgd(space: Space, objective: ObjectiveFn, rho: float, steps: int, momentum
           step_normalization: StepNormalization, min_update_ratio: float, on_step: Callable[[int, float], None] | None,
           max_steps: int | None, tol: float, generator: torch.Generator | None, max_starts: int,
           keep_best_gradient: bool | GradientRule, keep_best_point: bool, loss_dtype: str | None, host_steps: bool,
-          compile: str, keep_clean_gradient: bool | GradientRule = False) -> SolveResult:
+          compile: str, keep_clean_gradient: bool | GradientRule = False,
+          pending: PendingFn | None = None) -> SolveResult:
     """:func:`apgd` within its capture context."""
     auto = max_steps is not None
     pool = Pool(space.empty(), 4)
@@ -156,7 +159,8 @@ def _apgd(space: Space, objective: ObjectiveFn, rho: float, steps: int, momentum
                    min_update_ratio=min_update_ratio, on_step=on_step, tol=tol, clean_loss=clean_loss,
                    keep_best_gradient=keep, dtype=dtype)
     climb = (Climb(space, objective, pool, work, **options) if host_steps
-             else DeviceClimb(space, objective, pool, work, compile_backend=compile_backend(compile), **options))
+             else DeviceClimb(space, objective, pool, work, compile_backend=compile_backend(compile), pending=pending,
+                              **options))
     budget = max_steps if auto else steps
     best = climb.run(xi, 0.0, clean_loss, egrad, steps=min(steps, budget), budget=budget, auto=auto)
     starts = _Starts(climb, best, clean_loss, dtype)

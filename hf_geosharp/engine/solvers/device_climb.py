@@ -36,6 +36,7 @@ from torch import Tensor
 from ..checks import non_finite_loss
 from .certificate import PRECISION_FACTOR, relative_gap
 from .climb import Best, Climb
+from .interface import PendingFn
 from .schedule import StepSchedule
 
 #: Under ``steps="auto"``, the most steps between two reads of the device's state (a start that stops in between
@@ -97,11 +98,15 @@ class _Read:
 class DeviceClimb(Climb):
     """Auto-PGD from one start at a time, its step free of host reads (see the module's docstring)."""
 
-    def __init__(self, *args: Any, compile_backend: str | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, compile_backend: str | None = None, pending: PendingFn | None = None,
+                 **kwargs: Any) -> None:
         """As :class:`.climb.Climb`; with ``compile_backend`` (a ``torch.compile`` backend: ``"inductor"``, or
         ``"aot_eager"`` to check the capture on a CPU) the step's state updates run as captured graphs
-        (``fullgraph=True``)."""
+        (``fullgraph=True``); with ``pending`` (the objective with its gradient left pending,
+        :meth:`~hf_geosharp.engine.model_function.objective.Objective.pending`) the last iterate of a fixed-step
+        climb takes its gradient only where it is the best point (:meth:`last_point`)."""
         super().__init__(*args, **kwargs)
+        self.pending = pending
         m = self.momentum
         self.constants = _filled([2 * (1 - m), 0.0, -(1 - m), 1.0, 2.0, math.nan, 0.0, 1e-12, 0.0], self.work.device)
         self.scalars: Callable[..., tuple[Tensor, Tensor]] = _step_state
@@ -123,12 +128,15 @@ class DeviceClimb(Climb):
         while True:
             self.step(rows, state, egrad, k, auto, stalled)
             stalled = False
-            value, egrad = self.objective(rows.x, auto or k < total - 1, out=self.work)
-            pending.append(self.bookkeep(state, value, auto))
-            if not (k in schedule.checkpoints or k == total - 1 or (auto and k - last >= CHECK_STEPS)):
-                k += 1
-                continue
-            read = self.check(state, pending, k)
+            if not auto and k == total - 1 and self.pending is not None:  # the last iterate: its gradient if best
+                read, egrad = self.last_point(rows, state, pending, k)
+            else:
+                value, egrad = self.objective(rows.x, auto or k < total - 1, out=self.work)
+                pending.append(self.bookkeep(state, value, auto))
+                if not (k in schedule.checkpoints or k == total - 1 or (auto and k - last >= CHECK_STEPS)):
+                    k += 1
+                    continue
+                read = self.check(state, pending, k)
             pending, last = [], k
             if read.done:
                 return Best(rows.at(read.at), read.best_loss, read.best_sq, read.best_gap)
@@ -148,6 +156,18 @@ class DeviceClimb(Climb):
                 state.vec[ETA].fill_(state.eta)
             k += 1
         return self.finish(rows, read, egrad)
+
+    def last_point(self, rows: _Rows, state: _State, pending: list[Tensor], k: int) -> tuple[_Read, Tensor | None]:
+        """The last step of a fixed-step climb: the iterate's loss, checked with its forward's graph kept, and its
+        gradient (in the working row) taken from that graph only where the iterate is the best point, whose gap
+        :meth:`finish` needs: one forward and backward there instead of a forward and then both again."""
+        with self.pending(rows.x, self.work) as (value, take):
+            pending.append(self.bookkeep(state, value, False))
+            read = self.check(state, pending, k)
+            at_x = read.at == AT_X
+            if at_x:
+                take()
+        return read, self.work if at_x else None
 
     def state(self, sq_xi: float, loss: float, eta: float) -> _State:
         """The device state at a start's first point (its best point so far)."""

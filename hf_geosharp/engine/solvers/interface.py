@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Literal, Protocol
 
 import torch
@@ -11,6 +12,9 @@ from torch import Tensor
 #: What the solvers call: ``objective(xi, need_grad, out=None) -> (loss, gradient or None)`` (the engine's is
 #: :class:`hf_geosharp.engine.model_function.objective.Objective`).
 ObjectiveFn = Callable[..., tuple[float, "Tensor | None"]]
+#: The objective with its gradient left pending: ``pending(xi, out)`` enters a block that yields the loss and a
+#: function taking the gradient into ``out`` (:meth:`hf_geosharp.engine.model_function.objective.Objective.pending`).
+PendingFn = Callable[[Tensor, Tensor], AbstractContextManager[tuple[Tensor, Callable[[], None]]]]
 StepNormalization = Literal["riemannian", "euclidean", "none"]
 
 
