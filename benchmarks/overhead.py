@@ -34,15 +34,28 @@ def counted_calls() -> Iterator[dict[str, int]]:
     counts = {"with_grad": 0, "without_grad": 0}
     original = Objective.on_device  # what the solver calls (a call of the objective goes through it too)
 
+    pending = Objective.pending  # a last iterate: a gradient only where it is taken
+
     def counting(self: Objective, xi: Any, need_grad: bool, out: Any = None) -> Any:
         counts["with_grad" if need_grad else "without_grad"] += 1
         return original(self, xi, need_grad, out=out)
 
-    Objective.on_device = counting
+    @contextmanager
+    def counting_pending(self: Objective, xi: Any, out: Any) -> Iterator[Any]:
+        taken = [False]
+        with pending(self, xi, out) as (value, take):
+            def counted_take() -> None:
+                taken[0] = True
+                take()
+
+            yield value, counted_take
+        counts["with_grad" if taken[0] else "without_grad"] += 1
+
+    Objective.on_device, Objective.pending = counting, counting_pending
     try:
         yield counts
     finally:
-        Objective.on_device = original
+        Objective.on_device, Objective.pending = original, pending
 
 
 def _counting(solve: Callable[[], float]) -> Callable[[], dict[str, Any]]:
