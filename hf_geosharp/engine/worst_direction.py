@@ -13,8 +13,9 @@ For each batch's best point ``xi`` (a horizontal tangent vector of the perturbat
 * the **profile** (opt-in): the loss along ``t -> Exp(w; t xi)`` and along the straight segment
   ``t -> w + t (Exp(w; xi) - w)`` through the same end point, for ``t`` in ``[0, 2]``.
 
-It costs one forward and backward per batch (the gradient at the clean point) for the breakdown, and two forwards
-per profile point. One process holds the whole vector (:class:`~hf_geosharp.engine.placement.single.SingleProcess`);
+The breakdown needs the gradient at the clean point: the solver's copy of it where the memory rule keeps one
+(:func:`~hf_geosharp.engine.solvers.memory.keeps_clean_gradient`), else one forward and backward per batch. A
+profile costs two forwards per point. One process holds the whole vector (:class:`~hf_geosharp.engine.placement.single.SingleProcess`);
 a sharded run has no breakdown.
 """
 
