@@ -15,8 +15,8 @@ For each batch's best point ``xi`` (a horizontal tangent vector of the perturbat
 
 The breakdown needs the gradient at the clean point: the solver's copy of it where the memory rule keeps one
 (:func:`~hf_geosharp.engine.solvers.memory.keeps_clean_gradient`), else one forward and backward per batch. A
-profile costs two forwards per point. One process holds the whole vector (:class:`~hf_geosharp.engine.placement.single.SingleProcess`);
-a sharded run has no breakdown.
+profile costs two forwards per point. One process holds the whole vector
+(:class:`~hf_geosharp.engine.placement.single.SingleProcess`); a sharded run has no breakdown.
 """
 
 from __future__ import annotations
