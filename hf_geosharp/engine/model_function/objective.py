@@ -175,12 +175,7 @@ class Objective:
         out = self._buffer_for(out, need_grad)
         pullback = self.space.exp_point(xi, out, need_grad)
         with torch.set_grad_enabled(need_grad), self.placement.substituted(out, need_grad) as backward:
-            loss = self.loss_fn(self.model, self.batch)
-            if not isinstance(loss, Tensor) or loss.numel() != 1:
-                raise TypeError("The loss must be a scalar tensor (a mean over the batch).")
-            value, differentiated = self.placement.batch_loss(loss, self.batch)
-            if value.dtype in (torch.float16, torch.bfloat16):  # a half model's loss, read in float32 (exactly)
-                value = value.float()
+            loss, value, differentiated = self._loss()
             if not need_grad:
                 return value, None
             self._check_graph(loss)
@@ -199,12 +194,7 @@ class Objective:
         pullback = self.space.exp_point(xi, out, True)
         taken = False
         with torch.enable_grad(), self.placement.substituted(out, True) as backward:
-            loss = self.loss_fn(self.model, self.batch)
-            if not isinstance(loss, Tensor) or loss.numel() != 1:
-                raise TypeError("The loss must be a scalar tensor (a mean over the batch).")
-            value, differentiated = self.placement.batch_loss(loss, self.batch)
-            if value.dtype in (torch.float16, torch.bfloat16):  # a half model's loss, read in float32 (exactly)
-                value = value.float()
+            loss, value, differentiated = self._loss()
 
             def take() -> None:
                 nonlocal taken
@@ -215,6 +205,17 @@ class Objective:
             yield value, take
         if taken and pullback is not None:
             pullback(out)
+
+    def _loss(self) -> tuple[Tensor, Tensor, Tensor]:
+        """The batch's loss with the perturbed weights swapped in: the loss function's tensor, its value (detached,
+        float32 for a half model: exactly) and the tensor to differentiate (:meth:`Placement.batch_loss`)."""
+        loss = self.loss_fn(self.model, self.batch)
+        if not isinstance(loss, Tensor) or loss.numel() != 1:
+            raise TypeError("The loss must be a scalar tensor (a mean over the batch).")
+        value, differentiated = self.placement.batch_loss(loss, self.batch)
+        if value.dtype in (torch.float16, torch.bfloat16):  # a half model's loss, read in float32 (exactly)
+            value = value.float()
+        return loss, value, differentiated
 
     def _buffer_for(self, out: Tensor | None, need_grad: bool) -> Tensor:
         """``out``, or a fresh buffer for a gradient the caller keeps, or the reused one of gradient-free calls."""

@@ -191,14 +191,7 @@ def gradient_rule(space: Space, model: nn.Module) -> GradientRule:
     Returns:
         The rule :func:`hf_geosharp.engine.solvers.apgd.apgd` calls with its first vector and the clean point's
         activation bytes."""
-
-    def rule(vector: Tensor, activations: int) -> bool:
-        footprint = measured_footprint(space, model, vector, activations)
-        keep = keeps_best_gradient(footprint)
-        logger.debug("best point's gradient %s (%s)", "kept" if keep else "recomputed", footprint)
-        return keep
-
-    return rule
+    return _measured_rule(space, model, lambda footprint: keeps_best_gradient(footprint), "best point's gradient")
 
 
 def clean_gradient_rule(space: Space, model: nn.Module) -> GradientRule:
@@ -211,11 +204,16 @@ def clean_gradient_rule(space: Space, model: nn.Module) -> GradientRule:
     Returns:
         The rule :func:`hf_geosharp.engine.solvers.apgd.apgd` calls with its first vector and the clean point's
         activation bytes."""
+    return _measured_rule(space, model, lambda footprint: keeps_clean_gradient(footprint), "clean point's gradient")
+
+
+def _measured_rule(space: Space, model: nn.Module, decide: Callable[[Footprint], bool], what: str) -> GradientRule:
+    """``decide`` on the footprint measured when the solver asks, logged as ``what``."""
 
     def rule(vector: Tensor, activations: int) -> bool:
         footprint = measured_footprint(space, model, vector, activations)
-        keep = keeps_clean_gradient(footprint)
-        logger.debug("clean point's gradient %s (%s)", "kept" if keep else "recomputed for the breakdown", footprint)
+        keep = decide(footprint)
+        logger.debug("%s %s (%s)", what, "kept" if keep else "recomputed", footprint)
         return keep
 
     return rule
