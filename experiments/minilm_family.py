@@ -525,13 +525,20 @@ class Runner:
         return self._model[1]
 
     def measure(self, row: dict[str, Any], name: str, rho: float, stage: str = "original",
-                model: Any = None, ball: str = PAPER_BALL) -> dict[str, Any]:
-        """The member's number (stored, or measured and stored); where the engine's step budget left it uncertified,
-        the number measured again with ``config.retry_max_steps``."""
+                model: Any = None, ball: str = PAPER_BALL, retry: bool = True) -> dict[str, Any]:
+        """The member's number (stored, or measured and stored); where the engine's step budget left it uncertified
+        and ``retry`` is set, the number measured again with ``config.retry_max_steps``."""
         record = self._measure(row, name, rho, stage, model, max_steps=self.config.first_budget(name), ball=ball)
-        if needs_more_steps(record, self.config):
+        if retry and needs_more_steps(record, self.config):
             record = self._measure(row, name, rho, stage, model, max_steps=self.config.retry_max_steps, ball=ball)
         return record
+
+    def measure_all(self, jobs: list[tuple[dict[str, Any], str, float, str]], label: str) -> None:
+        """Every ``(row, name, rho, ball)`` of ``jobs`` at the first budget, then the retries: every member has a
+        number (a lower bound where uncertified) before the larger budget is spent on the hard ones."""
+        for retry in (False, True):
+            for row, name, rho, ball in _progress(jobs, f"{label}{' (retries)' if retry else ''}", "number"):
+                self.measure(row, name, rho, ball=ball, retry=retry)
 
     def stored(self, row: dict[str, Any], name: str, rho: float, stage: str) -> bool:
         """Whether :meth:`measure` would measure nothing (under the paper ball)."""
@@ -598,10 +605,10 @@ def _shard(text: str) -> tuple[int, int]:
     return int(match[1]), int(match[2])
 
 
-def _progress(items: list, desc: str) -> Any:
+def _progress(items: list, desc: str, unit: str = "member") -> Any:
     from tqdm.auto import tqdm
 
-    return tqdm(items, desc=desc, unit="member", disable=None, leave=False)
+    return tqdm(items, desc=desc, unit=unit, disable=None, leave=False)
 
 
 def run(config: Config, cache: Path, out_dir: Path | None = RESULTS, *, tarball: Path | None = None,
@@ -609,7 +616,8 @@ def run(config: Config, cache: Path, out_dir: Path | None = RESULTS, *, tarball:
         stages: tuple[str, ...] = ("train", "main", "adversarial", "sweep", "calibrated"),
         store: Path | None = None) -> dict[str, Any] | None:
     """Train (or reuse) the members of ``shard`` and measure them: every member's main numbers first, then member by
-    member the adversarial control and the sweep, then the calibrated ball's numbers; then write the report from the
+    member the adversarial control and the sweep, then the calibrated ball's numbers (in the main and calibrated
+    stages every member's first budget before any retry); then write the report from the
     store (``out_dir`` None: no report). The adversarial stage needs every member trained (the median gap); a shard
     that gets there first skips it, and a rerun does it. ``store``: the result store (default
     ``cache/results.jsonl``)."""
@@ -647,9 +655,7 @@ def run(config: Config, cache: Path, out_dir: Path | None = RESULTS, *, tarball:
         # before the next one (a sitting on a fresh machine trains only the members it reaches).
         rows.sort(key=lambda row: not (Path(row["folder"]) / "metrics.json").exists())
         if "main" in stages:
-            for row in _progress(rows, "main"):
-                for name in PLAN:
-                    runner.measure(row, name, config.rho)
+            runner.measure_all([(row, name, config.rho, PAPER_BALL) for row in rows for name in PLAN], "main")
         split = None
         if "adversarial" in stages:
             shared = ResultStore(runner.store.path)  # with the other shards' members
@@ -664,9 +670,9 @@ def run(config: Config, cache: Path, out_dir: Path | None = RESULTS, *, tarball:
             for rho in config.sweep_rhos if "sweep" in stages else ():
                 for name in config.sweep_measures:
                     runner.measure(row, name, rho)
-        for row in _progress(rows, "calibrated ball") if "calibrated" in stages else ():
-            for name in config.calibrated_measures:
-                runner.measure(row, name, config.rho, ball=CALIBRATED_BALL)
+        if "calibrated" in stages:
+            runner.measure_all([(row, name, config.rho, CALIBRATED_BALL) for row in rows
+                                for name in config.calibrated_measures], "calibrated ball")
     finally:
         lock.release()
     return None if out_dir is None else report(config, cache, out_dir, doc=doc, store=store)

@@ -134,6 +134,8 @@ def test_a_number_the_budget_left_uncertified_is_measured_again_with_a_larger_on
         budgets = sorted(r["config"]["max_steps"] for r in records if r.get("name") == name)
         assert budgets == [3, 3, 6, 6], name  # each member: the first and the second measurement
     assert not any(r["config"]["max_steps"] == 3 and r["converged"] for r in records if r.get("name") in auto)
+    order = [r["config"]["max_steps"] for r in records if r.get("name") in auto]
+    assert order == sorted(order)  # every member's first budget before any retry
     assert all(r["config"]["max_steps"] == 640 for r in records if r.get("name") == "adaptive_as23")  # not "auto"
     for row in collect(config, cache)[0]:
         assert row["more_steps"] == []
