@@ -11,15 +11,15 @@ import torch
 from hf_geosharp.commands.common import Parser, folder_path, non_negative, positive
 from hf_geosharp.durable import write_json
 
-from . import default_call, floor, fsdp_memory, launch, memory, overhead, peer, scaling, step_profile
+from . import capture, default_call, floor, fsdp_memory, launch, memory, overhead, peer, scaling, step_profile
 from .common import load_average, machine
 from .config import RunConfig
 
 SUITES = {"default_call": default_call, "overhead": overhead, "floor": floor, "memory": memory, "scaling": scaling,
           "peer": peer, "fsdp_memory": fsdp_memory, "step_profile": step_profile,
-          "launch": launch}
+          "launch": launch, "capture": capture}
 #: The suites that ``--only`` filters (the others run all their workloads).
-ONLY_SUITES = ("floor", "overhead", "memory")
+ONLY_SUITES = ("floor", "overhead", "memory", "capture")
 RESULTS = Path(__file__).parent / "results"
 
 
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=non_negative(int), default=0,
                         help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--only", default="",
-                        help="comma-separated workloads of the floor, overhead and memory suites to run, e.g. "
+                        help="comma-separated workloads of the floor, overhead, memory and capture suites to run, e.g. "
                         "minilm-8x128 (default: all)")
     parser.add_argument("--out", type=folder_path, default=RESULTS, help="folder for the JSON results")
     args = parser.parse_args(argv)

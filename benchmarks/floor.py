@@ -53,25 +53,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
             "geodesic_mix": lambda: gs.geodesic_sharpness(model, batches, metric="mix", symmetry_map=smap, **kw).value,
         }
         load = load_average()
-        timings, paired = _paired(cases, cfg.repeats, cfg.device, lambda: forward_backward(model, batches[0]))
-        fb = timings["forward_backward"]
-        passes = (w.steps + 1) * w.n_batches
-        shares = {}
-        for name in cases:
-            t, rounds = timings[name], paired[name]
-            shares[name] = {
-                "floor_s": passes * statistics.median(r["floor_wall"] for r in rounds),
-                "total_s": statistics.median(r["wall"] for r in rounds),
-                "non_model_share_wall": statistics.median(1 - passes * r["floor_wall"] / r["wall"] for r in rounds),
-                "non_model_share_cpu": statistics.median(1 - passes * r["floor_cpu"] / r["cpu"] for r in rounds),
-                "non_model_share_wall_min": 1 - passes * fb.wall / t.wall,
-                "non_model_share_cpu_min": 1 - passes * fb.cpu / t.cpu,
-                "per_step_extra_ms": statistics.median(1e3 * (r["wall"] - passes * r["floor_wall"]) / passes
-                                                       for r in rounds),
-                "per_step_extra_cpu_ms": statistics.median(1e3 * (r["cpu"] - passes * r["floor_cpu"]) / passes
-                                                           for r in rounds),
-                "rounds": rounds,
-            }
+        timings, paired = paired_rounds(cases, cfg.repeats, cfg.device, lambda: forward_backward(model, batches[0]))
         rows.append({
             "model": SIZES[w.size].name,
             "n_params": sum(p.numel() for p in model.parameters()),
@@ -79,14 +61,38 @@ def run(cfg: RunConfig) -> dict[str, Any]:
             "workload": vars(w),
             "symmetry_map": source,
             "timings": {k: t.to_dict() for k, t in timings.items()},
-            "shares": shares,
+            "shares": shares_of(timings, paired, (w.steps + 1) * w.n_batches),
             "load_average": {"start": load, "end": load_average()},
         })
         del model, batches
     return {"suite": "floor", "target": {"non_model_share": TARGET}, "rows": rows}
 
 
-def _paired(cases: dict[str, Callable[[], Any]], repeats: int, device: str, plain: Callable[[], Any]
+def shares_of(timings: dict[str, Timing], paired: dict[str, list[dict[str, float]]], passes: int
+              ) -> dict[str, dict[str, Any]]:
+    """Per case of :func:`paired_rounds`'s output: its non-model shares and extra time per step against ``passes``
+    forward+backward passes (the module docstring)."""
+    fb = timings["forward_backward"]
+    shares = {}
+    for name, rounds in paired.items():
+        t = timings[name]
+        shares[name] = {
+            "floor_s": passes * statistics.median(r["floor_wall"] for r in rounds),
+            "total_s": statistics.median(r["wall"] for r in rounds),
+            "non_model_share_wall": statistics.median(1 - passes * r["floor_wall"] / r["wall"] for r in rounds),
+            "non_model_share_cpu": statistics.median(1 - passes * r["floor_cpu"] / r["cpu"] for r in rounds),
+            "non_model_share_wall_min": 1 - passes * fb.wall / t.wall,
+            "non_model_share_cpu_min": 1 - passes * fb.cpu / t.cpu,
+            "per_step_extra_ms": statistics.median(1e3 * (r["wall"] - passes * r["floor_wall"]) / passes
+                                                   for r in rounds),
+            "per_step_extra_cpu_ms": statistics.median(1e3 * (r["cpu"] - passes * r["floor_cpu"]) / passes
+                                                       for r in rounds),
+            "rounds": rounds,
+        }
+    return shares
+
+
+def paired_rounds(cases: dict[str, Callable[[], Any]], repeats: int, device: str, plain: Callable[[], Any]
             ) -> tuple[dict[str, Timing], dict[str, list[dict[str, float]]]]:
     """Each case ``repeats`` times, round-robin, each run right after :data:`FLOOR_PASSES` ``plain`` passes; the
     minima per case (``forward_backward``: the plain pass) and, per case, every round's times with its floor pass."""

@@ -8,6 +8,10 @@ with the eager kernels: the capture checked on a CPU, with the eager path's numb
 
 from __future__ import annotations
 
+import types
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 #: The named choices (besides a backend's name).
@@ -34,3 +38,22 @@ def capture_choice(compile: str, device: torch.device | None = None) -> str:
             raise ValueError(f"compile={compile!r} is no torch.compile backend; use 'off', 'default', "
                              f"'reduce-overhead' or one of {', '.join(known)}.")
     return compile
+
+
+def compiled(fn: Callable[..., Any], compile: str) -> Callable[..., Any]:
+    """``fn`` (a function or a bound method) under ``torch.compile(fullgraph=True, dynamic=False)`` for the choice
+    ``compile``, traced from its own copy of the code.
+
+    Dynamo keeps its graphs, and counts recompilations against ``recompile_limit``, per code object, and a solve's
+    objects (its space, its groups) are new at every call, so compiling the shared function would add graphs at every
+    solve until, with ``fullgraph=True``, a later call fails. A copy per solve keeps each solve's graphs to its own
+    paths and lets them go with it."""
+    target = getattr(fn, "__func__", fn)
+    copy = types.FunctionType(target.__code__.replace(), target.__globals__, target.__name__, target.__defaults__,
+                              target.__closure__)
+    copy.__kwdefaults__ = target.__kwdefaults__
+    bound = copy if target is fn else types.MethodType(copy, fn.__self__)
+    options: dict[str, Any] = {"backend": compile_backend(compile)}
+    if compile == "reduce-overhead":
+        options["mode"] = compile
+    return torch.compile(bound, fullgraph=True, dynamic=False, **options)

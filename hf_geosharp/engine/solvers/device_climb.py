@@ -25,7 +25,6 @@ and the host drops the losses of the steps it ran past the stop (at most ``CHECK
 from __future__ import annotations
 
 import math
-import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..capture import compiled
 from ..checks import non_finite_loss
 from .certificate import PRECISION_FACTOR, relative_gap
 from .climb import Best, Climb
@@ -319,10 +319,7 @@ class _Captured:
     def __call__(self, *args: Any, **static: Any) -> Any:
         key = tuple(sorted(static.items()))
         if key not in self.graphs:
-            fn = self.fn
-            copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__,
-                                      fn.__closure__)
-            self.graphs[key] = torch.compile(copy, fullgraph=True, backend=self.backend)
+            self.graphs[key] = compiled(self.fn, self.backend)
         return self.graphs[key](*args, **static)
 
 

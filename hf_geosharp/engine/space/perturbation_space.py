@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from ...symmetry.base import PairBlock
-from ..capture import capture_choice, compile_backend
+from ..capture import capture_choice, compiled
 from ..defaults import BALL, ELEMENTWISE_CURVATURE, EPSILON, METRIC
 from ..geometry.elementwise import Curvature, ElementwiseGeometry, per_segment
 from ..geometry.gl_quotient import GLQuotient, Metric, RowSums, gl_quotient
@@ -405,11 +405,18 @@ class PerturbationSpace:
 
     def _direction(self, egrad: Tensor, vectors: Tensor, out: Tensor, save: Tensor | None) -> tuple[Tensor, ...]:
         """:meth:`ascent_direction`'s work (outside the ablation): the direction into ``out``, ``<d, d>_g`` (0-dim)
-        and ``<d, v>_g`` (``[r]``), float64 on the device. A function of tensors: :meth:`captured` compiles it."""
+        and ``<d, v>_g`` (``[r]``), float64 on the device."""
         square, products = self.elementwise.riemannian_gradient_pass(egrad, out, vectors, save)
+        return self._pair_direction(egrad, out, square, products)
+
+    def _pair_direction(self, egrad: Tensor, out: Tensor, square: Tensor, products: Tensor) -> tuple[Tensor, ...]:
+        """:meth:`_direction` after the elementwise pass (its sums ``square`` and ``products``): the pairs'
+        directions written into ``out`` and the sums completed. A function of tensors: :meth:`captured` compiles
+        it."""
         sums = torch.cat([square.reshape(1), products])
-        for group, heads, geometry in self._chunks():
-            e = group.gather(egrad, self.workspace, heads)
+        read = self._reads_first(egrad)
+        for i, (group, heads, geometry) in enumerate(self._chunks()):
+            e = group.gather(egrad, self.workspace, heads) if read is None else read[i]
             r = geometry.euclidean_to_riemannian_gradient(e, out=(self.workspace.take(e[0].shape),
                                                                  self.workspace.take(e[1].shape)))
             if self.options.horizontal_projection:
@@ -500,9 +507,7 @@ class PerturbationSpace:
         point and the pullback each run as one captured graph."""
         if self._capture is not None and self.options.elementwise_curvature == "none":
             return self._capture.exp_point(xi, out, need_grad)
-        outs = out.split(self._base_sizes)  # w + xi, one list operation over the segments (a fused kernel on CUDA)
-        torch._foreach_copy_(outs, self.base)
-        torch._foreach_add_(outs, xi.split(self._base_sizes))
+        self._first_order_point(xi, out)
         curvature = None
         if self.options.elementwise_curvature != "none":
             leaf = xi.detach().requires_grad_(need_grad)
@@ -534,13 +539,16 @@ class PerturbationSpace:
 
         return pullback
 
-    def _exp_first_order(self, xi: Tensor, out: Tensor) -> list[tuple[Tensor, ...]]:
-        """:meth:`exp_point` of a space whose elementwise coordinates move first-order: ``w + xi`` into ``out`` and
-        the pairs' ``Exp2`` corrections added; returns each head chunk's pullback state
-        (:meth:`GLQuotient.exp2_correction_saving`). A function of tensors: :meth:`captured` compiles it."""
+    def _first_order_point(self, xi: Tensor, out: Tensor) -> None:
+        """``w + xi`` into ``out``: one list operation over the segments (a fused kernel on CUDA)."""
         outs = out.split(self._base_sizes)
         torch._foreach_copy_(outs, self.base)
         torch._foreach_add_(outs, xi.split(self._base_sizes))
+
+    def _exp_pairs(self, xi: Tensor, out: Tensor) -> list[tuple[Tensor, ...]]:
+        """:meth:`exp_point`'s second-order part for a space whose elementwise coordinates move first-order: the
+        pairs' ``Exp2`` corrections added to ``out`` (which holds ``w + xi``); returns each head chunk's pullback
+        state (:meth:`GLQuotient.exp2_correction_saving`). A function of tensors: :meth:`captured` compiles it."""
         saved = []
         if self.options.second_order:
             for group, heads, geometry in self._chunks():
@@ -551,15 +559,24 @@ class PerturbationSpace:
         return saved
 
     def _pull_first_order(self, xi: Tensor, grad: Tensor, saved: list[tuple[Tensor, ...]]) -> None:
-        """The pullback of :meth:`_exp_first_order` applied to ``grad`` in place, from its state ``saved``."""
+        """The pullback of :meth:`_exp_pairs` applied to ``grad`` in place, from its state ``saved``."""
         chunks = [(group, heads) for group in self.pairs for heads in group.chunks]
-        for (group, heads), keep in zip(chunks, saved):
+        read = self._reads_first(grad)
+        for i, ((group, heads), keep) in enumerate(zip(chunks, saved)):
             ws = self.workspace.fresh()
             base = group.base(ws, heads)
             x = group.gather(xi, ws, heads)
-            pulled = group.geometry.heads(heads).exp2_pullback(keep, group.gather(grad, ws, heads), x, self._like(x),
-                                                               base)
+            cotangent = group.gather(grad, ws, heads) if read is None else read[i]
+            pulled = group.geometry.heads(heads).exp2_pullback(keep, cotangent, x, self._like(x), base)
             group.write(grad, pulled, heads, add=True)
+
+    def _reads_first(self, x: Tensor) -> list[Pair] | None:
+        """Inside a captured graph, every head chunk's coordinates of ``x`` gathered before the caller writes into
+        ``x``: with no read of ``x`` after a write, the graph writes into ``x`` in place instead of into a copy of
+        the whole flat vector. Eagerly None: each chunk reads into its workspace when its turn comes."""
+        if not torch.compiler.is_compiling():
+            return None
+        return [group.gather(x, self.workspace, heads) for group in self.pairs for heads in group.chunks]
 
     def captured(self, compile: str) -> contextlib.AbstractContextManager[None]:
         """Within this context the solver's per-step geometry runs as captured graphs
@@ -615,19 +632,24 @@ class _Captured:
     :meth:`PerturbationSpace.captured`)."""
 
     def __init__(self, space: PerturbationSpace, compile: str) -> None:
-        options = dict(backend=compile_backend(compile))
-        if compile == "reduce-overhead":
-            options["mode"] = compile
-        def capture(fn: Callable) -> Callable:  # noqa: E306
-            return torch.compile(fn, fullgraph=True, dynamic=False, **options)
         self.space = space
-        self.direction = capture(space._direction)
-        self._exp = capture(space._exp_first_order)
-        self._pull = capture(space._pull_first_order)
+        self._pair_direction = compiled(space._pair_direction, compile)
+        self._exp_pairs = compiled(space._exp_pairs, compile)
+        self._pull = compiled(space._pull_first_order, compile)
+
+    # The elementwise list passes run eagerly (a few fused launches on CUDA, whatever the depth): inside a graph,
+    # inductor lowers list writes into the views of one flat vector as one kernel that tests every segment's bounds
+    # at every coordinate (MiniLM: 0.49 s a call on a CPU core where the eager pass takes 10 ms).
+
+    def direction(self, egrad: Tensor, vectors: Tensor, out: Tensor, save: Tensor | None) -> tuple[Tensor, ...]:
+        """:meth:`PerturbationSpace._direction` with its pair part captured."""
+        square, products = self.space.elementwise.riemannian_gradient_pass(egrad, out, vectors, save)
+        return self._pair_direction(egrad, out, square, products)
 
     def exp_point(self, xi: Tensor, out: Tensor, need_grad: bool) -> Pullback | None:
         """:meth:`PerturbationSpace.exp_point` through the captured graphs."""
-        saved = self._exp(xi, out)
+        self.space._first_order_point(xi, out)
+        saved = self._exp_pairs(xi, out)
         if not need_grad or not saved:
             return None
         return lambda grad: self._pull(xi, grad, saved)
