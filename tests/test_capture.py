@@ -161,7 +161,10 @@ def test_the_captured_graphs_hold_no_list_pass_over_the_flat_vector(spaces):
 def test_captured_solves_keep_their_graphs_to_themselves():
     """Each solve compiles its own copy of the step's functions: dynamo counts recompilations per code object, and
     every solve's space is new, so graphs of the shared code would pile up until a ``fullgraph=True`` call fails.
-    With the recompile limit at 2, captured solves of three measures over new spaces, twice, must all run."""
+    With the recompile limit at 2, captured solves of three measures over new spaces, twice, must all run, and so
+    must three calls of the public function (the solver's scalar updates run under the call's embedding-row mode)."""
+    import hf_geosharp as gs
+
     torch._dynamo.reset()
     model = tiny_bert(torch.float32)
     with torch._dynamo.config.patch(recompile_limit=2):
@@ -169,4 +172,27 @@ def test_captured_solves_keep_their_graphs_to_themselves():
             space, objective = _objective(model, metric, 0.5)
             run = apgd(space, objective.on_device, rho=0.5, steps=6, compile=BACKEND)
             assert run.max_loss > run.clean_loss
+        values = [gs.geodesic_sharpness(model, tiny_batches(1), metric="inv", rho=0.1, steps=4, progress=False,
+                                        compile=BACKEND).value for _ in range(3)]
+        assert values[0] > 0 and values.count(values[0]) == 3
     torch._dynamo.reset()
+
+
+def test_a_new_space_over_the_same_model_reuses_the_graphs():
+    """Two solves over one model build two spaces with the same capture key: the second traces nothing (the graphs
+    of the first serve it); a space of another measure traces its own."""
+    if "geosharp_recording" not in torch._dynamo.list_backends(exclude_tags=()):
+        torch._dynamo.register_backend(_recording, name="geosharp_recording")
+    _RECORDED.clear()
+    torch._dynamo.reset()
+    model = tiny_bert(torch.float32)
+    g = torch.Generator().manual_seed(3)
+    counts = []
+    for metric in ("inv", "inv", "mix"):
+        space, _ = _objective(model, metric, 0.5)
+        grad, xi = torch.randn(space.numel, generator=g), 1e-2 * torch.randn(space.numel, generator=g)
+        with space.captured("geosharp_recording"):
+            _step(space, grad, torch.randn(1, space.numel, generator=g), xi)
+        counts.append(len(_RECORDED))
+    torch._dynamo.reset()
+    assert counts[0] == 3 and counts[1] == counts[0] and counts[2] == 2 * counts[0]

@@ -9,7 +9,7 @@ with the eager kernels: the capture checked on a CPU, with the eager path's numb
 from __future__ import annotations
 
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
@@ -40,20 +40,30 @@ def capture_choice(compile: str, device: torch.device | None = None) -> str:
     return compile
 
 
-def compiled(fn: Callable[..., Any], compile: str) -> Callable[..., Any]:
-    """``fn`` (a function or a bound method) under ``torch.compile(fullgraph=True, dynamic=False)`` for the choice
-    ``compile``, traced from its own copy of the code.
+#: The compiled copies of the step's functions, one per (function, choice, key): made on first use, kept for the
+#: process (dynamo keeps each one's graphs).
+_COPIES: dict[tuple[Callable[..., Any], str, Hashable], Callable[..., Any]] = {}
 
-    Dynamo keeps its graphs, and counts recompilations against ``recompile_limit``, per code object, and a solve's
-    objects (its space, its groups) are new at every call, so compiling the shared function would add graphs at every
-    solve until, with ``fullgraph=True``, a later call fails. A copy per solve keeps each solve's graphs to its own
-    paths and lets them go with it."""
-    target = getattr(fn, "__func__", fn)
-    copy = types.FunctionType(target.__code__.replace(), target.__globals__, target.__name__, target.__defaults__,
-                              target.__closure__)
-    copy.__kwdefaults__ = target.__kwdefaults__
-    bound = copy if target is fn else types.MethodType(copy, fn.__self__)
+
+def compiled(fn: Callable[..., Any], compile: str, key: Hashable | None = None) -> Callable[..., Any]:
+    """The function ``fn`` under ``torch.compile(fullgraph=True, dynamic=False)`` for the choice ``compile``, traced
+    from its own copy of the code: one per ``key``, or a new one at each call without a key.
+
+    Dynamo keeps its graphs, and counts recompilations against ``recompile_limit``, per code object: a function
+    compiled once for every model and measure of a process would add graphs until, with ``fullgraph=True``, a call
+    fails. ``key`` names what changes the traced graph (the caller's shapes and kinds): calls with the same key share
+    the copy and its graphs (a solve over the same model reuses them), calls with another key get their own. Without
+    a key the caller owns the copy, and its graphs go with it: for a function whose graphs do not outlive one solve
+    (the solver's scalar updates, traced under the solve's own ``TorchFunctionMode``, whose graphs dynamo drops with
+    the solve's tensors but still counts)."""
+    if key is not None and (fn, compile, key) in _COPIES:
+        return _COPIES[fn, compile, key]
+    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__ = fn.__kwdefaults__
     options: dict[str, Any] = {"backend": compile_backend(compile)}
     if compile == "reduce-overhead":
         options["mode"] = compile
-    return torch.compile(bound, fullgraph=True, dynamic=False, **options)
+    graphs = torch.compile(copy, fullgraph=True, dynamic=False, **options)
+    if key is not None:
+        _COPIES[fn, compile, key] = graphs
+    return graphs

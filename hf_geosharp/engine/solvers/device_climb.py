@@ -53,8 +53,9 @@ AT_X, AT_P, AT_B = 0, 1, 2
 PREV_A, ONE_A, SQ, ONE_B, SQ_PREV, CROSS, BEST_LOSS, BEST_SQ, BEST_DXI, BEST_SQD, AT, DONE, STOP, STEP, ONE_C, ETA, \
     ZERO_C = range(17)
 LANES = 17
-#: The constants' vector: the momentum's base coefficients (3), 0, 1, 2, NaN, the step-size denominators' offsets.
-_BASE, _ZERO, _ONE, _TWO, _NAN, _OFFSET = slice(0, 3), 1, 3, 4, 5, slice(6, 9)
+#: The constants' vector: the momentum's base coefficients (3), 0, 1, 2, NaN, the step-size denominators' offsets,
+#: the clean loss (a value of the batch, so a tensor: a graph would be traced again for every batch's constant).
+_BASE, _ZERO, _ONE, _TWO, _NAN, _OFFSET, _CLEAN = slice(0, 3), 1, 3, 4, 5, slice(6, 9), 9
 
 
 @dataclass
@@ -108,12 +109,15 @@ class DeviceClimb(Climb):
         super().__init__(*args, **kwargs)
         self.pending = pending
         m = self.momentum
-        self.constants = _filled([2 * (1 - m), 0.0, -(1 - m), 1.0, 2.0, math.nan, 0.0, 1e-12, 0.0], self.work.device)
+        self.constants = _filled([2 * (1 - m), 0.0, -(1 - m), 1.0, 2.0, math.nan, 0.0, 1e-12, 0.0, self.clean_loss],
+                                 self.work.device)
         self.scalars: Callable[..., tuple[Tensor, Tensor]] = _step_state
         self.book: Callable[..., Tensor] = _bookkeep
+        self.book_pending: Callable[..., Tensor] = _bookkeep  # inside the objective's row-lookup mode
         if compile_backend is not None:
-            self.scalars = _Captured(_step_state, compile_backend)
-            self.book = _Captured(_bookkeep, compile_backend)
+            self.scalars = _Captured(_step_state, compile_backend, shared=True)
+            self.book = _Captured(_bookkeep, compile_backend, shared=True)
+            self.book_pending = _Captured(_bookkeep, compile_backend, shared=False)
 
     def run(self, xi: Tensor, sq_xi: float, loss: float, egrad: Tensor | None, *, steps: int, budget: int,
             auto: bool) -> Best:
@@ -162,7 +166,7 @@ class DeviceClimb(Climb):
         gradient (in the working row) taken from that graph only where the iterate is the best point, whose gap
         :meth:`finish` needs: one forward and backward there instead of a forward and then both again."""
         with self.pending(rows.x, self.work) as (value, take):
-            pending.append(self.bookkeep(state, value, False))
+            pending.append(self.bookkeep(state, value, False, self.book_pending))
             read = self.check(state, pending, k)
             at_x = read.at == AT_X
             if at_x:
@@ -200,7 +204,7 @@ class DeviceClimb(Climb):
         state.vec, coefs = self.scalars(
             state.vec, self.constants, at_x, sq_d, products, scale_sq, order=order, case=case, first=k == 0,
             auto=auto, normalization=self.step_normalization, rho=self.rho, momentum=self.momentum, tol=self.tol,
-            start_stop=start_stop, slope_stop=slope_stop, clean=self.clean_loss,
+            start_stop=start_stop, slope_stop=slope_stop,
             floor_eps=PRECISION_FACTOR * torch.finfo(getattr(torch, self.dtype)).eps)
         self.advance_on_device(rows, at_x if at_p is None else at_p, case, coefs.unbind(0), first=k == 0)
 
@@ -244,10 +248,12 @@ class DeviceClimb(Climb):
         self.pool.combine_on_device(new, scale, terms)
         rows.p, rows.x, rows.zero_x = rows.x, new, False
 
-    def bookkeep(self, state: _State, value: Tensor | float, auto: bool) -> Tensor:
-        """Take the loss at the new iterate: the best point moves there where it is higher (unless stopped)."""
+    def bookkeep(self, state: _State, value: Tensor | float, auto: bool,
+                 book: Callable[..., Tensor] | None = None) -> Tensor:
+        """Take the loss at the new iterate: the best point moves there where it is higher (unless stopped);
+        ``book``: the captured bookkeeping to use (default :attr:`book`)."""
         loss = value.detach().double() if isinstance(value, Tensor) else state.vec.new_full((), value)
-        state.vec = self.book(state.vec, self.constants, loss, auto=auto)
+        state.vec = (book or self.book)(state.vec, self.constants, loss, auto=auto)
         return loss
 
     def check(self, state: _State, pending: list[Tensor], k: int) -> _Read:
@@ -310,16 +316,20 @@ class DeviceClimb(Climb):
 
 class _Captured:
     """``fn`` under ``torch.compile(fullgraph=True)``, one graph per value of its keyword (static) arguments, each
-    from its own copy of the code (dynamo counts recompilations per code object: a step's paths are a dozen)."""
+    from its own copy of the code (:func:`~hf_geosharp.engine.capture.compiled`: dynamo counts recompilations per
+    code object, and a step's paths are a dozen). ``shared``: the copy serves every climb with the same static
+    values (the process traces each path once); else this climb owns it, for calls inside the objective's
+    ``TorchFunctionMode`` (the embedding rows), whose graphs dynamo drops with the solve's tensors but still
+    counts."""
 
-    def __init__(self, fn: Callable[..., Any], backend: str) -> None:
-        self.fn, self.backend = fn, backend
+    def __init__(self, fn: Callable[..., Any], backend: str, shared: bool) -> None:
+        self.fn, self.backend, self.shared = fn, backend, shared
         self.graphs: dict[tuple, Callable[..., Any]] = {}
 
     def __call__(self, *args: Any, **static: Any) -> Any:
         key = tuple(sorted(static.items()))
         if key not in self.graphs:
-            self.graphs[key] = compiled(self.fn, self.backend)
+            self.graphs[key] = compiled(self.fn, self.backend, key if self.shared else None)
         return self.graphs[key](*args, **static)
 
 
@@ -333,8 +343,7 @@ def _filled(values: list[float], device: torch.device) -> Tensor:
 
 def _step_state(vec: Tensor, const: Tensor, at_x: Tensor, sq_d: Tensor, products: Tensor, scale_sq: Tensor | None, *,
                 order: str, case: str, first: bool, auto: bool, normalization: str, rho: float, momentum: float,
-                tol: float, start_stop: float, slope_stop: float, clean: float, floor_eps: float
-                ) -> tuple[Tensor, Tensor]:
+                tol: float, start_stop: float, slope_stop: float, floor_eps: float) -> tuple[Tensor, Tensor]:
     """The state after a step and the coefficients ``(a, b, g)`` of the next iterate ``a xi + b d + g xi_prev``,
     from the direction's ``<d, d>`` and its ``products`` with the rows ``order`` names (see
     :meth:`DeviceClimb.direction_sums`; products of zero rows count as 0, as in the reference). ``case``: where the
@@ -380,8 +389,8 @@ def _step_state(vec: Tensor, const: Tensor, at_x: Tensor, sq_d: Tensor, products
         at = torch.where(at_x, const[_ONE], const[_TWO])  # AT_X -> AT_P; else the best row
     done, stop, step = vec[DONE], vec[STOP], vec[STEP]
     if auto:  # Climb.stationary_enough at the best point (the iterate), the reference's operations
-        halt = live & _stationary(rho, sq_d, d_xi, vec[BEST_LOSS], vec[BEST_SQ], clean, tol, start_stop, slope_stop,
-                                  floor_eps)
+        halt = live & _stationary(rho, sq_d, d_xi, vec[BEST_LOSS], vec[BEST_SQ], const[_CLEAN], tol, start_stop,
+                                  slope_stop, floor_eps)
         done = torch.where(halt, const[_ONE], done)
         stop = torch.where(halt, step, stop)
         step = step + 1
@@ -403,8 +412,8 @@ def _bookkeep(vec: Tensor, const: Tensor, loss: Tensor, *, auto: bool) -> Tensor
     return torch.where(better, torch.stack(lanes), vec)
 
 
-def _stationary(rho: float, sq_d: Tensor, d_xi: Tensor, best_loss: Tensor, best_sq: Tensor, clean: float, tol: float,
-                start_stop: float, slope_stop: float, floor_eps: float) -> Tensor:
+def _stationary(rho: float, sq_d: Tensor, d_xi: Tensor, best_loss: Tensor, best_sq: Tensor, clean: Tensor,
+                tol: float, start_stop: float, slope_stop: float, floor_eps: float) -> Tensor:
     """:meth:`.climb.Climb.stationary_enough` at the best point (the iterate) from its direction's Gram entries,
     with the operations of the reference, in its order."""
     sharpness = best_loss - clean
@@ -413,7 +422,7 @@ def _stationary(rho: float, sq_d: Tensor, d_xi: Tensor, best_loss: Tensor, best_
     slope = torch.where(sharpness > 0, rho * tangential.clamp_min(0.0).sqrt() / sharpness, math.inf)
     scaled = slope * slope_stop
     measure = torch.where(scaled > gap, scaled, gap)
-    floor = floor_eps * best_loss.abs().clamp_min(abs(clean))
+    floor = floor_eps * torch.maximum(best_loss.abs(), clean.abs())
     return (measure <= tol * start_stop) | ((sharpness > 0) & (measure * sharpness <= start_stop * floor))
 
 

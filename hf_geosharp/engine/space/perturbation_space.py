@@ -31,6 +31,7 @@ every sum goes through ``shard.all_reduce``.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol, get_args
@@ -570,6 +571,15 @@ class PerturbationSpace:
             pulled = group.geometry.heads(heads).exp2_pullback(keep, cotangent, x, self._like(x), base)
             group.write(grad, pulled, heads, add=True)
 
+    def _capture_key(self) -> str:
+        """What the captured graphs of the step depend on besides tensor shapes: the options, the segments, and per
+        pair group its geometry, factor layouts and head chunks. Spaces with the same key (a model measured again,
+        or another with the same architecture) share the graphs (:func:`~hf_geosharp.engine.capture.compiled`)."""
+        groups = [(type(g.geometry).__name__, [(f.shape, f.pieces, None if f.index is None else f.index.shape)
+                                               for f in (g.g, g.h)],
+                   [(c.start, c.stop) for c in g.chunks], g.base_views is None, g.weight is None) for g in self.pairs]
+        return repr((self.options, self.dtype, str(self.device), self._base_sizes, groups))
+
     def _reads_first(self, x: Tensor) -> list[Pair] | None:
         """Inside a captured graph, every head chunk's coordinates of ``x`` gathered before the caller writes into
         ``x``: with no read of ``x`` after a write, the graph writes into ``x`` in place instead of into a copy of
@@ -633,9 +643,10 @@ class _Captured:
 
     def __init__(self, space: PerturbationSpace, compile: str) -> None:
         self.space = space
-        self._pair_direction = compiled(space._pair_direction, compile)
-        self._exp_pairs = compiled(space._exp_pairs, compile)
-        self._pull = compiled(space._pull_first_order, compile)
+        key = space._capture_key()
+        self._pair_direction = functools.partial(compiled(PerturbationSpace._pair_direction, compile, key), space)
+        self._exp_pairs = functools.partial(compiled(PerturbationSpace._exp_pairs, compile, key), space)
+        self._pull = functools.partial(compiled(PerturbationSpace._pull_first_order, compile, key), space)
 
     # The elementwise list passes run eagerly (a few fused launches on CUDA, whatever the depth): inside a graph,
     # inductor lowers list writes into the views of one flat vector as one kernel that tests every segment's bounds
