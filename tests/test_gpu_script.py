@@ -15,6 +15,7 @@ from benchmarks import gpu
 def test_the_caps_fit_the_eight_minute_budget():
     assert gpu.BUDGET <= 8 * 60
     assert set(gpu.CAPS) == {"launch", "floor", "overhead", "llama"}
+    assert all(cap <= 8 * 60 for cap in gpu.EXTRA_CAPS.values())  # a named extra part fits one run of its own
 
 
 def test_a_tiny_run_writes_the_suites_and_the_decoders_json(tmp_path):
@@ -33,6 +34,16 @@ def test_a_tiny_run_writes_the_suites_and_the_decoders_json(tmp_path):
         assert math.isfinite(m["step_s"]) and m["solve_over_floor"] > 0
         assert m["certificate"] in ("certified", "certified_at_precision", "not_certified")
         assert m["solver_bytes_per_param"] is None  # measured on CUDA only
+
+
+def test_the_capture_part_runs_only_when_named_and_writes_its_suite(tmp_path):
+    gpu.main(["--device", "cpu", "--tiny", "--out", str(tmp_path), "--parts", "capture"])
+    (part,) = json.loads((tmp_path / "gpu-cpu.json").read_text())["parts"]
+    assert part["part"] == "capture" and part["status"] == "ok"
+    (row,) = json.loads((tmp_path / "capture-cpu.json").read_text())["rows"]
+    assert row["compile"] == "aot_eager" and row["model"] == "tiny-2x32x4"
+    assert all(v["relative_difference"] == 0.0 for v in row["values"].values())  # the eager kernels, the same bits
+    assert "capture" not in gpu.CAPS  # the default run leaves it out
 
 
 def test_a_part_past_its_cap_is_recorded_and_the_rest_skipped_when_the_budget_is_spent(tmp_path):
