@@ -309,11 +309,12 @@ DEPTH_RHO = 0.01
 
 
 def depth(shapes: list[ModelSize], device: str) -> dict[str, Any]:
-    """Geodesic inv's kernels a step outside the model at :data:`DEPTH_RHO` for every shape (the deepest with its
-    workspace as on a GPU with room), with the model calls a step that say which path each solve took."""
+    """Geodesic inv's kernels a step outside the model at :data:`DEPTH_RHO` for every shape, each with its workspace
+    as on a GPU with room (one head chunk per pair group: the rule whose count should not grow with depth), with the
+    model calls a step that say which path each solve took."""
     rows = []
     for size in shapes:
-        free = SIMULATED_FREE if size is shapes[-1] else None
+        free = SIMULATED_FREE
         m = count_shape(size, ("geodesic_inv",), device=device, rho=DEPTH_RHO, free=free)["measures"]["geodesic_inv"]
         rows.append({"shape": size.name, "kernels": m["outside"]["kernels"],
                      "model_calls_per_step": m["model_calls_per_step"], "simulated_free_bytes": free})

@@ -190,9 +190,13 @@ def geodesic_sharpness(
 
         batches = check_inputs(model, batches)
         symmetry_map = map_symmetries(model, params=settings.params)
+    note = no_symmetry_note(symmetry_map)
+    # The run holds the only reference to a map made here, and drops it (its index maps, 8 bytes per paired
+    # coordinate) once the space and the breakdown have read it, before the solver's vectors exist.
+    handed, symmetry_map = [symmetry_map], None
     result = run(model, batches, settings, loss_fn=loss_fn, accelerator=accelerator, progress=progress,
-                 symmetry_map=symmetry_map, return_perturbation=return_perturbation, profile_points=profile_points)
-    if (note := no_symmetry_note(symmetry_map)) and not symmetry_noted():  # after the run has checked the map
+                 symmetry_map=handed.pop(), return_perturbation=return_perturbation, profile_points=profile_points)
+    if note and not symmetry_noted():  # after the run has checked the map
         warn_at_caller(note, NoSymmetryWarning)
     return result
 

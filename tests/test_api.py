@@ -320,3 +320,39 @@ def test_the_note_names_attention_that_could_not_be_mapped():
     assert note.startswith("DiffLlama has no attention head pairs that could be mapped (2 attention modules treated "
                            "elementwise; model.layers.0.self_attn: DiffLlamaAttention")
     assert note.endswith("so geodesic sharpness equals adaptive sharpness by construction.")
+
+
+def test_a_symmetry_map_made_for_the_call_is_freed_before_the_solver_runs(monkeypatch):
+    """The default call maps the model itself; the map's index maps (8 bytes per paired coordinate, 2 bytes per
+    parameter of BERT-base) are read by the space and the breakdown and freed before the solver's vectors exist, so
+    they do not count against the solve's memory goal."""
+    import gc
+    import weakref
+
+    import hf_geosharp.engine.runner as runner
+    import hf_geosharp.symmetry as symmetry
+
+    from .fixtures.intact import tiny_batches, tiny_bert
+
+    made, alive = [], []
+    mapper, solve_batches = symmetry.map_symmetries, runner._solve_batches
+
+    def mapping(*args, **kwargs):
+        smap = mapper(*args, **kwargs)
+        made.append(weakref.ref(smap))
+        return smap
+
+    def solving(*args, **kwargs):
+        gc.collect()
+        alive.append([ref() is not None for ref in made])
+        return solve_batches(*args, **kwargs)
+
+    monkeypatch.setattr(symmetry, "map_symmetries", mapping)
+    monkeypatch.setattr(runner, "_solve_batches", solving)
+    model, batches = tiny_bert(), tiny_batches(n=1)
+    result = gs.geodesic_sharpness(model, batches, rho=RHO, **COMMON)
+    assert len(made) == 1 and alive == [[False]]
+    assert result.breakdown is not None and result.breakdown.heads  # the breakdown still names the heads
+    smap = mapper(model)  # a map the caller passes stays the caller's
+    gs.geodesic_sharpness(model, batches, rho=RHO, symmetry_map=smap, **COMMON)
+    assert smap.blocks and smap.blocks[0].G_index.numel() > 0

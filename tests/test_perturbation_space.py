@@ -116,6 +116,29 @@ def test_held_bytes_counts_the_pair_caches_and_the_workspace():
     assert caches + workspace <= space.held_bytes <= caches + workspace + 2 * 8 * pair_coordinates
 
 
+@pytest.mark.parametrize("share", [0.3, 0.9, 2.0])
+def test_a_workspace_limit_bounds_everything_the_pair_geometry_holds(share):
+    """The workspace's limit (what the bytes goal leaves beside the solver's vectors) is for all the space holds: its
+    ``h x h`` caches are planned in, so the workspace grows only into what they leave, and the whole space (after
+    a step has made its working-dtype casts) stays within the limit, whether the groups run in chunks (the smaller
+    shares) or whole with the base point kept."""
+    model = tiny_bert().float()
+    params = [p.detach() for p in model.parameters()]
+    blocks = map_symmetries(model).blocks
+    h = model.config.hidden_size // model.config.num_attention_heads
+    caches = sum(b.G_index.shape[0] for b in blocks) * h * h * (9 * 8 + 4 * 4)
+    largest = max(gi.numel() + hi.numel() for gi, hi, _ in stack_alike(blocks))
+    limit = caches // 4 + int(share * 4 * largest)  # entries of float32
+    space = PerturbationSpace(params, blocks, SpaceOptions("inv"), workspace=Workspace(torch.float32, "cpu", 16,
+                                                                                       limit=limit))
+    theta = torch.cat([p.reshape(-1) for p in params])
+    space.ascent_direction(torch.randn_like(theta), theta[None] * 0, out=torch.empty_like(theta))
+    space.exp_point(1e-3 * space.horizontal(torch.randn_like(theta)), torch.empty_like(theta), True)
+    chunks = max(len(group.chunks) for group in space.pairs)
+    assert (chunks > 1) == (share < 1)
+    assert space.held_bytes <= 4 * limit
+
+
 @pytest.mark.parametrize(("metric", "riemannian_norm"), [("inv", True), ("mix", True), ("inv", False), (None, True)])
 def test_ascent_direction_saves_the_gradient_it_consumes_without_changing_a_bit(metric, riemannian_norm):
     """With ``save``, the direction pass also copies the gradient it overwrites (the solver's kept best-point

@@ -110,7 +110,6 @@ def run(
     with preserved_model_state(model):
         space, objective = build(model, settings, placement, loss_fn or default_loss, {i: batches[i] for i in mine},
                                  symmetry_map)
-        release_freed_memory()
         logger.info("%s: %d GL pairs, %s parameters%s, %d batch%s", settings.measure, space.n_pairs,
                     f"{space.numel:,}", placement.where, len(batches), "" if len(batches) == 1 else "es")
         reader = None
@@ -118,6 +117,8 @@ def run(
             holding = placement.holding
             reader = WorstDirection(space, objective, holding.names, holding.rows, symmetry_map, settings.measure,
                                     profile_points, return_perturbation)
+        symmetry_map = None  # read by the space and the reader; a map made for this run is freed here
+        release_freed_memory()
         results = _solve_batches(space, objective, settings, batches, mine, progress and placement.rank == 0, reader)
     results = placement.collect(results)
     result = _result(settings, [results[i] for i in range(len(batches))], placement.world)

@@ -54,6 +54,13 @@ def _identity(t: Tensor) -> Tensor:
     return t
 
 
+def cache_bytes(heads: int, h: int, dtype: torch.dtype) -> int:
+    """What a full-group geometry of ``heads`` pairs of width ``h`` holds besides its base point: nine float64
+    ``h x h`` factors per head (``P``, ``Q``, their inverses, the Sylvester eigen-factors and divisor) and four in the
+    working ``dtype`` (:meth:`GLQuotient._lowered`)."""
+    return heads * h * h * (9 * 8 + 4 * dtype.itemsize)
+
+
 @dataclass(frozen=True)
 class RowSums:
     """Sums over the rows of a pair's factors, the one thing a sharded run changes in the geometry.

@@ -43,7 +43,7 @@ from ...symmetry.base import PairBlock
 from ..capture import capture_choice, compiled
 from ..defaults import BALL, ELEMENTWISE_CURVATURE, EPSILON, METRIC
 from ..geometry.elementwise import Curvature, ElementwiseGeometry, per_segment
-from ..geometry.gl_quotient import GLQuotient, Metric, RowSums, gl_quotient
+from ..geometry.gl_quotient import GLQuotient, Metric, RowSums, cache_bytes, gl_quotient
 from .coordinates import Factor, stack_alike
 from .pair_group import PairGroup
 from .workspace import Workspace
@@ -215,8 +215,9 @@ class PerturbationSpace:
         probe = torch.Generator().manual_seed(probe_seed)
         groups, stacked = [], stack_alike(blocks)
         # global sizes: every rank decides and chunks alike
+        caches = sum(cache_bytes(gi.shape[0], gi.shape[2], self.dtype) for gi, _, _ in stacked)
         keep = self.workspace.plan([gi.shape[0] * (gi.shape[1] + hi.shape[1]) * gi.shape[2] for gi, hi, _ in stacked],
-                                   _TEMPORARIES)
+                                   _TEMPORARIES, held=-(-caches // self.dtype.itemsize))
         for gi, hi, basis in stacked:
             if self.shard is None:
                 g, h = Factor.of(gi, self.device), Factor.of(hi, device=self.device)

@@ -80,7 +80,7 @@ class Workspace:
         self._used += n
         return view
 
-    def plan(self, group_entries: list[int], temporaries: int) -> bool:
+    def plan(self, group_entries: list[int], temporaries: int, held: int = 0) -> bool:
         """Decide, once, how the pair geometry uses memory, and grow the buffer for it; whether the base point is kept.
 
         ``group_entries`` are the pair groups' sizes (entries of ``G`` and ``H`` together) and ``temporaries`` the
@@ -90,12 +90,14 @@ class Workspace:
         of the largest group beside a copy of every group's base point (for one group, the bytes of reading its base
         point into the workspace; the copies count in the space's ``held_bytes``). Otherwise the buffer
         grows to ``temporaries`` of the largest group, as far as the limit allows, and groups are cut into chunks of
-        as many heads as fit (:meth:`heads_per_chunk`), each reading its base point from the weights."""
+        as many heads as fit (:meth:`heads_per_chunk`), each reading its base point from the weights. ``held``
+        (entries) is what the geometry holds besides, its ``h x h`` caches: the limit is for all of it."""
         if not group_entries:
             return False
-        largest, room = max(group_entries), self.limit if self._buffer is None else self.entries
+        largest = max(group_entries)
+        room = (self.limit if self._buffer is None else self.entries) - held
         keep = (temporaries - 1) * largest + sum(group_entries) <= room
-        self.reserve((temporaries - 1 if keep else temporaries) * largest)
+        self.reserve(min((temporaries - 1 if keep else temporaries) * largest, room))
         return keep
 
     def heads_per_chunk(self, entries_per_head: int, tensors: int) -> int:
