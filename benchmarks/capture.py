@@ -17,8 +17,8 @@ import hf_geosharp as gs
 
 from .common import forward_backward, load_average, time_once
 from .config import RunConfig, Workload
-from .floor import TARGET, paired_rounds, shares_of
-from .models import SIZES, workload_inputs
+from .floor import TARGET, paired_rounds, shares_of, workload_row
+from .models import workload_inputs
 
 MEASURES = ("adaptive_clean", "geodesic_inv", "geodesic_mix")
 
@@ -56,11 +56,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         timings, paired = paired_rounds(cases, cfg.repeats, cfg.device, lambda: forward_backward(model, batches[0]))
         eager = {m: solve(m, "off") for m in MEASURES}
         rows.append({
-            "model": SIZES[w.size].name,
-            "n_params": sum(p.numel() for p in model.parameters()),
-            "tokens_per_batch": w.batch_size * w.seq_len,
-            "workload": vars(w),
-            "symmetry_map": source,
+            **workload_row(w, model, source),
             "compile": choice,
             "first_captured_solve": first,
             "values": {m: {"off": eager[m], choice: values[m],

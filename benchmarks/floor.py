@@ -23,6 +23,8 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 import hf_geosharp as gs
 
 from .common import Timing, forward_backward, load_average, time_once
@@ -55,17 +57,24 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         load = load_average()
         timings, paired = paired_rounds(cases, cfg.repeats, cfg.device, lambda: forward_backward(model, batches[0]))
         rows.append({
-            "model": SIZES[w.size].name,
-            "n_params": sum(p.numel() for p in model.parameters()),
-            "tokens_per_batch": w.batch_size * w.seq_len,
-            "workload": vars(w),
-            "symmetry_map": source,
+            **workload_row(w, model, source),
             "timings": {k: t.to_dict() for k, t in timings.items()},
             "shares": shares_of(timings, paired, (w.steps + 1) * w.n_batches),
             "load_average": {"start": load, "end": load_average()},
         })
         del model, batches
     return {"suite": "floor", "target": {"non_model_share": TARGET}, "rows": rows}
+
+
+def workload_row(w: Workload, model: torch.nn.Module, source: str) -> dict[str, Any]:
+    """The fields that name a timed workload in every suite's row: model, size, tokens and the map's source."""
+    return {
+        "model": SIZES[w.size].name,
+        "n_params": sum(p.numel() for p in model.parameters()),
+        "tokens_per_batch": w.batch_size * w.seq_len,
+        "workload": vars(w),
+        "symmetry_map": source,
+    }
 
 
 def shares_of(timings: dict[str, Timing], paired: dict[str, list[dict[str, float]]], passes: int
