@@ -38,7 +38,9 @@ from .config import RunConfig, Workload
 TARGET = 1.5
 #: Target for ``solver_bytes_per_param``.
 BYTES_TARGET = 16.0
-CASES = ("forward_backward", "adaptive_clean", "adaptive_as23", "geodesic_inv", "geodesic_mix")
+#: ``pipeline_mix``: geodesic mix through the pipeline under the CLI, the evaluate module and the Trainer callback
+#: (``prepare`` maps the model for its report and note, then the measure runs), which must hold no map of its own.
+CASES = ("forward_backward", "adaptive_clean", "adaptive_as23", "geodesic_inv", "geodesic_mix", "pipeline_mix")
 
 
 def workloads(cfg: RunConfig) -> list[Workload]:
@@ -70,6 +72,11 @@ def _measure(case: str, w: Workload, device: str, rho: float) -> dict[str, int]:
         forward_backward(model, batches[0])
     elif case.startswith("adaptive"):
         gs.adaptive_sharpness(model, batches, variant=case.split("_")[1], **kw)
+    elif case == "pipeline_mix":
+        from hf_geosharp.measures import Settings
+        from hf_geosharp.pipeline import Request, prepare
+
+        prepare(Request(model, batches, ["mix"], Settings(rho=rho, steps=w.steps), map_always=True)).measure()
     else:
         # the default call: the symmetry map is built inside and dropped once the space has read it
         gs.geodesic_sharpness(model, batches, metric=case.split("_")[1], **kw)

@@ -226,20 +226,22 @@ def run_measures(
     on_result: Callable[[str, SharpnessResult, float], None] | None = None,
     **options: Any,
 ) -> dict[str, SharpnessResult]:
-    """Run several measures on the same batches (one symmetry map for all), in the order given.
+    """Run several measures on the same batches, in the order given.
 
-    ``on_result(key, result, seconds)`` is called as each one finishes (progress, stores). A model with nothing to
-    quotient gets :func:`no_symmetry_note` once, as a log warning (not inside :func:`symmetry_note_given`)."""
+    ``on_result(key, result, seconds)`` is called as each one finishes (progress, stores). A ``symmetry_map`` in
+    ``options`` is given to every geodesic measure; without one each maps the model for its own run and frees the map
+    before its solver starts, so no map is held through a solve. A model with nothing to quotient gets
+    :func:`no_symmetry_note` once, as a log warning (not inside :func:`symmetry_note_given`)."""
     import time
 
     keys = list(keys)
-    if "symmetry_map" not in options and any(spec(k).family == "geodesic" for k in keys):
+    if any(spec(k).family == "geodesic" for k in keys) and not symmetry_noted():
         from .symmetry import map_symmetries
 
-        options["symmetry_map"] = map_symmetries(model)
-    note = no_symmetry_note(options.get("symmetry_map"))
-    if note and any(spec(k).family == "geodesic" for k in keys) and not symmetry_noted():
-        logger.warning(note)
+        given = options.get("symmetry_map")
+        note = no_symmetry_note(map_symmetries(model) if given is None else given)  # a map made here is dropped
+        if note:
+            logger.warning(note)
     out: dict[str, SharpnessResult] = {}
     for key in keys:
         start = time.perf_counter()

@@ -224,7 +224,7 @@ class App:
         seconds: dict[str, float] = {}
         try:
             prepared = prepare(Request(model, batches, keys, Settings(rho=float(rho), steps=steps), progress=True,
-                                       profile_points=PROFILE_POINTS, map_always=True, name=name))
+                                       profile_points=PROFILE_POINTS, map_always=True, conditioning=True, name=name))
             with torch_threads(1 if digits else torch.get_num_threads()):  # zoo models are tiny: one thread is fastest
                 results = prepared.measure(on_result=lambda k, r, s: seconds.__setitem__(k, s))
         except (ValueError, TypeError, FloatingPointError) as err:  # the engine's refusals name the fix
@@ -235,7 +235,7 @@ class App:
         status = (f"**{name}** ({n_params:,} parameters) on {data.describe()} in {len(batches)} batches, "
                   f"rho={rho:g}, {steps} steps: {values}.")
         status += f"\n\nNote: {prepared.note}" if prepared.note else ""
-        return (table, format_report(prepared.symmetry_map.summary(model)), _per_batch_plot(results),
+        return (table, format_report(prepared.symmetry_report), _per_batch_plot(results),
                 card_yaml(entries, name),
                 status, *_where_plots(results, name))
 

@@ -33,18 +33,58 @@ def test_the_pipeline_gives_the_public_functions_numbers_and_leaves_the_model_in
     assert results["geodesic_sharpness_inv"].measure == "geodesic_inv_worst"  # the engine name of the run
 
 
-def test_the_map_is_made_once_and_only_where_needed():
+def test_the_map_is_made_only_where_needed_and_its_report_kept():
     model, batches = tiny_bert(), tiny_batches(n=1)
-    assert prepare(Request(model, batches, ["adaptive"])).symmetry_map is None
+    plain = prepare(Request(model, batches, ["adaptive"]))
+    assert plain.symmetry_map is None and plain.symmetry_report is None and plain.note is None
     reported = prepare(Request(model, batches, ["adaptive"], map_always=True))
-    assert reported.symmetry_map is not None and reported.symmetry_map.blocks
+    assert reported.symmetry_report is not None and reported.symmetry_report["blocks"]
+    assert reported.symmetry_map is None  # the report is kept, the map's index maps are not
     geodesic = prepare(Request(model, batches, ["inv", "mix"], SETTINGS))
-    assert geodesic.symmetry_map.blocks and geodesic.note is None  # a BERT has pairs: nothing to note
+    assert geodesic.symmetry_report["blocks"] and geodesic.note is None  # a BERT has pairs: nothing to note
     assert not geodesic.sharded and geodesic.world == 1 and geodesic.accelerator is None
     one = geodesic.measure_one("geodesic_sharpness_mix")
     assert one.per_batch == geodesic.measure()["geodesic_sharpness_mix"].per_batch
     seconds = geodesic.estimate_seconds()
     assert math.isfinite(seconds) and seconds > 0
+    given = gs.map_symmetries(model)
+    assert prepare(Request(model, batches, ["inv"], SETTINGS, symmetry_map=given)).symmetry_map is given
+
+
+def test_no_map_made_by_the_pipeline_is_held_while_a_solver_runs(monkeypatch):
+    """A map's index maps are 8 bytes per paired coordinate (2 bytes per parameter of BERT-base): held by the pipeline
+    through every measure they would count against each solve's memory goal. Each geodesic measure maps the model for
+    its own run and frees that map before its solver starts; the numbers are those of one shared map."""
+    import gc
+    import weakref
+
+    import hf_geosharp.engine.runner as runner
+    import hf_geosharp.pipeline.measuring as measuring
+    import hf_geosharp.symmetry as symmetry
+
+    made, alive = [], []
+    mapper, solve_batches = symmetry.map_symmetries, runner._solve_batches
+
+    def mapping(*args, **kwargs):
+        smap = mapper(*args, **kwargs)
+        made.append(weakref.ref(smap))
+        return smap
+
+    def solving(*args, **kwargs):
+        gc.collect()
+        alive.append(sum(ref() is not None for ref in made))
+        return solve_batches(*args, **kwargs)
+
+    monkeypatch.setattr(symmetry, "map_symmetries", mapping)
+    monkeypatch.setattr(measuring, "map_symmetries", mapping)
+    monkeypatch.setattr(runner, "_solve_batches", solving)
+    model, batches = tiny_bert(), tiny_batches(n=1)
+    results = measure(Request(model, batches, ["inv", "mix"], SETTINGS, map_always=True))
+    assert alive == [0, 0] and len(made) >= 3  # the request's map, then one per measure, none alive in a solve
+    shared = mapping(model)  # counted in made
+    with_one = measure(Request(model, batches, ["inv", "mix"], SETTINGS, symmetry_map=shared))
+    assert alive[2:] == [1, 1]  # only the caller's map is alive: it stays the caller's
+    assert {k: r.per_batch for k, r in results.items()} == {k: r.per_batch for k, r in with_one.items()}
 
 
 def test_an_unknown_measure_is_refused_before_any_work():

@@ -307,7 +307,7 @@ def _measure(c: RunContext, launch: Launch, show: bool, timed: list, outputs: li
                       map_always=True)  # the header reports the map
     try:
         prepared = prepare(request)
-        c.symmetry = prepared.symmetry_map.summary()
+        c.symmetry = prepared.symmetry_report
         if show:
             print_header(c)
         if show or (launch.fsdp and not c.args.quiet):  # sharded, every rank takes part in the estimate's solve

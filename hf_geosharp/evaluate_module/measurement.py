@@ -345,7 +345,8 @@ def _start_fsdp(model: torch.nn.Module | None, device: Any) -> None:
         raise ValueError(f"fsdp=True needs a distributed launch: {err}") from None
 
 
-def _output(results: dict, settings: Settings, keys: list[str], config: dict[str, Any], smap: Any) -> dict[str, Any]:
+def _output(results: dict, settings: Settings, keys: list[str], config: dict[str, Any],
+            report: dict[str, Any] | None) -> dict[str, Any]:
     """Every measure key (``None`` for those not asked for), the clean loss and the configuration."""
     out: dict[str, Any] = {}
     for key in MEASURES:  # every key, always: a result table keeps its columns whatever was asked for
@@ -358,7 +359,7 @@ def _output(results: dict, settings: Settings, keys: list[str], config: dict[str
         **settings.as_dict(), "ball": settings.ball, "measures": keys, **config,
         "results": {key: {"measure": res.measure, "converged": res.converged, "convergence_note": res.convergence_note,
                           "steps_used": res.steps_used, "config": res.config} for key, res in results.items()},
-        "unmapped_attention": [{"module": f.module, "reason": f.reason} for f in (smap.fallbacks if smap else [])],
+        "unmapped_attention": list(report["fallbacks"]) if report else [],
     }  # fmt: skip
     return out
 
@@ -483,4 +484,4 @@ class GeodesicSharpness(evaluate.Measurement):
         results = prepared.measure()
         config = {"batch_size": batch_size, "n_examples": len(next(iter(columns.values()))),
                   "n_batches": len(batches), "world_size": world_size, "fsdp": prepared.sharded}  # fmt: skip
-        return _output(results, settings, keys, config, prepared.symmetry_map)
+        return _output(results, settings, keys, config, prepared.symmetry_report)

@@ -299,7 +299,7 @@ def _compute_missing(
     require_task(model)
     processor = load_processor(ref.source, model, trust_remote_code=trust_remote_code)
     batches = load_batches(model, processor, data)
-    # one map for every geodesic column still missing (none when only others are)
+    # the note from one map (none when only non-geodesic columns are missing); each column maps for its own run
     measured = [key for name, (key, _) in runs.items() if name in missing]
     prepared = prepare(Request(model, batches, measured, name=ref.name))
     if note := prepared.note:

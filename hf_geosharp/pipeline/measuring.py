@@ -1,10 +1,12 @@
 """One measurement, typed: a :class:`Request` in, results out, the same way for every face.
 
 The pipeline owns what lies between a face's inputs and the registry's measures: loading a model (:func:`load`), the
-symmetry map (made once, on the unsharded model), FSDP2 sharding (``fsdp=True``: the model is sharded over the ranks
-of a distributed launch with pair rows kept whole), how the batches are shared across ranks (data parallel through
-``accelerate``; sharded, every rank solves every batch, passing its rows of each when ``share_rows`` allows), the
-measures' runs and the time estimate. Faces parse their inputs into a :class:`Request` and format what comes back.
+symmetry map (made on the unsharded model for the report, the note and the sharding; without a map of the caller's,
+each geodesic measure maps the model again for its own run, so no map, 8 bytes per paired coordinate, is held through
+a solve), FSDP2 sharding (``fsdp=True``: the model is sharded over the ranks of a distributed launch with pair rows
+kept whole), how the batches are shared across ranks (data parallel through ``accelerate``; sharded, every rank
+solves every batch, passing its rows of each when ``share_rows`` allows), the measures' runs and the time estimate.
+Faces parse their inputs into a :class:`Request` and format what comes back.
 
     prepared = prepare(Request(model, batches, measures=("geodesic_sharpness_inv",)))  # maps, shards
     results = prepared.measure()                                                       # {key: SharpnessResult}
@@ -24,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..api import SharpnessResult, no_symmetry_note
+from ..api import SharpnessResult, no_symmetry_note, symmetry_note_given, symmetry_noted
 from ..data import DataError, launch_accelerator, load_model
 from ..engine.placement.sharding import attention_placement, is_sharded, shard_model
 from ..engine.solvers.apgd import AUTO_BLOCK
@@ -127,6 +129,7 @@ class Request:
         symmetry_map: the map, when the caller has it; default: made here when a geodesic measure (or ``fsdp``)
             needs it, or ``map_always``.
         map_always: map the model even when no measure uses the map (a face that reports it).
+        conditioning: the map's report includes each pair's conditioning (``SymmetryMap.summary(model)``).
         name: what the no-symmetry note calls the model.
     """
 
@@ -144,6 +147,7 @@ class Request:
     profile_points: int = 0
     symmetry_map: SymmetryMap | None = None
     map_always: bool = False
+    conditioning: bool = False
     name: str = "the model"
 
     @property
@@ -163,7 +167,13 @@ class Prepared:
 
     Attributes:
         request: what was asked.
-        symmetry_map: the model's map (``None`` when no measure uses one).
+        symmetry_map: the map every measure is given: the caller's, or under sharding the one made on the unsharded
+            model; otherwise ``None`` and each geodesic measure maps the model for its own run, so no map is held
+            while a solver runs (its index maps are 2 bytes per parameter of BERT-base).
+        symmetry_report: the map's report (``SymmetryMap.summary()``) where a measure or ``map_always`` made or
+            gave one; ``None`` otherwise.
+        note: the note of a model with nothing to quotient (:func:`hf_geosharp.api.no_symmetry_note`), where a
+            geodesic measure was asked for; ``None`` otherwise.
         sharded: whether the model is measured FSDP2-sharded.
         world: processes of the launch (1 without one).
         batches: what this rank passes the engine.
@@ -172,16 +182,12 @@ class Prepared:
 
     request: Request
     symmetry_map: SymmetryMap | None
+    symmetry_report: dict[str, Any] | None
+    note: str | None
     sharded: bool
     world: int
     batches: list
     accelerator: Any
-
-    @property
-    def note(self) -> str | None:
-        """The note of a model with nothing to quotient (:func:`hf_geosharp.api.no_symmetry_note`), where a geodesic
-        measure was asked for."""
-        return no_symmetry_note(self.symmetry_map, self.request.name) if self.request.geodesic else None
 
     def _options(self) -> dict[str, Any]:
         options: dict[str, Any] = dict(symmetry_map=self.symmetry_map, progress=self.request.progress)
@@ -201,8 +207,11 @@ class Prepared:
             ``{key: SharpnessResult}`` in the request's order.
         """
         extra = {"profile_points": self.request.profile_points} if self.request.profile_points else {}
-        return run_measures(self.request.keys, self.request.model, self.batches, self.request.settings,
-                            on_result=on_result, **self._options(), **extra)
+        if self.note and not symmetry_noted():
+            logger.warning(self.note)
+        with symmetry_note_given():  # said above, once, in the request's words
+            return run_measures(self.request.keys, self.request.model, self.batches, self.request.settings,
+                                on_result=on_result, **self._options(), **extra)
 
     def measure_one(self, key: str, settings: Settings | None = None) -> SharpnessResult:
         """One measure on the prepared batches and map, with ``settings`` (default: the request's).
@@ -281,9 +290,13 @@ def prepare(request: Request) -> Prepared:
     smap = request.symmetry_map
     if smap is None and (request.map_always or request.fsdp or any(spec(k).family == "geodesic" for k in keys)):
         smap = symmetry_map(request.model)
+    report = None if smap is None else smap.summary(request.model if request.conditioning else None)
+    note = no_symmetry_note(smap, request.name) if request.geodesic else None
     if request.fsdp and not is_sharded(request.model):  # mapped above, on the unsharded model
         shard_model(request.model, placement=attention_placement(request.model, smap))
     sharded, world = is_sharded(request.model), _world()
+    held = smap if request.symmetry_map is not None or sharded else None
+    del smap  # a map made here for the report or the note is not held through the solves
     batches, accelerator = list(request.batches), request.accelerator
     if world > 1 and request.share_batches:
         accelerator = None if sharded else accelerator or launch_accelerator()
@@ -292,7 +305,7 @@ def prepare(request: Request) -> Prepared:
         if (world > 1 and request.share_rows and request.task == "classification" and request.loss_fn is None
                 and min(rows) >= world):
             batches = _rows_of_rank(batches, world)
-    return Prepared(request, smap, sharded, world, batches, accelerator)
+    return Prepared(request, held, report, note, sharded, world, batches, accelerator)
 
 
 def measure(request: Request, on_result: OnResult | None = None) -> dict[str, SharpnessResult]:
