@@ -19,7 +19,7 @@ SUITES = {"default_call": default_call, "overhead": overhead, "floor": floor, "m
           "peer": peer, "fsdp_memory": fsdp_memory, "step_profile": step_profile,
           "launch": launch, "capture": capture}
 #: The suites that ``--only`` filters (the others run all their workloads).
-ONLY_SUITES = ("floor", "overhead", "memory", "capture")
+ONLY_SUITES = ("floor", "overhead", "memory", "capture", "step_profile")
 RESULTS = Path(__file__).parent / "results"
 
 
@@ -33,8 +33,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=non_negative(int), default=0,
                         help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--only", default="",
-                        help="comma-separated workloads of the floor, overhead, memory and capture suites to run, e.g. "
-                        "minilm-8x128 (default: all)")
+                        help="comma-separated workloads of the floor, overhead, memory, capture and step_profile suites"
+                        " to run, e.g. minilm-8x128 (default: all)")
     parser.add_argument("--out", type=folder_path, default=RESULTS, help="folder for the JSON results")
     args = parser.parse_args(argv)
     suites = [s.strip() for s in args.suite.split(",") if s.strip()]

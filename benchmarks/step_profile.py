@@ -175,7 +175,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     torch.set_num_threads(1)
     rows = []
     try:
-        for w in workloads(cfg):
+        for w in cfg.chosen(workloads(cfg)):
             model, batches, smap, source = workload_inputs(w, cfg.device)
             forward_backward(model, batches[0])  # warm-up
             fb_cpu = min(_thread_seconds(lambda: forward_backward(model, batches[0])) for _ in range(3))
