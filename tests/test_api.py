@@ -326,33 +326,14 @@ def test_a_symmetry_map_made_for_the_call_is_freed_before_the_solver_runs(monkey
     """The default call maps the model itself; the map's index maps (8 bytes per paired coordinate, 2 bytes per
     parameter of BERT-base) are read by the space and the breakdown and freed before the solver's vectors exist, so
     they do not count against the solve's memory goal."""
-    import gc
-    import weakref
-
-    import hf_geosharp.engine.runner as runner
-    import hf_geosharp.symmetry as symmetry
-
     from .fixtures.intact import tiny_batches, tiny_bert
+    from .fixtures.map_lifetime import watch_maps
 
-    made, alive = [], []
-    mapper, solve_batches = symmetry.map_symmetries, runner._solve_batches
-
-    def mapping(*args, **kwargs):
-        smap = mapper(*args, **kwargs)
-        made.append(weakref.ref(smap))
-        return smap
-
-    def solving(*args, **kwargs):
-        gc.collect()
-        alive.append([ref() is not None for ref in made])
-        return solve_batches(*args, **kwargs)
-
-    monkeypatch.setattr(symmetry, "map_symmetries", mapping)
-    monkeypatch.setattr(runner, "_solve_batches", solving)
+    watch = watch_maps(monkeypatch)
     model, batches = tiny_bert(), tiny_batches(n=1)
     result = gs.geodesic_sharpness(model, batches, rho=RHO, **COMMON)
-    assert len(made) == 1 and alive == [[False]]
+    assert len(watch.made) == 1 and watch.alive == [[False]]
     assert result.breakdown is not None and result.breakdown.heads  # the breakdown still names the heads
-    smap = mapper(model)  # a map the caller passes stays the caller's
+    smap = watch.map(model)  # a map the caller passes stays the caller's
     gs.geodesic_sharpness(model, batches, rho=RHO, symmetry_map=smap, **COMMON)
     assert smap.blocks and smap.blocks[0].G_index.numel() > 0

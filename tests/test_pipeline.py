@@ -55,35 +55,18 @@ def test_no_map_made_by_the_pipeline_is_held_while_a_solver_runs(monkeypatch):
     """A map's index maps are 8 bytes per paired coordinate (2 bytes per parameter of BERT-base): held by the pipeline
     through every measure they would count against each solve's memory goal. Each geodesic measure maps the model for
     its own run and frees that map before its solver starts; the numbers are those of one shared map."""
-    import gc
-    import weakref
-
-    import hf_geosharp.engine.runner as runner
     import hf_geosharp.pipeline.measuring as measuring
-    import hf_geosharp.symmetry as symmetry
 
-    made, alive = [], []
-    mapper, solve_batches = symmetry.map_symmetries, runner._solve_batches
+    from .fixtures.map_lifetime import watch_maps
 
-    def mapping(*args, **kwargs):
-        smap = mapper(*args, **kwargs)
-        made.append(weakref.ref(smap))
-        return smap
-
-    def solving(*args, **kwargs):
-        gc.collect()
-        alive.append(sum(ref() is not None for ref in made))
-        return solve_batches(*args, **kwargs)
-
-    monkeypatch.setattr(symmetry, "map_symmetries", mapping)
-    monkeypatch.setattr(measuring, "map_symmetries", mapping)
-    monkeypatch.setattr(runner, "_solve_batches", solving)
+    watch = watch_maps(monkeypatch, measuring)
     model, batches = tiny_bert(), tiny_batches(n=1)
     results = measure(Request(model, batches, ["inv", "mix"], SETTINGS, map_always=True))
-    assert alive == [0, 0] and len(made) >= 3  # the request's map, then one per measure, none alive in a solve
-    shared = mapping(model)  # counted in made
+    # the request's map, then one per measure, none alive in a solve
+    assert watch.alive_counts() == [0, 0] and len(watch.made) >= 3
+    shared = watch.map(model)  # counted in made
     with_one = measure(Request(model, batches, ["inv", "mix"], SETTINGS, symmetry_map=shared))
-    assert alive[2:] == [1, 1]  # only the caller's map is alive: it stays the caller's
+    assert watch.alive_counts()[2:] == [1, 1]  # only the caller's map is alive: it stays the caller's
     assert {k: r.per_batch for k, r in results.items()} == {k: r.per_batch for k, r in with_one.items()}
 
 
