@@ -30,8 +30,10 @@ Per step = (count of a 6-step solve - count of a 2-step solve) / 4: the one-off 
 point) drops out. Random-init BERT classifiers (:mod:`benchmarks.models`) of three shapes (layers x hidden, heads:
 6 x 384 x 12, 12 x 768 x 12, 24 x 1024 x 16), 2 x 16 tokens, one batch, rho 0.1. The stored file's ``reference``
 block (counts of released versions, by version) is carried over when the suite rewrites it.
-The counts do not depend on the device's speed; on CPU they are what the same solve issues on CUDA, except that a
-CUDA library call may launch more than one kernel.
+The counts do not depend on the device's speed; on CPU they are what the same solve issues on CUDA (the suite runs
+the step as a GPU runs it, its masked copies on the device:
+:func:`~hf_geosharp.engine.solvers.device_climb.device_masks`), except that a CUDA library call may launch more than
+one kernel.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from hf_geosharp.engine.model_function import objective as objective_module
 from hf_geosharp.engine.placement import single
+from hf_geosharp.engine.solvers.device_climb import device_masks
 
 from .common import solve
 from .config import RunConfig
@@ -199,7 +202,7 @@ def placed(counter: OpCounter) -> Iterator[None]:
 
 def _count(measure: str, model: torch.nn.Module, batches: list, smap: Any, steps: int, rho: float) -> OpCounter:
     counter = OpCounter()
-    with placed(counter), counter:
+    with placed(counter), device_masks(), counter:  # a GPU's step, also on a CPU
         solve(measure, model, batches, smap, steps, rho)
     return counter
 

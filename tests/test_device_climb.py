@@ -3,6 +3,9 @@ the host reference (climb.py), and no host read inside a step."""
 
 from __future__ import annotations
 
+import contextlib
+import math
+
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
@@ -10,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import hf_geosharp as gs
 from hf_geosharp.engine.solvers.apgd import apgd
+from hf_geosharp.engine.solvers.device_climb import DeviceMasks, HostMasks, device_masks, masks_for
 from hf_geosharp.engine.solvers.schedule import as23_checkpoints
 
 from .fixtures.hf_models import one_thread  # noqa: F401  (autouse: one torch thread for tiny models)
@@ -96,7 +100,7 @@ def test_a_step_reads_nothing_on_the_host_between_checks(metric):
             syncs.paused = False
             marks.append((begin, syncs.count))
 
-    with _Calls(syncs), syncs:
+    with device_masks(), _Calls(syncs), syncs:  # the step as a GPU runs it (a CPU reads its masks on the host)
         result = apgd(space, counted, rho=0.5, steps=20, keep_best_gradient=True)
     assert result.steps_used == 20 and len(marks) >= 21  # the clean point, 20 steps (and the final gap's gradient)
     between = [marks[k + 2][0] - marks[k + 1][1] for k in range(19)]  # after step k's evaluation, to step k + 1's
@@ -149,3 +153,48 @@ def test_the_last_iterate_takes_its_gradient_from_its_own_forward(measure, monke
     assert new.per_batch == old.per_batch and new.stationarity_gap == old.stationarity_gap
     assert new.breakdown == old.breakdown
     assert n_new == n_old - 2  # both batches end at their best point at this small radius
+
+
+class _VectorSelections(TorchDispatchMode):
+    """Counts the selections (``where``) and copies that write a whole vector of ``n`` coordinates."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n, self.where, self.copies = n, 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor) and out.numel() == self.n:
+            if func.overloadpacket is torch.ops.aten.where:
+                self.where += 1
+            elif func.overloadpacket is torch.ops.aten.copy_:
+                self.copies += 1
+        return out
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_cpu_reads_its_masks_on_the_host_with_the_same_numbers_bit_for_bit(keep):
+    """On a CPU a mask is read on the host (free there) and a masked copy becomes a copy or nothing: the losses,
+    value, norm and gap equal the device masks' bit for bit, fixed-step and ``steps="auto"``, and no selection passes
+    over a whole vector (the device masks make some)."""
+    assert isinstance(masks_for(torch.device("cpu")), HostMasks)
+    with device_masks():
+        assert type(masks_for(torch.device("cpu"))) is DeviceMasks
+    assert type(masks_for(torch.device("meta"))) is DeviceMasks
+    model = tiny_bert(torch.float32)
+    for kw in (dict(steps=12), dict(steps=12, max_steps=48, tol=1e-6)):
+        space, objective = _objective(model, "inv", 0.5)
+        n = space.empty().numel()
+        runs, counts = [], []
+        for masks in (device_masks, contextlib.nullcontext):
+            counter = _VectorSelections(n)
+            with masks(), counter:
+                runs.append(apgd(space, objective.on_device, rho=0.5, keep_best_gradient=keep,
+                                 generator=torch.Generator().manual_seed(0), **kw))
+            counts.append(counter)
+        device, host = runs
+        assert device.losses == host.losses and device.max_loss == host.max_loss
+        assert device.best_norm == host.best_norm and device.start_values == host.start_values
+        assert device.start_gaps == host.start_gaps or all(map(math.isnan, device.start_gaps + host.start_gaps))
+        assert device.start_kinds == host.start_kinds
+        assert counts[0].where > 0 and counts[1].where == 0

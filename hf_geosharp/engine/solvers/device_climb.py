@@ -19,13 +19,18 @@ checks that they are finite, counts the improvements (the same comparisons again
 
 Where the best point sits is a device index (:data:`AT_X`, :data:`AT_P`, :data:`AT_B`): the new iterate is
 combined over the previous one, whose row is first copied into the best point's row where it holds the best
-point (a masked copy, one pass). A start that stops between two checks (``steps="auto"``) freezes its best point,
+point (a masked copy, one pass). On a CPU a mask is read on the host instead (:class:`HostMasks`): a read there
+is a load from memory, not a wait for a device, and each masked pass over a vector becomes a copy or nothing; the
+step's bandwidth, the CPU's bound, drops by two to four vector passes, with the same numbers bit for bit.
+
+A start that stops between two checks (``steps="auto"``) freezes its best point,
 and the host drops the losses of the steps it ran past the stop (at most ``CHECK_STEPS - 1`` model calls)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +61,48 @@ LANES = 17
 #: The constants' vector: the momentum's base coefficients (3), 0, 1, 2, NaN, the step-size denominators' offsets,
 #: the clean loss (a value of the batch, so a tensor: a graph would be traced again for every batch's constant).
 _BASE, _ZERO, _ONE, _TWO, _NAN, _OFFSET, _CLEAN = slice(0, 3), 1, 3, 4, 5, slice(6, 9), 9
+
+
+class DeviceMasks:
+    """Masked copies as device selections (``torch.where``): the host never reads a mask (a GPU's step)."""
+
+    def select(self, mask: Tensor, a: Tensor, b: Tensor, out: Tensor) -> None:
+        """``out <- a`` where ``mask`` (0-dim bool) holds, else ``b``; ``out`` is ``a`` or ``b``."""
+        torch.where(mask, a, b, out=out)
+
+
+class HostMasks(DeviceMasks):
+    """Masked copies decided on the host: the mask is read, and ``out`` receives one vector, or nothing when it
+    holds that one already. Where reading costs no wait (a CPU), this spares the passes of a selection."""
+
+    def select(self, mask: Tensor, a: Tensor, b: Tensor, out: Tensor) -> None:
+        """As :meth:`DeviceMasks.select`, one copy at most."""
+        src = a if bool(mask) else b
+        if src is not out:
+            out.copy_(src)
+
+
+#: The device types whose step reads its masks on the host (:class:`HostMasks`).
+HOST_MASK_DEVICES = frozenset({"cpu"})
+_device_masks_only = False
+
+
+def masks_for(device: torch.device) -> DeviceMasks:
+    """How a climb on ``device`` makes its masked copies: on the host where reading a mask is free, else on the
+    device (always inside :func:`device_masks`)."""
+    return HostMasks() if device.type in HOST_MASK_DEVICES and not _device_masks_only else DeviceMasks()
+
+
+@contextlib.contextmanager
+def device_masks() -> Iterator[None]:
+    """Within it, climbs on every device keep their masks on the device, as on a GPU: how a CPU counts the
+    syncs and kernels of a GPU's step (the launch suite, the tests of the device step)."""
+    global _device_masks_only
+    before, _device_masks_only = _device_masks_only, True
+    try:
+        yield
+    finally:
+        _device_masks_only = before
 
 
 @dataclass
@@ -108,6 +155,7 @@ class DeviceClimb(Climb):
         climb takes its gradient only where it is the best point (:meth:`last_point`)."""
         super().__init__(*args, **kwargs)
         self.pending = pending
+        self.masks = masks_for(self.work.device)
         m = self.momentum
         self.constants = _filled([2 * (1 - m), 0.0, -(1 - m), 1.0, 2.0, math.nan, 0.0, 1e-12, 0.0, self.clean_loss],
                                  self.work.device)
@@ -194,7 +242,7 @@ class DeviceClimb(Climb):
         at_x = state.vec[AT] == AT_X
         if self.keep_best_gradient:  # the gradient at the best point, for a restart from it
             kept = self.kept_gradient()
-            torch.where(at_x, egrad, kept, out=kept)
+            self.masks.select(at_x, egrad, kept, out=kept)
         scale_sq = None
         if self.step_normalization == "euclidean":  # read before the direction consumes the gradient
             scale_sq = torch.dot(egrad, egrad).double().clamp_min(0.0)
@@ -237,9 +285,9 @@ class DeviceClimb(Climb):
         if case != "C":  # combine over xi_prev, its best point (if it is) moved to the best row first
             if case == "A":  # (the row of a start or a restart): the best row moves to a free one
                 rows.b = self.pool.free(rows.x, rows.p, self.work)
-                torch.where(at, rows.b, rows.p, out=rows.b)  # unless at the iterate, the best point is at p
+                self.masks.select(at, rows.b, rows.p, out=rows.b)  # unless at the iterate, the best point is at p
             else:
-                torch.where(at, rows.p, rows.b, out=rows.b)
+                self.masks.select(at, rows.p, rows.b, out=rows.b)
             new, scale = rows.p, g
         else:  # xi_prev is xi: into a free row
             new, scale = self.pool.free(rows.x, rows.b, self.work), None
