@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -21,6 +23,31 @@ SUITES = {"default_call": default_call, "overhead": overhead, "floor": floor, "m
 #: The suites that ``--only`` filters (the others run all their workloads).
 ONLY_SUITES = ("floor", "overhead", "memory", "capture", "step_profile")
 RESULTS = Path(__file__).parent / "results"
+NOT_RERUN_NOTE = ("rows of this suite not rerun with the installed version: the version, machine and date they were "
+                  "measured on")
+
+
+def row_label(row: dict[str, Any]) -> str | None:
+    """The ``--only`` label of a result row's workload (None for a row without one)."""
+    w = row.get("workload")
+    return f"{w['size']}-{w['batch_size']}x{w['seq_len']}" if isinstance(w, dict) else None
+
+
+def keep_not_rerun(previous: dict[str, Any], result: dict[str, Any], rerun: set[str]) -> None:
+    """Carry into ``result`` (a run of the workloads ``rerun``) the rows of ``previous`` (the file it replaces) that
+    it did not rerun, under ``not_rerun`` with the version, machine and date they were measured on: one block per
+    earlier run (a dict, or a list where there are several)."""
+    blocks = previous.get("not_rerun") or []
+    blocks = [blocks] if isinstance(blocks, dict) else list(blocks)
+    blocks.append({"hf_geosharp": previous.get("machine", {}).get("hf_geosharp"), "date": previous.get("date"),
+                   "machine": previous.get("machine"), "rows": previous.get("rows", [])})
+    kept = []
+    for block in blocks:
+        rows = [r for r in block.get("rows", []) if row_label(r) not in rerun and row_label(r) is not None]
+        if rows:
+            kept.append({"note": NOT_RERUN_NOTE, **{k: v for k, v in block.items() if k != "note"}, "rows": rows})
+    if kept:
+        result["not_rerun"] = kept[0] if len(kept) == 1 else kept
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -62,6 +89,8 @@ def main(argv: list[str] | None = None) -> None:
                       seconds=round(time.time() - start, 1), date=time.strftime("%Y-%m-%d %H:%M:%S"))
         device = cfg.device.split(":")[0]
         path = args.out / f"{name}-{device}.json"
+        if cfg.only and path.exists():
+            keep_not_rerun(json.loads(path.read_text()), result, set(cfg.only))
         write_json(path, result, indent=1)  # durable: an interrupted write keeps the previous results
         print(SUITES[name].table(result))
         print(f"\n[{name}: {result['seconds']} s -> {path}]", flush=True)
