@@ -41,6 +41,7 @@ from experiments.minilm_family import (  # noqa: E402
     status,
     tables_markdown,
     tau_if_raised,
+    tau_if_raised_by_enumeration,
 )
 from hf_geosharp import __version__  # noqa: E402
 from hf_geosharp.leaderboard.store import ResultStore  # noqa: E402
@@ -117,6 +118,24 @@ def test_tau_if_raised_is_the_range_over_every_raise_of_the_lower_bounds() -> No
         assert math.isclose(min(seen), low) and math.isclose(max(seen), high)
     assert tau_if_raised([1.0, 2.0, 3.0], [1.0, 2.0, 3.0], [False, False, True]) == [1.0, 1.0]  # already the top
     assert tau_if_raised([1.0, 2.0, 3.0], [1.0, 2.0, 3.0], [True, False, False]) == pytest.approx([-1 / 3, 1.0])
+
+
+def test_tau_if_raised_equals_the_enumeration_of_every_place_and_order() -> None:
+    """The branch and bound against the slow reference (every interval for each raised value and every order of the
+    raised values that share one), with ties among the values and among the gaps."""
+    rng = np.random.default_rng(1)
+    for trial in range(40):
+        n, k = int(rng.integers(4, 10)), int(rng.integers(1, 4))
+        x, gap = rng.normal(size=n), rng.normal(size=n)
+        if trial % 3 == 0:
+            gap = np.round(gap)
+        if trial % 4 == 0:
+            x[1] = x[0]
+        flags = [False] * n
+        for i in rng.choice(n, size=k, replace=False):
+            flags[i] = True
+        assert tau_if_raised(list(x), list(gap), flags) == pytest.approx(
+            tau_if_raised_by_enumeration(list(x), list(gap), flags))
 
 
 def test_a_number_the_budget_left_uncertified_is_measured_again_with_a_larger_one(tmp_path: Path) -> None:
