@@ -1109,8 +1109,8 @@ def report(config: Config, cache: Path, out_dir: Path, doc: Path | None = None,
                                        config),  # the same members before they were moved
             **_adversarial_summary(rows),
         },
-        "versus_param_norm": _versus_baseline(rows, config, "param_norm", PLAN),
-        "versus_adaptive_clean": _versus_baseline(rows, config, "adaptive_clean", GEODESIC),
+        "versus_param_norm": _versus_baseline(rows, config, "param_norm", [*PLAN, *calibrated_cols]),
+        "versus_adaptive_clean": _versus_baseline(rows, config, "adaptive_clean", [*GEODESIC, *calibrated_cols]),
         "rho_sweep": {f"{rho:g}": _tau_table(rows, cols, config) for rho, cols in sweep_cols.items()},
         "convergence": {col: {"n": sum(col in r["numbers"] for r in rows),
                               "certified": sum(bool(r["numbers"][col].get("converged")) for r in rows

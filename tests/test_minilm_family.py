@@ -260,8 +260,10 @@ def test_smoke_population_runs_every_stage_and_resumes(tmp_path: Path, monkeypat
         for key, base in (("versus_param_norm", "param_norm"), ("versus_adaptive_clean", "adaptive_clean")):
             for col, d in rep[key]["differences"][gap].items():  # paired: the two taus' difference
                 assert d["difference"] == pytest.approx(taus[col]["tau"] - taus[base]["tau"])
-    assert set(rep["versus_param_norm"]["with_baseline"]) == set(PLAN)
-    assert set(rep["versus_adaptive_clean"]["with_baseline"]) == {"geodesic_inv", "geodesic_mix"}
+    calibrated = set(rep["calibrated_columns"])  # the calibrated ball's mix, compared like the measures it sits beside
+    assert calibrated == {"geodesic_mix_calibrated"}
+    assert set(rep["versus_param_norm"]["with_baseline"]) == set(PLAN) | calibrated
+    assert set(rep["versus_adaptive_clean"]["with_baseline"]) == {"geodesic_inv", "geodesic_mix"} | calibrated
     for col, count in rep["convergence"].items():  # what the records say, counted
         assert count == {"n": 3, "certified": sum(r["numbers"][col]["converged"] for r in rows)}, col
     assert rep["convergence"]["relative_flatness"]["certified"] == 3  # exact: nothing iterates
