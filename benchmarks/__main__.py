@@ -43,7 +43,7 @@ def keep_not_rerun(previous: dict[str, Any], result: dict[str, Any], rerun: set[
                    "machine": previous.get("machine"), "rows": previous.get("rows", [])})
     kept = []
     for block in blocks:
-        rows = [r for r in block.get("rows", []) if row_label(r) not in rerun and row_label(r) is not None]
+        rows = [r for r in block.get("rows", []) if row_label(r) not in rerun | {None}]
         if rows:
             kept.append({"note": NOT_RERUN_NOTE, **{k: v for k, v in block.items() if k != "note"}, "rows": rows})
     if kept:

@@ -23,12 +23,13 @@ point (a masked copy, one pass). On a CPU a mask is read on the host instead (:c
 is a load from memory, not a wait for a device, and each masked pass over a vector becomes a copy or nothing; the
 step's bandwidth, the CPU's bound, drops by two to four vector passes, with the same numbers bit for bit.
 
-A start that stops between two checks (``steps="auto"``) freezes its best point,
-and the host drops the losses of the steps it ran past the stop (at most ``CHECK_STEPS - 1`` model calls)."""
+A start that stops between two checks (``steps="auto"``) freezes its best point, and the host drops the losses of
+the steps it ran past the stop (at most ``CHECK_STEPS - 1`` model calls)."""
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -84,25 +85,24 @@ class HostMasks(DeviceMasks):
 
 #: The device types whose step reads its masks on the host (:class:`HostMasks`).
 HOST_MASK_DEVICES = frozenset({"cpu"})
-_device_masks_only = False
+_device_masks_only: contextvars.ContextVar[bool] = contextvars.ContextVar("device_masks_only", default=False)
 
 
 def masks_for(device: torch.device) -> DeviceMasks:
     """How a climb on ``device`` makes its masked copies: on the host where reading a mask is free, else on the
     device (always inside :func:`device_masks`)."""
-    return HostMasks() if device.type in HOST_MASK_DEVICES and not _device_masks_only else DeviceMasks()
+    return HostMasks() if device.type in HOST_MASK_DEVICES and not _device_masks_only.get() else DeviceMasks()
 
 
 @contextlib.contextmanager
 def device_masks() -> Iterator[None]:
     """Within it, climbs on every device keep their masks on the device, as on a GPU: how a CPU counts the
     syncs and kernels of a GPU's step (the launch suite, the tests of the device step)."""
-    global _device_masks_only
-    before, _device_masks_only = _device_masks_only, True
+    token = _device_masks_only.set(True)
     try:
         yield
     finally:
-        _device_masks_only = before
+        _device_masks_only.reset(token)
 
 
 @dataclass
