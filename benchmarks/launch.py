@@ -31,8 +31,8 @@ point) drops out. Random-init BERT classifiers (:mod:`benchmarks.models`) of thr
 6 x 384 x 12, 12 x 768 x 12, 24 x 1024 x 16), 2 x 16 tokens, one batch, rho 0.1. The stored file's ``reference``
 block (counts of released versions, by version) is carried over when the suite rewrites it.
 The counts do not depend on the device's speed; on CPU they are what the same solve issues on CUDA (the suite runs
-the step as a GPU runs it, its masked copies on the device:
-:func:`~hf_geosharp.engine.solvers.device_climb.device_masks`), except that a CUDA library call may launch more than
+the step as a GPU runs it, its masked copies and blocked products on the device:
+:func:`~hf_geosharp.engine.device_paths.gpu_paths`), except that a CUDA library call may launch more than
 one kernel.
 """
 
@@ -50,9 +50,9 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from hf_geosharp.engine.device_paths import gpu_paths
 from hf_geosharp.engine.model_function import objective as objective_module
 from hf_geosharp.engine.placement import single
-from hf_geosharp.engine.solvers.device_climb import device_masks
 
 from .common import solve
 from .config import RunConfig
@@ -202,7 +202,7 @@ def placed(counter: OpCounter) -> Iterator[None]:
 
 def _count(measure: str, model: torch.nn.Module, batches: list, smap: Any, steps: int, rho: float) -> OpCounter:
     counter = OpCounter()
-    with placed(counter), device_masks(), counter:  # a GPU's step, also on a CPU
+    with placed(counter), gpu_paths(), counter:  # a GPU's step, also on a CPU
         solve(measure, model, batches, smap, steps, rho)
     return counter
 
@@ -296,8 +296,9 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     shapes = cfg.pick(SHAPES, SHAPES[:2])
     result = {"suite": "launch", "batch": [BATCH, SEQ], "steps": [SHORT, LONG],
               "rows": [count_shape(s, device=cfg.device, rho=cfg.rho) for s in shapes]}
-    if cfg.device == "cpu" and len(shapes) == len(SHAPES):  # the deepest shape's workspace as on a GPU with room
-        result["rows"].append(count_shape(shapes[-1], GEODESIC, device=cfg.device, rho=cfg.rho, free=SIMULATED_FREE))
+    if cfg.device == "cpu" and len(shapes) == len(SHAPES):  # the deeper shapes' workspace as on a GPU with room
+        result["rows"] += [count_shape(s, GEODESIC, device=cfg.device, rho=cfg.rho, free=SIMULATED_FREE)
+                           for s in shapes[1:]]
         result["depth"] = depth(shapes, cfg.device)
     reference = stored_reference(cfg.device)
     if reference:
@@ -305,9 +306,9 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     return result
 
 
-#: The radius of the depth comparison: there the shallowest and the deepest shape's 6-step solves take the same path
-#: (one model call a step, no halving restart), so their counts differ by what depth adds. At rho 0.1 the deeper
-#: shapes restart in a quarter of the steps, and a restart costs a pair-geometry pass (about 113 kernels).
+#: The radius of the depth comparison, smaller than the suite's: fewer of the shapes' 6-step solves restart from their
+#: best point there (a restart costs a pair-geometry pass). Which path each solve took is recorded beside its count
+#: (its model calls a step), so that counts are compared on the same path.
 DEPTH_RHO = 0.01
 
 

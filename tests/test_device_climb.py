@@ -3,7 +3,6 @@ the host reference (climb.py), and no host read inside a step."""
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import pytest
@@ -12,8 +11,10 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import hf_geosharp as gs
+from hf_geosharp.engine.device_paths import gpu_paths
+from hf_geosharp.engine.solvers import device_climb
 from hf_geosharp.engine.solvers.apgd import apgd
-from hf_geosharp.engine.solvers.device_climb import DeviceMasks, HostMasks, device_masks, masks_for
+from hf_geosharp.engine.solvers.device_climb import DeviceMasks, HostMasks, masks_for
 from hf_geosharp.engine.solvers.schedule import as23_checkpoints
 
 from .fixtures.hf_models import one_thread  # noqa: F401  (autouse: one torch thread for tiny models)
@@ -100,7 +101,7 @@ def test_a_step_reads_nothing_on_the_host_between_checks(metric):
             syncs.paused = False
             marks.append((begin, syncs.count))
 
-    with device_masks(), _Calls(syncs), syncs:  # the step as a GPU runs it (a CPU reads its masks on the host)
+    with gpu_paths(), _Calls(syncs), syncs:  # the step as a GPU runs it (a CPU reads its masks on the host)
         result = apgd(space, counted, rho=0.5, steps=20, keep_best_gradient=True)
     assert result.steps_used == 20 and len(marks) >= 21  # the clean point, 20 steps (and the final gap's gradient)
     between = [marks[k + 2][0] - marks[k + 1][1] for k in range(19)]  # after step k's evaluation, to step k + 1's
@@ -173,12 +174,13 @@ class _VectorSelections(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("keep", [False, True])
-def test_a_cpu_reads_its_masks_on_the_host_with_the_same_numbers_bit_for_bit(keep):
+def test_a_cpu_reads_its_masks_on_the_host_with_the_same_numbers_bit_for_bit(keep, monkeypatch):
     """On a CPU a mask is read on the host (free there) and a masked copy becomes a copy or nothing: the losses,
     value, norm and gap equal the device masks' bit for bit, fixed-step and ``steps="auto"``, and no selection passes
-    over a whole vector (the device masks make some)."""
+    over a whole vector (the device masks make some). Only the masks change between the two runs (the rest of the
+    step takes the CPU's forms in both)."""
     assert isinstance(masks_for(torch.device("cpu")), HostMasks)
-    with device_masks():
+    with gpu_paths():
         assert type(masks_for(torch.device("cpu"))) is DeviceMasks
     assert type(masks_for(torch.device("meta"))) is DeviceMasks
     model = tiny_bert(torch.float32)
@@ -186,9 +188,10 @@ def test_a_cpu_reads_its_masks_on_the_host_with_the_same_numbers_bit_for_bit(kee
         space, objective = _objective(model, "inv", 0.5)
         n = space.empty().numel()
         runs, counts = [], []
-        for masks in (device_masks, contextlib.nullcontext):
+        for masks in (DeviceMasks, HostMasks):
             counter = _VectorSelections(n)
-            with masks(), counter:
+            monkeypatch.setattr(device_climb, "masks_for", lambda device, masks=masks: masks())
+            with counter:
                 runs.append(apgd(space, objective.on_device, rho=0.5, keep_best_gradient=keep,
                                  generator=torch.Generator().manual_seed(0), **kw))
             counts.append(counter)

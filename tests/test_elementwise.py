@@ -3,10 +3,15 @@ and its count of operations, which must not grow with the number of segments."""
 
 from __future__ import annotations
 
+import collections
+import contextlib
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.launch import OpCounter
+from hf_geosharp.engine.device_paths import gpu_paths
 from hf_geosharp.engine.geometry.elementwise import ElementwiseGeometry, blocked_products
 from hf_geosharp.engine.space.perturbation_space import PerturbationSpace, SpaceOptions
 from hf_geosharp.symmetry import map_symmetries
@@ -70,13 +75,38 @@ def test_list_pass_matches_the_blockwise_reference(chunk, in_place):
     assert 3 in kinds.blockwise and 2 in kinds.scaled  # tiny weights go block by block; zeros are scaled (to 0)
 
 
-def test_blocked_products_are_the_matrix_vector_product():
+@pytest.mark.parametrize("paths", ["host", "gpu"])
+def test_blocked_products_are_the_matrix_vector_product(paths):
+    """Both forms (a CPU's: one matrix-vector product per block; a GPU's: one batched product per row) are
+    ``vectors @ x``, and each issues what its form says."""
     g = torch.Generator().manual_seed(1)
     x = torch.randn(1000, generator=g, dtype=torch.float64)
     vectors = torch.randn(3, 1000, generator=g, dtype=torch.float64)
     for block in (7, 100, 1000, 4096):
-        assert torch.allclose(blocked_products(vectors, x, block), vectors @ x, rtol=1e-12, atol=1e-12)
+        with gpu_paths() if paths == "gpu" else contextlib.nullcontext(), _Ops() as ops:
+            products = blocked_products(vectors, x, block)
+        assert torch.allclose(products, vectors @ x, rtol=1e-12, atol=1e-12)
+        blocks = -(-1000 // block)
+        if paths == "host":
+            assert ops["mv"] == blocks and ops["bmm"] == 0
+        else:
+            assert ops["bmm"] == (3 if 1000 >= block else 0) and ops["mv"] == 0
     assert blocked_products(vectors[:0], x, 7).shape == (0,)
+
+
+class _Ops(TorchDispatchMode):
+    """Counts operators by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter = collections.Counter()
+
+    def __getitem__(self, name: str) -> int:
+        return self.counts[name]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
 
 
 def _pass_kernels(n_segments: int) -> int:

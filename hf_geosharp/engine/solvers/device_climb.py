@@ -28,10 +28,8 @@ the steps it ran past the stop (at most ``CHECK_STEPS - 1`` model calls)."""
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +38,7 @@ from torch import Tensor
 
 from ..capture import compiled
 from ..checks import non_finite_loss
+from ..device_paths import host_paths
 from .certificate import PRECISION_FACTOR, relative_gap
 from .climb import Best, Climb
 from .interface import PendingFn
@@ -83,26 +82,10 @@ class HostMasks(DeviceMasks):
             out.copy_(src)
 
 
-#: The device types whose step reads its masks on the host (:class:`HostMasks`).
-HOST_MASK_DEVICES = frozenset({"cpu"})
-_device_masks_only: contextvars.ContextVar[bool] = contextvars.ContextVar("device_masks_only", default=False)
-
-
 def masks_for(device: torch.device) -> DeviceMasks:
-    """How a climb on ``device`` makes its masked copies: on the host where reading a mask is free, else on the
-    device (always inside :func:`device_masks`)."""
-    return HostMasks() if device.type in HOST_MASK_DEVICES and not _device_masks_only.get() else DeviceMasks()
-
-
-@contextlib.contextmanager
-def device_masks() -> Iterator[None]:
-    """Within it, climbs on every device keep their masks on the device, as on a GPU: how a CPU counts the
-    syncs and kernels of a GPU's step (the launch suite, the tests of the device step)."""
-    token = _device_masks_only.set(True)
-    try:
-        yield
-    finally:
-        _device_masks_only.reset(token)
+    """How a climb on ``device`` makes its masked copies: on the host where reading a mask is free (a CPU), else on
+    the device (always inside :func:`~hf_geosharp.engine.device_paths.gpu_paths`)."""
+    return HostMasks() if host_paths(device) else DeviceMasks()
 
 
 @dataclass
