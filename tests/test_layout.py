@@ -18,12 +18,12 @@ FACE_FILES = sorted({*(PACKAGE / "commands").rglob("*.py"), *(PACKAGE / "evaluat
                      *(PACKAGE / "hub").rglob("*.py"), *(PACKAGE / "leaderboard").rglob("*.py"),
                      *(PACKAGE / "integrations").rglob("*.py"), PACKAGE / "hiding" / "seek.py",
                      *(PACKAGE.parent / "spaces_demo").rglob("*.py"), *(PACKAGE.parent / "experiments").rglob("*.py")})
-#: The engine's lowest layers: torch (numpy) and the defaults at most.
-LOWEST = ("engine/defaults.py", "engine/geometry/elementwise.py", "engine/geometry/gl_quotient.py",
-          "engine/geometry/lie.py", "engine/space/workspace.py", "engine/model_function/embedding_rows.py",
-          "engine/solvers/apgd.py", "engine/solvers/as23.py", "engine/solvers/average.py",
-          "engine/solvers/certificate.py", "engine/solvers/interface.py", "engine/solvers/memory.py",
-          "engine/solvers/pool.py", "engine/solvers/schedule.py", "engine/solvers/climb.py",
+#: The engine's lowest layers: torch (numpy), the defaults and the device paths at most.
+LOWEST = ("engine/defaults.py", "engine/device_paths.py", "engine/geometry/elementwise.py",
+          "engine/geometry/gl_quotient.py", "engine/geometry/lie.py", "engine/space/workspace.py",
+          "engine/model_function/embedding_rows.py", "engine/solvers/apgd.py", "engine/solvers/as23.py",
+          "engine/solvers/average.py", "engine/solvers/certificate.py", "engine/solvers/interface.py",
+          "engine/solvers/memory.py", "engine/solvers/pool.py", "engine/solvers/schedule.py", "engine/solvers/climb.py",
           "engine/solvers/device_climb.py", "engine/checks.py", "engine/result.py", "engine/capture.py")
 
 
