@@ -129,6 +129,7 @@ def _main(argv: list[str] | None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    args.argv = argv  # the command line itself, for a command that runs it again in a child process
     prepare(args.command, level_of(args))
     from .engine.result import command_line_words
 

@@ -48,6 +48,7 @@ from tqdm.auto import tqdm
 
 from .durable import staged_dir, write_json, write_text
 from .engine.progress import bar_disabled
+from .portable import PORTABLE_KERNELS
 
 if TYPE_CHECKING:
     from transformers import ViTImageProcessorPil
@@ -61,18 +62,6 @@ METRICS_FILE = "zoo_metrics.json"
 DIGITS_DIR = "digits"
 SPLIT_FILE = "zoo_split.json"
 ZooSize = Literal["mini", "full"]
-# The child process that trains the zoo runs on these: ATen's scalar baseline instead of its AVX2/AVX-512 kernels,
-# MKL's conditional numerical reproducibility (identical results whatever instructions the CPU has), oneDNN capped at
-# SSE4.1 (which every x86-64 CPU of the last 15 years has), one thread. Each of the four changes the trained weights
-# when left out (measured on zoo-06, whose 780 steps took 10-12 s with or without them on a busy machine). The child
-# also turns oneDNN off (:func:`run_portably`), so the patch convolution runs on ATen's own kernel and MKL.
-PORTABLE_KERNELS = {
-    "ATEN_CPU_CAPABILITY": "default",
-    "MKL_CBWR": "COMPATIBLE",
-    "ONEDNN_MAX_CPU_ISA": "SSE41",
-    "OMP_NUM_THREADS": "1",
-    "MKL_NUM_THREADS": "1",
-}
 
 
 def cache_root() -> Path:

@@ -123,3 +123,50 @@ def test_the_measured_misses_end_at_the_higher_maximum_or_uncertified(demo_batch
         res = gs.geodesic_sharpness(model, batches, metric=metric, rho=rho, steps="auto", ball="paper",
                                      progress=False)
     assert res.value >= higher * (1 - 1e-3) or not res.converged, (res.value, res.convergence_note)
+
+
+def _noisy_toy_bert() -> tuple[torch.nn.Module, list[dict]]:
+    """A float64 BERT of width 8 (2 heads, 1 layer) whose weights carry 0.3 of Gaussian noise on top of the init,
+    on one batch of 8 x 12 tokens: a landscape with several stationary points on a large ball."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    config = BertConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16,
+                        vocab_size=50, max_position_embeddings=16)
+    model = BertForSequenceClassification(config).double().eval()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+    ids = torch.randint(0, 50, (8, 12), generator=gen)
+    return model, [{"input_ids": ids, "labels": torch.randint(0, 2, (8,), generator=gen)}]
+
+
+@pytest.mark.parametrize("steps", [20, 400])
+def test_a_fixed_budget_is_one_start_and_never_certified(steps):
+    """Certified means checked beyond one stationary point (docs/method.md, "Convergence"): a fixed budget is one
+    start, so its value is a lower bound whatever its Frank-Wolfe gap, and says so; ``steps="auto"`` certifies,
+    and its value is at least the fixed budget's (within ``tol``)."""
+    model, batches = _noisy_toy_bert()
+    settings = dict(metric="mix", ball="paper", rho=0.5, progress=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fixed = gs.geodesic_sharpness(model, batches, steps=steps, **settings)
+    assert not fixed.converged and fixed.certificate == NOT_CERTIFIED
+    assert "fixed budget" in fixed.convergence_note or "not stationary" in fixed.convergence_note
+    assert any(issubclass(w.category, gs.NotConvergedWarning) for w in caught)
+    auto = gs.geodesic_sharpness(model, batches, **settings)  # the default: steps="auto"
+    assert auto.config["steps"] == "auto"
+    if auto.converged:
+        assert auto.value >= fixed.value * (1 - auto.config["tol"]), (auto.value, fixed.value)
+
+
+def test_one_start_is_not_certified_however_stationary():
+    """The verdict itself: a stationary best point (gap 0) of one start is NOT_CERTIFIED, with two agreeing
+    stationary starts CERTIFIED."""
+    one = SolveResult(1.5, 1.0, gap=0.0, start_values=[0.5], start_gaps=[0.0], start_kinds=["zero"])
+    state, note = one.verdict(1e-3, starts=1)
+    assert state == NOT_CERTIFIED and "fixed budget" in note
+    two = SolveResult(1.5, 1.0, gap=0.0, start_values=[0.5, 0.4999], start_gaps=[0.0, 1e-4],
+                      start_kinds=["zero", "antipode"])
+    assert two.verdict(1e-3, starts=2) == (CERTIFIED, None)

@@ -466,3 +466,29 @@ def test_demo_prints_table_taus_plot_and_card_and_reuses_the_cache(zoo, tmp_path
     assert (tmp_path / STORE_FILE).read_bytes() == stored
     again = capsys.readouterr().out
     assert "model-index:" in again and again.strip().splitlines()[-1] == last  # cached results are counted too
+
+
+def _printed_numbers(out: str) -> str:
+    """What the demo prints, less its timings (the line that says how long each stage took)."""
+    return "\n".join(line for line in out.splitlines() if not line.startswith("zoo: "))
+
+
+def test_the_demo_prints_the_same_numbers_whatever_the_callers_kernels(zoo, tmp_path):
+    """The demo's measurements run on the portable kernels, like the zoo's training: a caller on ATen's scalar
+    baseline and one on its AVX2 kernels (two threads) print the same table, taus, certified counts and convergence
+    line, bit for bit. Measured in this process on its own kernels instead, the solver's path may differ in the last
+    bits (the command line then runs the demo again on the portable kernels: that is what is tested)."""
+    printed = {}
+    for capability, threads in (("default", "1"), ("avx2", "2")):
+        out = tmp_path / capability
+        args = ["demo", "--size", "mini", "--cache-dir", str(zoo.root), "--out", str(out), "--n-examples", "64",
+                "--batch-size", "32", "--no-hide-seek", "--rho-sweep", "none", "--measures", "inv,adaptive"]
+        caller = {**os.environ, "ATEN_CPU_CAPABILITY": capability, "OMP_NUM_THREADS": threads}
+        run = subprocess.run([sys.executable, "-m", "hf_geosharp", *args], env=caller, capture_output=True, text=True,
+                             check=True)
+        printed[capability] = _printed_numbers(run.stdout.replace(str(out), "OUT"))
+        assert (out / "leaderboard.csv").exists()
+    assert "Kendall tau" in printed["default"] and "convergence:" in printed["default"]
+    assert printed["avx2"] == printed["default"]
+    a, b = ((tmp_path / c / "leaderboard.csv").read_text() for c in ("default", "avx2"))
+    assert a == b

@@ -52,7 +52,8 @@ def test_the_engine_defaults_to_the_constants():
     assert (options.metric, options.epsilon, options.elementwise_curvature, options.ball) == (
         defaults.METRIC, defaults.EPSILON, defaults.ELEMENTWISE_CURVATURE, defaults.BALL)
     assert _defaults(gl_quotient)["epsilon"] == defaults.EPSILON and _defaults(gl_quotient)["metric"] == defaults.METRIC
-    assert _defaults(apgd)["steps"] == _defaults(apgd_as23)["steps"] == defaults.STEPS
+    assert _defaults(apgd)["steps"] == _defaults(apgd_as23)["steps"] == defaults.BLOCK_STEPS
+    assert defaults.STEPS == "auto"  # every face measures until certified unless told otherwise
     assert _defaults(apgd)["step_normalization"] == defaults.STEP_NORMALIZATION
     assert _defaults(average_case)["n_samples"] == defaults.N_SAMPLES
 

@@ -15,8 +15,12 @@ from typing import Final
 RHO: Final = 0.1
 #: Worst case (maximise the loss over the ball) rather than the average over random directions.
 MODE: Final = "worst"
-#: Solver iterations per batch in the worst case.
-STEPS: Final = 20
+#: Solver iterations per batch in the worst case: ``"auto"`` runs until two stationary starts agree (certified) or
+#: its budget runs out; a number is one start of exactly that many steps, whose value is a lower bound.
+STEPS: Final = "auto"
+#: The length of a fixed-budget start where a solver is called with a number of steps (AS23's protocol), and of the
+#: first block of each start under ``"auto"``.
+BLOCK_STEPS: Final = 20
 #: Random directions per batch in the average case.
 N_SAMPLES: Final = 20
 #: Seeds every random draw (per batch, independent of the process that solves it).

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ..durable import atomic_path
+from ..engine.result import certified, shown
 from ..measures import DEFAULT_MEASURES, Settings
 from ..pipeline import Request, measure
 from .transform import DEFAULT_CONDITION, hide, reparametrize_checked
@@ -41,8 +42,11 @@ class SeekReport:
         rank_taus: Kendall tau between the original and the randomly transformed values, per measure.
         gap_taus: ``{"original": ..., "adversarial": ...}``, each ``kendall_taus`` of every measure against the gap.
         showcase: (ii) the flattest model by adaptive sharpness pushed sharp and the sharpest pushed flat, with
-            every measure before and after.
+            every measure before and after (``before``, ``after``) and their certificates (``before_certified``,
+            ``after_certified``).
         max_output_deviation: the largest probe deviation over every transformation applied.
+        certified: ``{"original"|"random"|"adversarial": {key: [certified per model]}}``, as the values: False for
+            a worst case that is not certified (its value a lower bound), None for a measure without a certificate.
     """
 
     names: list[str]
@@ -56,6 +60,11 @@ class SeekReport:
     gap_taus: dict[str, dict[str, dict[str, float]]]
     showcase: list[dict[str, Any]]
     max_output_deviation: float
+    certified: dict[str, dict[str, list[bool | None]]]
+
+    def uncertified(self) -> int:
+        """How many of the report's values are not certified (lower bounds)."""
+        return sum(c is False for what in self.certified.values() for cs in what.values() for c in cs)
 
     def to_dict(self) -> dict[str, Any]:
         """Every field, for JSON.
@@ -117,6 +126,7 @@ def hide_and_seek(
         records["random"].append(stage(name, i, "random"))
         records["adversarial"].append(stage(name, i, targets[i]))
     values = {what: {k: [r["values"][k] for r in recs] for k in measures} for what, recs in records.items()}
+    certificates = {what: {k: [_certified(r, k) for r in recs] for k in measures} for what, recs in records.items()}
     adaptive = values["original"]["adaptive_sharpness"]
     flattest, sharpest = adaptive.index(min(adaptive)), adaptive.index(max(adaptive))
     showcase = []
@@ -124,8 +134,16 @@ def hide_and_seek(
         after = stage(names[index], index, target)
         records["adversarial"].append(after)  # counted in the deviation below
         showcase.append({"model": names[index], "target": target, "before": records["original"][index]["values"],
-                         "after": after["values"], "deviation": after["deviation"]})
-    return _report(names, gaps, measures, targets, values, showcase, records, seed)
+                         "after": after["values"], "deviation": after["deviation"],
+                         "before_certified": {k: _certified(records["original"][index], k) for k in measures},
+                         "after_certified": {k: _certified(after, k) for k in measures}})
+    return _report(names, gaps, measures, targets, values, showcase, records, seed, certificates)
+
+
+def _certified(record: dict[str, Any], key: str) -> bool | None:
+    """A stored record's certificate of ``key``; a record that stores none (measured before certificates were
+    stored) counts as not certified."""
+    return record.get("certified", {}).get(key, False)
 
 
 def _stages(
@@ -138,8 +156,10 @@ def _stages(
     cache = cache or (lambda name, key, compute: compute())
     tag = dict(settings.as_dict(), condition=condition, seed=seed, dtype=str(dtype))
 
-    def measured(model: nn.Module, batches: list) -> dict[str, float]:
-        return {k: float(r.value) for k, r in measure(Request(model, batches, measures, settings)).items()}
+    def measured(model: nn.Module, batches: list) -> dict[str, dict[str, Any]]:
+        results = measure(Request(model, batches, measures, settings))
+        return {"values": {k: float(r.value) for k, r in results.items()},
+                "certified": {k: certified(r) for k, r in results.items()}}
 
     def stage(name: str, index: int, how: str) -> dict[str, Any]:
         def compute() -> dict[str, Any]:
@@ -152,7 +172,7 @@ def _stages(
             elif how in ("flat", "sharp"):
                 deviation = hide(model, batches, target=how, condition=condition, seed=seed, settings=settings,
                                  evaluate=False).max_output_deviation
-            return {"values": measured(model, batches), "deviation": deviation}
+            return {**measured(model, batches), "deviation": deviation}
 
         return cache(name, json.dumps({**tag, "how": how}, sort_keys=True), compute)
 
@@ -162,7 +182,7 @@ def _stages(
 def _report(
     names: list[str], gaps: list[float], measures: tuple[str, ...], targets: list[str],
     values: dict[str, dict[str, list[float]]], showcase: list[dict[str, Any]],
-    records: dict[str, list[dict[str, Any]]], seed: int,
+    records: dict[str, list[dict[str, Any]]], seed: int, certificates: dict[str, dict[str, list[bool | None]]],
 ) -> SeekReport:
     """The taus of (i) and (iii) from the measured values, and the largest probe deviation over every record."""
     from scipy import stats
@@ -183,6 +203,7 @@ def _report(
                   for what in ("original", "adversarial")},
         showcase=showcase,
         max_output_deviation=max(r["deviation"] for recs in records.values() for r in recs),
+        certified=certificates,
     )
 
 
@@ -206,13 +227,18 @@ def seek_lines(report: SeekReport, condition: float) -> list[str]:
     flat_model, sharp_model = report.showcase[0], report.showcase[1]
     lines += ["", f"(ii) adversarial: {flat_model['model']}, the flattest model by adaptive sharpness, pushed "
                   f"{flat_model['target']}; {sharp_model['model']}, the sharpest, pushed {sharp_model['target']}",
-              f"    {'measure':{width}s}" + "".join(f"{c['model'] + ' -> ' + c['target']:>26s}"
+              f"    {'measure':{width}s}" + "".join(f"{c['model'] + ' -> ' + c['target']:>28s}"
                                                 for c in report.showcase)]
     for k in report.measures:
-        cells = "".join(f"{c['before'][k]:>13.3g} -> {c['after'][k]:<9.3g}" for c in report.showcase)
+        cells = "".join(f"{shown(c['before'][k], c['before_certified'][k], 3, compact=True):>13s} -> "
+                        f"{shown(c['after'][k], c['after_certified'][k], 3, compact=True):<11s}"
+                        for c in report.showcase)
         lines.append(f"    {k:{width}s}{cells}".rstrip())
     adaptive = report.original["adaptive_sharpness"]
     lines.append(f"    (original adaptive sharpness across the zoo: {min(adaptive):.3g} to {max(adaptive):.3g})")
+    total = sum(len(cs) for what in report.certified.values() for cs in what.values())
+    lines.append(f"    certified: {total - report.uncertified()} of {total} values" + (
+        "" if not report.uncertified() else "; the others are lower bounds of their maxima (shown with ≥)"))
     lines += ["", "(iii) Kendall tau against the gap: original zoo vs every model pushed against its gap "
                   "(flat if its gap is above the median, sharp below)",
               f"    {'measure':{width}s}{'original':>24s}{'adversarial':>26s}"]
@@ -247,11 +273,16 @@ def seek_figure(report: SeekReport, path: Any) -> None:
     axes[0].set_ylim(-1, 1.05)
     for j, case in enumerate(report.showcase):
         ratios = [case["after"][k] / case["before"][k] for k in keys]
-        axes[1].bar(x + (j - 0.5) * 0.38, ratios, width=0.38, label=f"{case['model']} pushed {case['target']}",
-                    color=["#c44e52", "#55a868"][j])
+        bars = axes[1].bar(x + (j - 0.5) * 0.38, ratios, width=0.38, label=f"{case['model']} pushed {case['target']}",
+                           color=["#c44e52", "#55a868"][j])
+        for bar, k in zip(bars, keys):  # a ratio with a lower bound in it: hollow and hatched
+            if case.get("before_certified", {}).get(k) is False or case.get("after_certified", {}).get(k) is False:
+                bar.set_fill(False)
+                bar.set_hatch("//")
+                bar.set_edgecolor(["#c44e52", "#55a868"][j])
     axes[1].set_yscale("log")
     axes[1].axhline(1.0, color="k", lw=0.8, ls=":")
-    axes[1].set_title("(ii) adversarial: value after / before\n(same function)", fontsize=9)
+    axes[1].set_title("(ii) adversarial: value after / before\n(same function; hatched: not certified)", fontsize=9)
     axes[1].legend(fontsize=7)
     for j, what in enumerate(("original", "adversarial")):
         taus = [report.gap_taus[what][k]["tau"] for k in keys]

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from ..capture import capture_choice, compile_backend
 from ..checks import non_finite_loss
-from ..defaults import STEP_NORMALIZATION, STEPS
+from ..defaults import BLOCK_STEPS, STEP_NORMALIZATION
 from .certificate import CONVERGENCE_TOL, SolveResult, next_start_kind
 from .climb import Best, Climb
 from .device_climb import DeviceClimb
@@ -38,7 +38,7 @@ AUTO_MAX_STEPS = 640
 #: (docs/method.md).
 AUTO_MAX_STARTS = 8
 #: Steps of a start's first block under ``steps="auto"`` (the step-size checkpoints follow its length).
-AUTO_BLOCK = 20
+AUTO_BLOCK = BLOCK_STEPS
 
 
 def apgd(
@@ -46,7 +46,7 @@ def apgd(
     objective: ObjectiveFn,
     *,
     rho: float,
-    steps: int = STEPS,
+    steps: int = BLOCK_STEPS,
     momentum: float = 0.75,
     step_normalization: StepNormalization = STEP_NORMALIZATION,
     min_update_ratio: float = 0.75,

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from ..defaults import STEPS
+from ..defaults import BLOCK_STEPS
 from .certificate import CONVERGENCE_TOL, SolveResult, relative_gap
 from .interface import ObjectiveFn
 from .pool import Pool
@@ -73,7 +73,7 @@ def apgd_as23(
     objective: ObjectiveFn,
     *,
     rho: float,
-    steps: int = STEPS,
+    steps: int = BLOCK_STEPS,
     momentum: float = 0.75,
     min_update_ratio: float = 0.75,
     on_step: Callable[[int, float], None] | None = None,

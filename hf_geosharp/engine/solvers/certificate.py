@@ -63,8 +63,9 @@ class SolveResult:
 
     def verdict(self, tol: float, starts: int) -> tuple[str, str | None]:
         """What the best value is certified as, and a note: ``(CERTIFIED, None)`` when it is stationary within
-        ``tol`` and, with ``starts >= 2``, reached again within ``tol`` by another stationary start (and no start
-        from a random point found a higher maximum than two agreeing starts); ``(AT_PRECISION, what)`` when that
+        ``tol`` and reached again within ``tol`` by another stationary start (and no start from a random point found
+        a higher maximum than two agreeing starts); ``starts < 2`` (a fixed budget, one start) is never certified:
+        one stationary point is a local maximum, a lower bound of the largest; ``(AT_PRECISION, what)`` when that
         holds only with the tolerances widened to the loss's :attr:`resolution` (a Frank-Wolfe gap, or a
         disagreement of starts, below what the loss's floating type can resolve); ``(NOT_CERTIFIED, why)`` else.
         Either certified state says that two starts agree on a stationary point: a maximum, not the largest. A value
@@ -80,14 +81,16 @@ class SolveResult:
         if not (self.gap <= tol or gap_abs <= floor):
             return NOT_CERTIFIED, f"not stationary (Frank-Wolfe gap {self.gap:.2%} of the value, tolerance {tol:.2%})"
         exact = self.gap <= tol
-        if starts >= 2:
-            agreed, exact_agreed, why = self._agreement(tol, floor)
-            if why is not None:
-                return NOT_CERTIFIED, why
-            exact = exact and exact_agreed
+        if starts < 2:  # one start: a stationary point that nothing checked against a higher one
+            return NOT_CERTIFIED, (f"one start at a fixed budget reached a stationary point (Frank-Wolfe gap "
+                                   f"{self.gap:.2%}), which no second start checked: a local maximum, a lower bound")
+        agreed, exact_agreed, why = self._agreement(tol, floor)
+        if why is not None:
+            return NOT_CERTIFIED, why
+        exact = exact and exact_agreed
         if exact:
             return CERTIFIED, None
-        what = "two starts that agree and a Frank-Wolfe gap" if starts >= 2 else "a Frank-Wolfe gap"
+        what = "two starts that agree and a Frank-Wolfe gap"
         share = f", {floor / self.sharpness:.2%} of the value {self.sharpness:.4g}" if self.sharpness > 0 else ""
         return AT_PRECISION, (f"certified at the resolution of the loss in {self.dtype}: {what} within {floor:.2g} "
                               f"(= {PRECISION_FACTOR} eps |loss|{share}), not within tol {tol:.2%}")
