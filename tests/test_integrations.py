@@ -68,14 +68,14 @@ class Recorder:
         self.callback = _Callback()
 
 
-def _train(tmp_path, data, callbacks):
+def _train(tmp_path, data, callbacks, **precision):
     from transformers import Trainer, TrainingArguments
 
     tokenizer, ds = data
     args = TrainingArguments(
         output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=4, per_device_eval_batch_size=4,
         learning_rate=1e-3, logging_steps=2, report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True,
-        seed=0, dataloader_num_workers=0,
+        seed=0, dataloader_num_workers=0, **precision,
     )  # fmt: skip
     trainer = Trainer(model=_model(), args=args, train_dataset=ds, processing_class=tokenizer, callbacks=callbacks)
     trainer.train()
@@ -143,6 +143,43 @@ def test_measure_trainer_equals_the_api_on_its_documented_subset(tmp_path, data)
     batches = [dict(trainer.data_collator(rows[s : s + 8])) for s in range(0, 24, 8)]
     ref = gs.geodesic_sharpness(trainer.model, batches, rho=0.05, steps=2, seed=0, progress=False)
     assert res.value == pytest.approx(ref.value, rel=1e-6) and math.isfinite(res.value)
+
+
+def test_a_bf16_trainer_is_measured_without_its_autocast_and_says_so(tmp_path, data, caplog):
+    """Under ``bf16=True`` the accelerator wraps the model's forward in autocast: the callback and
+    ``measure_trainer`` measure the float32 weights with the model's own forward (the API's number on those
+    weights), record it in each result's config, say it once, and leave training as it is without them."""
+    plain = _train(tmp_path / "plain", data, [], bf16=True)
+    recorder = Recorder()
+    callback = GeodesicSharpnessCallback(eval_dataset=data[1], every_n_steps=2, measures="inv", n_examples=6,
+                                         settings=SETTINGS)  # fmt: skip
+    with caplog.at_level("WARNING", logger="hf_geosharp"):
+        measured = _train(tmp_path / "measured", data, [callback, recorder.callback], bf16=True)
+    assert "forward" in vars(measured.model)  # the accelerator's autocast wrapper, left for training
+    for (name, a), (_, b) in zip(plain.model.state_dict().items(), measured.model.state_dict().items()):
+        assert torch.equal(a, b), name
+    said = [r.getMessage() for r in caplog.records if "autocast" in r.getMessage()]
+    assert len(said) == 1 and "bfloat16" in said[0], said
+    entries = [e for e in measured.state.log_history if "eval_geodesic_sharpness_inv" in e]
+    assert [e["step"] for e in entries] == [2, 4]
+    for entry, measurement in zip(entries, callback.history):
+        assert measurement["results"]["geodesic_sharpness_inv"]["config"]["autocast"] == "bfloat16 set aside"
+        model = _model().eval()
+        model.load_state_dict(recorder.weights[entry["step"]])
+        ref = gs.geodesic_sharpness(model, callback.batches, rho=0.05, steps=2, seed=0, metric="inv", progress=False)
+        assert entry["eval_geodesic_sharpness_inv"] == pytest.approx(ref.value, rel=1e-6, abs=1e-9)
+        assert entry["eval_clean_loss"] == pytest.approx(ref.clean_loss, rel=1e-6)
+    results = measure_trainer(measured, n_examples=8, measures="inv", settings=SETTINGS, batch_size=4)
+    res = results["geodesic_sharpness_inv"]
+    assert res.config["autocast"] == "bfloat16 set aside"
+    picked = sorted(torch.randperm(24, generator=torch.Generator().manual_seed(0))[:8].tolist())
+    batches = [dict(measured.data_collator([{k: data[1][i][k] for k in ("input_ids", "token_type_ids",
+                                                                        "attention_mask", "label")}
+                                            for i in picked[s : s + 4]])) for s in (0, 4)]
+    model = _model().train(measured.model.training)  # the same weights and mode, with no autocast wrapper
+    model.load_state_dict(measured.model.state_dict())
+    ref = gs.geodesic_sharpness(model, batches, rho=0.05, steps=2, seed=0, metric="inv", progress=False)
+    assert res.value == pytest.approx(ref.value, rel=1e-6)
 
 
 def test_callback_arguments_are_checked():

@@ -63,6 +63,43 @@ def test_bad_batches_are_refused_before_the_work(case, measure):
     assert config_state(model) == config
 
 
+def _numpy_format() -> list[dict]:
+    import datasets
+
+    rows = tiny_batches(n=1)[0]
+    ds = datasets.Dataset.from_dict({k: v.tolist() for k, v in rows.items()})
+    return list(ds.with_format("numpy").iter(batch_size=4))
+
+
+NOT_TENSORS = [
+    ("datasets-numpy-format", _numpy_format, r"'input_ids' is a numpy\.ndarray"),
+    ("numpy-array", lambda: _with("attention_mask", np.ones((4, 8), dtype=np.int64)), r"numpy\.ndarray"),
+    ("numpy-scalar-labels", lambda: _with("labels", np.int64(1)), r"'labels' is a numpy\.int64"),
+    ("python-int-labels", lambda: _with("labels", 1), r"'labels' is a int"),
+    ("numpy-array-any-key", lambda: _with("output_attentions", np.bool_(False)), r"numpy\.bool"),
+    ("pandas-series", lambda: _with("labels", __import__("pandas").Series([0, 1, 2, 1])), r"pandas\.Series"),
+]
+
+
+@pytest.mark.parametrize("case", NOT_TENSORS, ids=[c[0] for c in NOT_TENSORS])
+def test_values_that_are_not_tensors_are_refused_before_the_work_naming_the_torch_format(case):
+    """A dataset in the numpy format (which failed inside BERT with "'int' object is not callable"), numpy scalars,
+    Python numbers and pandas objects are refused before any work, naming with_format('torch'); the model intact."""
+    _, batches, message = case
+    model = tiny_bert()
+    snap = snapshot(model)
+    for measure in (gs.geodesic_sharpness, gs.relative_flatness):
+        with pytest.raises(TypeError, match=message) as info:
+            measure(model, batches(), **({} if measure is gs.relative_flatness else FAST))
+        assert "with_format('torch')" in str(info.value)
+        assert_intact(model, snap)
+
+
+def test_python_lists_are_refused_as_uncollated_rows():
+    with pytest.raises(ValueError, match=r"'labels' is a list of 4 items.*with_format\('torch'\)"):
+        gs.adaptive_sharpness(tiny_bert(), _with("labels", [0, 1, 2, 1]), **FAST)
+
+
 def test_inference_mode_is_named():
     model, batches = tiny_bert(), tiny_batches()
     snap = snapshot(model)

@@ -97,6 +97,68 @@ def test_an_unwritable_folder_is_refused_alike_by_json_and_output_path(files, tm
         locked.chmod(0o750)
 
 
+@pytest.mark.parametrize("extra", [["--measures", "eigenvalue", "--profile", "{tmp}"],
+                                   ["--measures", "trace", "--profile", "{tmp}"],
+                                   ["--measures", "relative", "--by-layer"],
+                                   ["--mode", "average", "--by-layer"]],
+                         ids=["eigenvalue-profile", "trace-profile", "relative-by-layer", "average-by-layer"])
+def test_an_option_no_measure_can_serve_is_refused_before_the_measurement(files, tmp_path, capsys, extra):
+    """--profile and --by-layer read a worst case's direction: with none among the measures the run is refused before
+    any work (not after it, losing the results file), and the message names the fix."""
+    out = tmp_path / "out.json"
+    start = time.perf_counter()
+    assert cli.main(run_argv(files, "--steps", "200", *[a.format(tmp=tmp_path) for a in extra], "--json",
+                             str(out))) == 2
+    assert time.perf_counter() - start < 30  # 200 steps per batch were never started
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "Traceback" not in err and not out.exists(), err
+    assert ("add inv, mix or adaptive to --measures" if "--measures" in extra else "use --mode worst") in err, err
+
+
+def test_two_outputs_of_one_run_never_share_a_file(files, tmp_path, capsys):
+    """--json onto the --profile figure, or onto a file the run reads (the dataset, the model's config): refused
+    before any work, naming both; nothing is replaced."""
+    figure = tmp_path / f"{files['model'].name}_profile.png"
+    figure.write_bytes(b"\x89PNG old")
+    config = files["model"] / "config.json"
+    before = {path: digest(path) for path in (figure, config, files["csv"])}
+    for target, named in ((figure, "--profile figure"), (config, "a file of --model"), (files["csv"], "--dataset")):
+        start = time.perf_counter()
+        assert cli.main(run_argv(files, "--steps", "200", "--metric", "inv", "--no-baseline", "--profile",
+                                 str(tmp_path), "--json", str(target))) == 2
+        assert time.perf_counter() - start < 30
+        err = capsys.readouterr().err
+        assert "--json" in err and named in err and "choose" in err and "Traceback" not in err, err
+    assert {path: digest(path) for path in before} == before
+
+
+def test_a_run_that_measured_writes_its_json_when_the_figure_fails(files, tmp_path, capsys, monkeypatch):
+    """The figure is written after the results: when it fails (here an I/O error), the results file is there and
+    the error says where, with exit 1."""
+    from hf_geosharp import plots
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(plots, "save_figure", full_disk)
+    out = tmp_path / "out.json"
+    assert cli.main(run_argv(files, "--metric", "inv", "--no-baseline", "--profile", str(tmp_path / "figs"),
+                             "--json", str(out))) == 1
+    err = capsys.readouterr().err
+    assert "No space left on device" in err and f"the results are in {out}" in err, err
+    assert "geodesic_sharpness_inv" in json.loads(out.read_text())["results"]
+
+
+def test_reparametrize_refuses_an_out_that_holds_the_model(files, tmp_path, capsys):
+    """OUT above MODEL with --overwrite would replace the folder holding MODEL: refused, MODEL intact."""
+    parent = tmp_path / "parent"
+    shutil.copytree(files["model"], parent / "model")
+    before = digest(parent / "model" / "model.safetensors")
+    assert cli.main(["reparametrize", str(parent / "model"), str(parent), "--overwrite"]) == 2
+    assert "holds MODEL" in capsys.readouterr().err
+    assert digest(parent / "model" / "model.safetensors") == before
+
+
 @pytest.fixture(scope="module")
 def damaged(files):
     """Copies of the model with truncated, zeroed and pickle weights."""

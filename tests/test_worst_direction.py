@@ -5,6 +5,7 @@ perturbation (it reproduces the solver's best loss and leaves the model's bits a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -23,6 +24,7 @@ from hf_geosharp.engine.worst_direction import WorstDirection, block_of, profile
 from hf_geosharp.symmetry import map_symmetries
 
 from .fixtures.hf_models import one_thread, save_text_model, tiny_bert, write_csv  # noqa: F401
+from .fixtures.intact import assert_intact, snapshot
 
 RHO = 0.1
 
@@ -171,6 +173,25 @@ def test_the_perturbation_reproduces_the_best_loss_and_leaves_the_model_alone(wh
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)  # bit-equal
     assert all(isinstance(p, torch.nn.Parameter) for p in model.parameters())
+
+
+@pytest.mark.parametrize("labels", [1, 3])
+def test_a_perturbation_refuses_a_model_of_other_shapes_and_leaves_it_alone(geodesic, labels):
+    """Measured on a 2-label BERT, applied to a 1-label one (the classifier would broadcast to 2 outputs) or a
+    3-label one (a raw shape error): refused before the model is touched, naming the parameter and both shapes."""
+    other = tiny_bert(num_labels=labels).double()
+    snap = snapshot(other)
+    p = geodesic.perturbations[0]
+    with pytest.raises(ValueError, match="classifier.weight") as info:
+        with p.applied(other):
+            pytest.fail("the block ran on a model the perturbation does not fit")
+    assert f"[{labels}, 32]" in str(info.value) and "[2, 32]" in str(info.value)
+    assert_intact(other, snap)
+    name = "classifier.weight"
+    integer = dataclasses.replace(p, delta={**p.delta, name: p.delta[name].to(torch.int64)})
+    with pytest.raises(ValueError, match="not a floating-point tensor"), integer.applied(other):
+        pass
+    assert_intact(other, snap)
 
 
 @pytest.mark.parametrize("which", ["geodesic", "adaptive"])

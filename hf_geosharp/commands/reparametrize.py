@@ -82,6 +82,8 @@ def _problem(args: argparse.Namespace) -> str | None:
     source = Path(args.model).resolve()
     if Path(args.model).exists() and (out == source or source in out.parents):
         return f"OUT {str(args.out)!r} is (inside) MODEL; choose a new folder: MODEL is never written."
+    if Path(args.model).exists() and out in source.parents:  # replacing OUT would delete MODEL with it
+        return f"OUT {str(args.out)!r} holds MODEL; choose a new folder: MODEL is never written."
     if out.exists() and not out.is_dir():
         return f"OUT {str(args.out)!r} is a file; choose a folder."
     if out.is_dir() and any(out.iterdir()) and not args.overwrite:

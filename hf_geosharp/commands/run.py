@@ -50,12 +50,23 @@ from .common import (
     quiet_libraries,
     settings_of,
 )
-from .run_results import RunContext, model_folder_name, payload, print_header, profile_path, write_results
+from .run_results import (
+    RunContext,
+    check_distinct,
+    model_file,
+    model_folder_name,
+    payload,
+    print_header,
+    profile_path,
+    write_results,
+)
 
 logger = logging.getLogger(__name__)
 
 METRICS = tuple(m.metric for m in MEASURES.values() if m.metric)  # the geodesic metrics: inv, mix
 DTYPES = ("float32", "float64", "bfloat16", "float16")
+#: The families whose worst case has a direction, which ``--profile`` draws and ``--by-layer`` breaks down.
+DIRECTED = ("geodesic", "adaptive")
 #: Points of ``--profile``'s curves on ``[0, 2 rho]`` (odd: ``rho`` itself is one of them).
 PROFILE_POINTS = 21
 
@@ -190,8 +201,8 @@ def _cast_inputs(batches: list[dict], dtype: Any) -> list[dict]:
 def run(args: argparse.Namespace) -> int:
     """Measure a model on a dataset, print the table and write the results; the exit code."""
     quiet_libraries()
-    if getattr(args, "profile", None) is not None and (args.mode != "worst" or args.fsdp):
-        print("error: --profile draws the worst case's direction: use --mode worst, without --fsdp.", file=sys.stderr)
+    if problem := _no_output(args):
+        print(f"error: {problem}", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
         launch = start(args.fsdp)
@@ -250,9 +261,32 @@ def _run(args: argparse.Namespace, launch: Launch) -> int:
     return launch.agree(EXIT_OK)
 
 
+def _no_output(args: argparse.Namespace) -> str | None:
+    """An option that no measure of the run could serve (``--profile``, ``--by-layer``: they read a worst case's
+    direction), said before any work rather than after it."""
+    asked = [words for words, on in (("--profile draws", getattr(args, "profile", None) is not None),
+                                     ("--by-layer breaks down", getattr(args, "by_layer", False))) if on]  # fmt: skip
+    if not asked:
+        return None
+    said, flags = " and ".join(asked), " and ".join(words.split()[0] for words in asked)
+    if args.mode != "worst" or args.fsdp:
+        return f"{said} the worst case's direction: use --mode worst, without --fsdp."
+    keys = _keys(args)
+    if not any(spec(k).family in DIRECTED for k in keys):
+        names = ", ".join(spec(k).short or k for k in keys)
+        return (f"{said} a worst case's direction, which only geodesic and adaptive sharpness have (this run "
+                f"measures {names}): add inv, mix or adaptive to --measures, or drop {flags}.")
+    return None
+
+
+def _keys(args: argparse.Namespace) -> list[str]:
+    """The measure keys: ``--measures``, else ``--metric`` and ``--baseline``."""
+    return args.measures or parse_measures(args.metric + (["adaptive"] if args.baseline else []))
+
+
 def _what_to_run(args: argparse.Namespace) -> tuple[list[str], Settings, DataSpec]:
     """The measure keys, the solver settings and the data, from the arguments alone."""
-    keys = args.measures or parse_measures(args.metric + (["adaptive"] if args.baseline else []))
+    keys = _keys(args)
     settings = settings_of(args)
     spec_ = DataSpec(
         dataset=args.dataset, config=args.config, split=args.split, n_examples=args.n_examples,
@@ -271,11 +305,22 @@ def _outputs(args: argparse.Namespace, started: datetime.datetime, *, check: boo
         stamp = started.strftime("%Y-%m-%dT%H-%M-%S.%f")  # lm-evaluation-harness's file name, in UTC
         outputs.append(args.output_path / model_folder_name(args.model) / f"results_{stamp}.json")
     if check:
-        for path in outputs:
-            check_writable(path, what="--json" if path == args.json else "--output-path file")
+        named = [(path, "--json" if path == args.json else "--output-path file") for path in outputs]
         if args.profile is not None:
-            check_writable(profile_path(args.profile, args.model), what="--profile figure")
+            named.append((profile_path(args.profile, args.model), "--profile figure"))
+        for path, what in named:
+            check_writable(path, what=what)
+        check_distinct(named, _inputs(args))
     return outputs
+
+
+def _inputs(args: argparse.Namespace) -> list[tuple[Path, str]]:
+    """The files the run reads, which no output may replace: the dataset file and the model folder's own files."""
+    inputs = [(Path(args.dataset), "--dataset")] if Path(args.dataset).is_file() else []
+    model = Path(args.model)
+    if model.is_dir():
+        inputs += [(path, "a file of --model") for path in model.iterdir() if path.is_file() and model_file(path.name)]
+    return inputs
 
 
 def _model_and_batches(args: argparse.Namespace, launch: Launch, spec_: DataSpec) -> tuple[Any, Any, list]:

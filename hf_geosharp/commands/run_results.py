@@ -17,7 +17,7 @@ import torch
 
 from .._version import __version__
 from ..data import DataSpec
-from ..durable import write_json
+from ..durable import OutputPathError, write_json
 from ..engine.result import certified, shown
 from ..leaderboard.store import file_digest, model_identity
 from ..measures import Settings, result_fields
@@ -131,6 +131,40 @@ def profile_path(folder: Path, model: str) -> Path:
     return folder / f"{model_folder_name(model)}_profile.png"
 
 
+#: Files a saved model is loaded from (config, weights, tokenizer, processor): no output may replace one.
+MODEL_FILE = re.compile(r"(.*config\.json|.*\.safetensors|.*\.bin|.*\.index\.json|tokenizer.*|vocab\..*|merges\.txt|"
+                        r"special_tokens_map\.json|.*\.model)")
+
+
+def model_file(name: str) -> bool:
+    """Whether a file of a model folder is one the model is loaded from."""
+    return MODEL_FILE.fullmatch(name) is not None
+
+
+def check_distinct(outputs: list[tuple[Path, str]], inputs: list[tuple[Path, str]]) -> None:
+    """Refuse, before any work, two outputs of one command that resolve to the same file (the second would silently
+    replace the first) and an output that would replace one of the command's inputs.
+
+    Args:
+        outputs: (path, the option that names it: ``--json``, ``--profile figure``) per output.
+        inputs: (path, what it is: ``--dataset``) per file the command reads.
+
+    Raises:
+        OutputPathError: naming both options and the fix.
+    """
+    seen: dict[Path, str] = {}
+    for path, what in outputs:
+        where = path.resolve()
+        if where in seen:
+            raise OutputPathError(f"{seen[where]} and {what} are the same file {str(path)!r}: one would replace the "
+                                  "other; choose different paths.")
+        seen[where] = what
+    for path, what in inputs:
+        if path.resolve() in seen:
+            raise OutputPathError(f"{seen[path.resolve()]} {str(path)!r} is {what}, which the run reads: it would be "
+                                  "replaced; choose another path.")
+
+
 def model_folder_name(model: str) -> str:
     """A folder name for ``--output-path``: a Hub id as ``org__name`` (as lm-evaluation-harness does), a local
     folder by its own name."""
@@ -229,25 +263,28 @@ def write_results(c: RunContext, timed: list[tuple[str, Any, float]], outputs: l
     if getattr(args, "by_layer", False):
         for key, res, _ in timed:
             print("\n" + breakdown_table(key, res))
+    content, problem, written = payload(c, timed), None, []
+    for path in outputs:  # the results first, each tried: a later output that fails loses no measurement
+        try:
+            write_json(path, content)  # durable: a failed write leaves the previous file intact
+        except OSError as err:  # disk full, quota, a file-size limit: the old file is intact
+            problem = problem or (f"could not write {path} ({err.strerror or err}); its previous contents are "
+                                  "unchanged. Free space or choose another path.")
+            continue
+        written.append(path)
+        if show:
+            print(f"wrote {path}")
     if getattr(args, "profile", None) is not None:
         from ..plots import profile_figure, save_figure
 
         path = profile_path(args.profile, args.model)
+        kept = f" (the results are in {written[0]})" if written else ""
         try:
             save_figure(profile_figure({key: res for key, res, _ in timed}, args.model), path)
         except ValueError as err:
-            return f"--profile: {err}"
+            return problem or f"--profile: {err}{kept}"
         except OSError as err:
-            return f"could not write {path} ({err.strerror or err}); choose another --profile folder."
+            return problem or f"could not write {path} ({err.strerror or err}); choose another --profile folder{kept}."
         if show:
             print(f"wrote {path}")
-    content = payload(c, timed)
-    for path in outputs:
-        try:
-            write_json(path, content)  # durable: a failed write leaves the previous file intact
-        except OSError as err:  # disk full, quota, a file-size limit: the old file is intact
-            return (f"could not write {path} ({err.strerror or err}); its previous contents are unchanged. Free space "
-                    "or choose another path.")
-        if show:
-            print(f"wrote {path}")
-    return None
+    return problem

@@ -8,6 +8,7 @@ import itertools
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import numpy as np
 from torch import Tensor, nn
 
 _CLASSIFIER_HEADS = ("ForSequenceClassification", "ForTokenClassification", "ForImageClassification")
@@ -75,13 +76,37 @@ def _is_transformers_model(model: nn.Module) -> bool:
     return getattr(model, "config", None) is not None and callable(getattr(model, "get_input_embeddings", None))
 
 
+#: What turns batches of arrays (numpy, pandas, Python numbers) into the tensors a model takes.
+TENSOR_FIX = (
+    "the model takes torch tensors: batch a datasets.Dataset with dataset.with_format('torch') (e.g. "
+    "list(dataset.with_format('torch').iter(batch_size=8))), or convert each value with torch.as_tensor(value)"
+)
+
+
+def _data_not_tensor(value: Any) -> bool:
+    """An array-like that is not a torch tensor: a numpy array or scalar, a pandas object, anything with
+    ``__array__``, or a list or tuple of numbers (a tuple of tensors, a legacy cache, passes)."""
+    if isinstance(value, Tensor) or value is None or isinstance(value, (bool, str)):
+        return False
+    if hasattr(value, "__array__") or isinstance(value, np.generic):
+        return True
+    if isinstance(value, (list, tuple)) and value:
+        first = value[0]
+        return isinstance(first, (int, float, list, np.generic)) or (
+            hasattr(first, "__array__") and not isinstance(first, Tensor))
+    return False
+
+
 def check_collated(model: nn.Module, batch: Mapping, i: int) -> None:
     """A transformers model takes ``[batch, ...]`` tensors: a model input or the labels given as a list (rows, or a
     DataLoader's default collate of rows that hold lists) or as one example's 1-D token ids fails inside its forward
-    (``'list' object has no attribute 'size'``, an unpacking error)."""
+    (``'list' object has no attribute 'size'``, an unpacking error); one given as a numpy array (a dataset in the
+    ``numpy`` format), a numpy scalar or a Python number fails there too (``'int' object is not callable``). Refused,
+    not converted: the batch the model is measured on is the batch the caller's ``model(**batch)`` gets."""
     if not _is_transformers_model(model):  # a loss_fn may take any batch
         return
-    for key in (*_TOKEN_INPUTS, "pixel_values", "labels", "label"):
+    tensor_keys = (*_TOKEN_INPUTS, "pixel_values", "labels", "label")
+    for key in tensor_keys:
         value = batch.get(key)
         if isinstance(value, (list, tuple)):
             raise ValueError(
@@ -89,6 +114,11 @@ def check_collated(model: nn.Module, batch: Mapping, i: int) -> None:
                 "(single rows, or rows a DataLoader grouped without a collate_fn for them); "
                 f"{BATCHING_FIX}."
             )
+    for key, value in batch.items():
+        if _data_not_tensor(value) or (key in tensor_keys and not isinstance(value, Tensor) and value is not None):
+            package = type(value).__module__.split(".")[0]
+            kind = type(value).__qualname__ if package == "builtins" else f"{package}.{type(value).__qualname__}"
+            raise TypeError(f"Batch {i}: {key!r} is a {kind}, not a torch tensor; {TENSOR_FIX}.")
     ids = batch.get("input_ids")
     if isinstance(ids, Tensor) and ids.dim() == 1:
         raise ValueError(

@@ -88,15 +88,32 @@ class WorstCasePerturbation:
         parameters are swapped out for the duration, never written, so its bits are unchanged afterwards. Put the
         model in the mode it was measured in (``model.eval()``) to reproduce ``loss``."""
         params = dict(model.named_parameters())
-        missing = sorted(set(self.delta) - set(params))
-        if missing:
-            raise ValueError(f"the model has no parameters {missing[:3]}: apply the perturbation to the model it was "
-                             "measured on.")
+        self._check_fits(params)  # every tensor before the model is touched: broadcasting would hide a mismatch
         with torch.no_grad():
-            moved = {name: (params[name].detach().to(d.dtype) + d).to(params[name].dtype)
+            moved = {name: (params[name].detach().to(d.dtype) + d.to(params[name].device)).to(params[name].dtype)
                      for name, d in self.delta.items()}
         with reparametrized(model, moved):
             yield model
+
+
+    def _check_fits(self, params: dict[str, Tensor]) -> None:
+        """Refuse a model this perturbation was not measured on: a missing parameter, another shape (a head with
+        another number of labels would broadcast), or a parameter or delta that is not floating point. Another
+        device is fine: the delta moves to the parameter's."""
+        fix = "apply the perturbation to the model it was measured on."
+        missing = sorted(set(self.delta) - set(params))
+        if missing:
+            raise ValueError(f"the model has no parameters {missing[:3]}: {fix}")
+        for name, d in self.delta.items():
+            if not isinstance(d, Tensor) or not d.is_floating_point():
+                raise ValueError(f"the perturbation of {name!r} is not a floating-point tensor "
+                                 f"({getattr(d, 'dtype', type(d).__name__)}): {fix}")
+            if tuple(d.shape) != tuple(params[name].shape):
+                raise ValueError(f"parameter {name!r} has shape {list(params[name].shape)} in this model but "
+                                 f"{list(d.shape)} in the perturbation: {fix}")
+            if not params[name].is_floating_point():
+                raise ValueError(f"parameter {name!r} is {params[name].dtype}, which a perturbation cannot move: "
+                                 f"{fix}")
 
 
 class WorstDirection:

@@ -9,6 +9,12 @@ with the same weights, optimizer state and random state as a run without it.
 The callback's numbers are evaluations of the model on the subset, so they are logged as evaluation metrics
 (``eval_<key>``: the reporters file them under ``eval/``, not ``train/``), each worst case with its certificate
 (``eval_<key>_certified``) and one warning per measurement that is not certified.
+
+Under mixed precision (``bf16=True`` / ``fp16=True``) the Trainer's accelerator wraps ``model.forward`` in autocast.
+The measurement sets that autocast aside and runs the model's own forward on its own weights (float32 when it trains
+in mixed precision): a certificate holds at the resolution of the loss's dtype, which a bfloat16 forward would make
+coarser than the weights' float32 says. Each result's ``config["autocast"]`` records it (``"bfloat16 set aside"``),
+and a log line says it once per training run.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from transformers.training_args import TrainingArguments
 from ..api import SharpnessResult, collected_convergence_notes, symmetry_note_given
 from ..engine.checks import check_inputs, check_labels_present
 from ..engine.defaults import SEED
+from ..engine.model_function.objective import default_loss
 from ..engine.result import LOWER_BOUND, NOT_CERTIFIED, certified, shown
 from ..measures import Settings, parse_measures, result_fields
 from ..pipeline import Request, measure
@@ -49,6 +56,61 @@ def untouched_rng() -> Iterator[None]:
     finally:
         random.setstate(state[0])
         np.random.set_state(state[1])
+
+
+def autocast_set_aside(model: torch.nn.Module, args: TrainingArguments | None) -> tuple[Any, str | None]:
+    """The loss through the model's own forward when the Trainer trains in mixed precision (its accelerator wraps
+    ``model.forward`` in autocast, and the forward is what the engine calls), and the autocast's dtype; ``(None,
+    None)`` without mixed precision. The model is not touched: the wrapper stays for training.
+
+    Args:
+        model: the Trainer's model.
+        args: the Trainer's arguments (``bf16``, ``fp16``).
+
+    Returns:
+        ``(loss_fn or None, "bfloat16" / "float16" or None)``.
+    """
+    dtype = "bfloat16" if getattr(args, "bf16", False) else "float16" if getattr(args, "fp16", False) else None
+    original = getattr(model, "_original_forward", None)  # accelerate keeps the forward it wrapped under this name
+    if "forward" not in vars(model) or not callable(original):
+        return None, dtype
+    return (lambda _model, batch: default_loss(original, batch)), dtype or "mixed precision"
+
+
+@contextlib.contextmanager
+def autocast_off() -> Iterator[None]:
+    """No autocast inside the block (a caller's own ``torch.autocast`` region included), on the CPU and CUDA."""
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    with contextlib.ExitStack() as stack:
+        for device in devices:
+            stack.enter_context(torch.autocast(device_type=device, enabled=False))
+        yield
+
+
+def _measure_plain(request: Request, autocast: str | None) -> dict[str, SharpnessResult]:
+    """Measure without autocast and record it in each result's config."""
+    with autocast_off():
+        results = measure(request)
+    for res in results.values():
+        res.config["autocast"] = f"{autocast} set aside" if autocast else None
+    return results
+
+
+def _say_autocast(autocast: str | None) -> None:
+    if autocast:
+        logger.warning("the Trainer computes in %s autocast; sharpness is measured without it, with the model's own "
+                       "weights and forward, so its certificate holds at the resolution of their dtype (training is "
+                       "unchanged).", autocast)
+
+
+def _precision_fix(model: torch.nn.Module) -> str | None:
+    """The advice for an uncertified value when the model itself computes in a half-precision dtype (the resolution
+    of its loss, not rho, keeps the starts from agreeing), else None."""
+    low = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()} & {"bfloat16", "float16"})
+    if not low:
+        return None
+    return (f"the model computes in {low[0]}, whose loss resolution can keep the starts from agreeing: measure a "
+            "float32 copy (copy.deepcopy(model).float())")
 
 
 def input_columns(model: torch.nn.Module, args: TrainingArguments | None = None) -> set[str]:
@@ -190,6 +252,7 @@ class GeodesicSharpnessCallback(TrainerCallback):
         check_inputs(kwargs["model"], self.batches)
         self._last_step = None
         self._symmetry_noted = False
+        _say_autocast(autocast_set_aside(kwargs["model"], args)[1])
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         """Measure every ``every_n_steps`` steps and at the last one.
@@ -223,8 +286,9 @@ class GeodesicSharpnessCallback(TrainerCallback):
         # the note of a model with nothing to quotient comes with the first measurement only; the per-result
         # convergence warnings are replaced by one warning per measurement (below)
         quiet = symmetry_note_given() if self._symmetry_noted else contextlib.nullcontext()
+        loss_fn, autocast = autocast_set_aside(model, args)
         with untouched_rng(), quiet, collected_convergence_notes():
-            results = measure(Request(model, self.batches, self.keys, self.settings))
+            results = _measure_plain(Request(model, self.batches, self.keys, self.settings, loss_fn=loss_fn), autocast)
         self._symmetry_noted = True
         logs: dict[str, float | bool] = {}
         for key, res in results.items():  # scalars only: reporters log numbers, not lists
@@ -234,18 +298,20 @@ class GeodesicSharpnessCallback(TrainerCallback):
             logs.update({f"{self.prefix}_{k}": v for k, v in fields.items()})
         logs[f"{self.prefix}_clean_loss"] = next(iter(results.values())).clean_loss
         self.history.append({"step": state.global_step, "results": {k: r.to_dict() for k, r in results.items()}})
-        self._warn_uncertified(state.global_step, results)
+        self._warn_uncertified(state.global_step, results, _precision_fix(model))
         self._log(args, state, control, logs)
 
-    def _warn_uncertified(self, step: int, results: dict[str, SharpnessResult]) -> None:
-        """One warning for a measurement with values that are not certified: which, shown as lower bounds, and why."""
+    def _warn_uncertified(self, step: int, results: dict[str, SharpnessResult], precision: str | None) -> None:
+        """One warning for a measurement with values that are not certified: which, shown as lower bounds, and why
+        (``precision``: the advice when the model computes in half precision, which more steps or a lower rho
+        would not fix)."""
         uncertified = {key: res for key, res in results.items() if certified(res) is False}
         if not uncertified:
             return
         which = "; ".join(f"{key} {shown(res.value, False)}: {res.convergence_note}"
                           for key, res in uncertified.items())
-        fix = ("settings=Settings(steps='auto') continues until certified or says why not"
-               if self.settings.steps != "auto" else "a lower rho is certified more easily")
+        fix = precision or ("settings=Settings(steps='auto') continues until certified or says why not"
+                            if self.settings.steps != "auto" else "a lower rho is certified more easily")
         logger.warning("sharpness at step %d is %s, each value %s (logged with %s_<key>_certified = False): %s; %s.",
                        step, NOT_CERTIFIED, LOWER_BOUND, self.prefix, which, fix)
 
@@ -275,7 +341,8 @@ def measure_trainer(
     """Measure ``trainer.model`` (e.g. after ``trainer.train()``) on ``n_examples`` rows drawn with ``seed`` from
     ``dataset`` (default: the trainer's eval dataset, else its train dataset), collated by its data collator.
 
-    The model, the trainer and the global random streams are untouched.
+    The model, the trainer and the global random streams are untouched. A trainer in mixed precision is measured
+    without its autocast (module docstring), and each result's ``config["autocast"]`` says so.
 
     Args:
         trainer: a ``transformers.Trainer``; its model is measured.
@@ -299,8 +366,12 @@ def measure_trainer(
     args = trainer.args
     keep = input_columns(trainer.model, args) if args.remove_unused_columns else None
     settings = settings if settings is not None else Settings(seed=seed)
+    loss_fn, autocast = autocast_set_aside(trainer.model, args)
+    _say_autocast(autocast)
     with untouched_rng():
         batches = subset_batches(
             dataset, n_examples, batch_size or args.per_device_eval_batch_size, seed, trainer.data_collator, keep
         )
-        return measure(Request(trainer.model, batches, parse_measures(measures), settings, progress=progress))
+        request = Request(trainer.model, batches, parse_measures(measures), settings, progress=progress,
+                          loss_fn=loss_fn)
+        return _measure_plain(request, autocast)
