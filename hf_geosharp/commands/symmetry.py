@@ -7,11 +7,14 @@ import logging
 import sys
 from pathlib import Path
 
+import torch
+
 from ..data import DataError
 from ..durable import OutputPathError, check_writable, write_json
 from ..pipeline import ModelSource, load, symmetry_map
-from ..symmetry.audit import MAX_AUDIT_PARAMS, jacobian_rank_audit
+from ..symmetry.audit import MAX_AUDIT_PARAMS, jacobian_rank_audit, random_inputs
 from ..symmetry.audit_blocks import block_audit
+from ..symmetry.audit_rank import use_float64_attention
 from ..symmetry.report import format_report
 from .common import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, add_trust_remote_code
 
@@ -81,8 +84,13 @@ def run(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return EXIT_BAD_INPUT
         model = model.double()  # numerical rank needs float64 (the model was loaded here, not handed over)
-        if hasattr(model, "set_attn_implementation"):
-            model.set_attn_implementation("eager")  # plain matmul + softmax: vmap-friendly for the Jacobian
+        if hasattr(model, "set_attn_implementation"):  # float64 attention: eager, or sdpa if eager's softmax is float32
+            try:
+                attention = use_float64_attention(model, random_inputs(model)(torch.Generator().manual_seed(0), 8))
+            except ValueError as err:
+                print(f"geosharp symmetry --audit: {err}", file=sys.stderr)
+                return EXIT_BAD_INPUT
+            logger.info("audit attention: %s", attention)
         print()
         try:
             if args.layers:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -22,7 +23,8 @@ import torch
 from torch import nn
 from torch.func import functional_call, vjp, vmap
 
-from .base import SymmetryMap
+from .audit_rank import lower_precision_ops, numerical_rank
+from .base import PairBlock, SymmetryMap
 from .flat import flat_vector, parameters_in_order
 from .mapping import map_symmetries
 
@@ -128,24 +130,48 @@ def _owned_by(smap: SymmetryMap, index: torch.Tensor, suffix: str) -> torch.Tens
     return flat[wanted[_owner_ids(smap, flat)]]
 
 
+def unrotated_columns(block: PairBlock) -> torch.Tensor:
+    """Which of a pair's ``h`` columns its group leaves unrotated: all for GL(h), the pass-through columns of a
+    partial RoPE (column ``j`` is unrotated iff the scaling ``E_jj`` lies in the Lie algebra of the group).
+
+    Args:
+        block: a pair block.
+
+    Returns:
+        A boolean mask of length ``h``.
+    """
+    h = block.head_dim
+    if block.lie_basis is None:
+        return torch.ones(h, dtype=torch.bool)
+    q, _ = torch.linalg.qr(block.lie_basis.reshape(-1, h * h).T.to(torch.float64))
+    diag = torch.arange(h) * (h + 1)  # E_jj's flat positions
+    residual = 1.0 - q[diag].square().sum(1)  # |e - Q Q^T e|^2 for the unit vector e = E_jj
+    return residual < 1e-9
+
+
 def known_redundancies(smap: SymmetryMap) -> dict[str, torch.Tensor]:
     """Redundancies beyond the GL orbits implied by the map's structure: name -> the flat coordinates involved.
 
     * key bias: ``q . b_k`` is the same for every key, so softmax never sees ``b_k``; each coordinate is one
-      redundant direction. Not so when RoPE rotates ``b_k`` differently per key, or an extra key token
-      (``add_bias_kv``) does not carry it.
+      redundant direction. Not so where RoPE rotates ``b_k`` differently per key (the rotated columns; a partial
+      RoPE's pass-through columns stay invisible), or an extra key token (``add_bias_kv``) does not carry it.
     * value bias: softmax rows sum to 1, so ``b_v`` only adds the constant ``b_v W_O^T`` to the output, which the
       output bias can absorb; each coordinate is one redundant direction (when the output bias exists and values
       are neither rotated nor joined by an extra value token).
+
+    Args:
+        smap: the symmetry map.
+
+    Returns:
+        Name -> flat coordinates.
     """
     key_bias, value_bias = [], []
     names = set(smap.param_names)
     for block in smap.blocks:
-        if block.lie_basis is not None:  # rotated per position: the bias is seen
-            continue
         if block.kind == "qk" and not any(n.endswith("bias_k") for n in _owners(smap, block.H_index)):
-            key_bias.append(_owned_by(smap, block.H_index, "bias"))
-        elif block.kind == "vo" and not any(n.endswith("bias_v") for n in _owners(smap, block.G_index)):
+            key_bias.append(_owned_by(smap, block.H_index[:, :, unrotated_columns(block)], "bias"))
+        elif (block.kind == "vo" and block.lie_basis is None
+              and not any(n.endswith("bias_v") for n in _owners(smap, block.G_index))):
             o_biases = {n[: -len("weight")] + "bias" for n in _owners(smap, block.H_index) if n.endswith("weight")}
             if o_biases & names:
                 value_bias.append(_owned_by(smap, block.G_index, "bias"))
@@ -172,6 +198,14 @@ def sketch_jacobian(f: Callable[[torch.Tensor], torch.Tensor], theta: torch.Tens
     columns. ``on_first_chunk(seconds, n_chunks)`` is called after the first chunk (for a time estimate).
     Returns the sketch and the number of outputs.
     """
+    with warnings.catch_warnings():  # sdpa's backward has no vmap rule: a loop, correct, and fine at audit sizes
+        warnings.filterwarnings("ignore", message="There is a performance drop because we have not yet implemented")
+        return _sketch(f, theta, generator, oversample, chunk, on_first_chunk)
+
+
+def _sketch(f: Callable[[torch.Tensor], torch.Tensor], theta: torch.Tensor, generator: torch.Generator,
+            oversample: int, chunk: int, on_first_chunk: Callable[[float, int], None] | None
+            ) -> tuple[torch.Tensor, int]:
     out, pullback = vjp(f, theta)
     n, rows = theta.numel(), out.numel()
     m = n + oversample
@@ -189,11 +223,6 @@ def sketch_jacobian(f: Callable[[torch.Tensor], torch.Tensor], theta: torch.Tens
     return sketch, rows
 
 
-def numerical_rank(sv: torch.Tensor, rtol: float) -> int:
-    """Number of singular values above ``rtol`` times the largest."""
-    return int((sv > rtol * sv[0]).sum()) if sv.numel() and sv[0] > 0 else 0
-
-
 def jacobian_rank_audit(
     model: nn.Module,
     smap: SymmetryMap | None = None,
@@ -202,7 +231,7 @@ def jacobian_rank_audit(
     output: Callable[[Any], torch.Tensor] = _first_tensor,
     n_draws: int = 3,
     oversample: float = 1.5,
-    rtol: float = 1e-9,
+    rtol: float | None = None,
     max_params: int = MAX_AUDIT_PARAMS,
     seed: int = 0,
 ) -> AuditResult:
@@ -215,7 +244,8 @@ def jacobian_rank_audit(
         output: picks the tensor to differentiate from the model's outputs (default: the first tensor).
         n_draws: independent input draws; the rank is the maximum over them.
         oversample: draw enough tokens for about ``oversample * n_params`` outputs per draw.
-        rtol: singular values below ``rtol * largest`` count as zero.
+        rtol: singular values below ``rtol * largest`` count as zero; default numpy's ``matrix_rank`` tolerance,
+            ``largest * max(sketch shape) * eps`` (see :mod:`hf_geosharp.symmetry.audit_rank`).
         max_params: refuse bigger models (the audit is quadratic in memory, cubic in time).
         seed: seed of the inputs.
 
@@ -229,6 +259,13 @@ def jacobian_rank_audit(
         raise ValueError(f"the dimension audit is for tiny models: {n_params:,} parameters > max_params={max_params:,}."
                          " Build a tiny config of the same architecture (1 layer, hidden 16) and audit that.")
     inputs = random_inputs(model) if inputs is None else inputs
+    if any(p.dtype != torch.float64 for p in params):
+        raise ValueError("the dimension audit needs a float64 model (numerical rank near float64 round-off): audit "
+                         "copy.deepcopy(model).double(), or use `geosharp symmetry MODEL --audit`.")
+    low = lower_precision_ops(model, kwargs=inputs(torch.Generator().manual_seed(seed), 1))
+    if low:  # e.g. a decoder's RMSNorm in float32: no verdict rests on it here, so a warning, not a refusal
+        logger.warning("%s computes below float64 (%s): singular values near float32 round-off may count in the "
+                       "rank", type(model).__name__, ", ".join(low))
     theta = flat_vector(params).to(params[0].dtype)
     names, shapes = smap.param_names, [tuple(s) for s in smap.param_shapes]
     sizes = [math.prod(s) for s in shapes]
@@ -251,7 +288,7 @@ def jacobian_rank_audit(
         col_norms = sketch.norm(dim=0)
         active |= col_norms > 1e-12 * col_norms.max()
         sv = torch.linalg.svdvals(sketch)
-        ranks.append(numerical_rank(sv, rtol))
+        ranks.append(numerical_rank(sv, rtol, tuple(sketch.shape)))
         logger.debug("audit draw: sketch %s of %d outputs, rank %d", tuple(sketch.shape), n_outputs, ranks[-1])
     redundancies = known_redundancies(smap)
     explained = torch.zeros(n_params, dtype=torch.bool)

@@ -12,39 +12,43 @@ A big block is audited on a *slice*: the first ``dims`` head dimensions of the f
 VO block (all rows of ``G`` and ``H``) plus the output bias. The subgroup GL(dims) acting on those columns moves only
 sliced coordinates, so its orbit lies inside the slice, while a direction mixing sliced and frozen columns does
 not, so the slice's symmetry is exactly GL(dims) per pair. See docs/symmetries.md for the derivation of each term.
+
+The rank is numpy's (singular values above ``largest * max(sketch shape) * eps``) and the verdict counts a gap only
+where the disputed singular values are clear of that tolerance by two decades (:mod:`.audit_rank`), so rounding
+never fails a map. The block must compute in float64 throughout, which is checked before any work.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import re
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.func import functional_call
 
-from .audit import SKETCH_OVERSAMPLE, numerical_rank, random_inputs, sketch_jacobian
+from .audit import SKETCH_OVERSAMPLE, sketch_jacobian, unrotated_columns
+from .audit_capture import block_inputs, block_precision, first_tensor
+from .audit_rank import DOUBT, judge, numerical_rank, rank_tolerance
 from .base import PairBlock, SymmetryMap
 from .mapping import map_symmetries
 
 logger = logging.getLogger(__name__)
 
 MAX_BLOCK_PARAMS = 6000  # the sketch is (n + 16) x n float64 and its SVD cubic: 6000 -> 290 MB, about a minute
-RANK_RTOL = 1e-9
-# One sequence of L tokens shows at most 2 t L - t^2 - t QK directions of a t-column slice (its L x L scores, less
-# the GL(t) overlap and softmax's row shifts), so short sequences cap the measured rank below the prediction
-# (MiniLM, t = 2: 57 sequences of 8 tokens show 57 x 26 = 1,482 < 1,530). 64 tokens lift the cap above any slice.
-SEQ_LEN = 64
 
 
 @dataclass
 class BlockAuditResult:
-    """Outcome of :func:`block_audit` for one attention block; ``verdict`` is ``"PASS"`` iff measured == predicted."""
+    """Outcome of :func:`block_audit` for one attention block.
+
+    ``gap`` (predicted - measured) counts only disagreements clear of rounding, ``gap_within_rounding`` the others;
+    ``verdict`` is ``"PASS"`` iff ``gap == 0``. ``tolerance`` is relative to the largest singular value.
+    """
 
     module: str
     scope: str
@@ -59,12 +63,11 @@ class BlockAuditResult:
     n_inactive: int
     singular_values_at_cut: list[float]
     null_space_by_parameter: dict[str, float]
-    rtol: float
+    tolerance: float
+    gap: int
+    gap_within_rounding: int
+    verdict: str
     seconds: float
-    verdict: str = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.verdict = "PASS" if self.rank == self.predicted_rank else "FAIL"
 
     def to_dict(self) -> dict[str, Any]:
         """The audit as plain data (for JSON)."""
@@ -81,14 +84,17 @@ class BlockAuditResult:
         lines += [f"  - {name:50} {dim:>8,}" for name, dim in self.terms.items()]
         lines.append(f"  = {'predicted rank':50} {self.predicted_rank:>8,}")
         hi, lo = self.singular_values_at_cut
-        lines.append(f"  measured rank {self.rank:,} (singular values > {self.rtol:g} x largest; at the cut "
+        lines.append(f"  measured rank {self.rank:,} (singular values > {self.tolerance:.2g} x largest; at the cut "
                      f"{hi:.2e} then {lo:.2e} relative), {self.n_inactive} coordinates with zero gradient")
         lines.append("  null directions by parameter (squared weight, adds up to the nullity): "
                      + ", ".join(f"{k} {v:g}" for k, v in self.null_space_by_parameter.items()))
-        gap = self.predicted_rank - self.rank
-        if gap:
-            lines.append(f"  gap {gap:+,}: " + ("redundancies the prediction does not name" if gap > 0 else
-                                                 "the map claims more symmetry than the block has (a wrong map)"))
+        if self.gap:
+            lines.append(f"  gap {self.gap:+,}: " + (
+                "redundancies the prediction does not name" if self.gap > 0 else
+                "the map claims more symmetry than the block has (a wrong map)"))
+        if self.gap_within_rounding:
+            lines.append(f"  {self.gap_within_rounding:+,} more within rounding (singular values within {DOUBT:g}x of "
+                         "the tolerance): not told from round-off, not counted")
         lines.append(f"  seconds: {self.seconds:.1f}")
         lines.append(f"verdict: {self.verdict}")
         return "\n".join(lines)
@@ -151,31 +157,6 @@ def _plan(smap: SymmetryMap, module: str, blocks: list[PairBlock], o_bias: str |
     return pieces, extras, scope
 
 
-def _capture(model: nn.Module, block: nn.Module, batch: dict[str, Any]) -> tuple[tuple, dict]:
-    """The positional and keyword arguments ``block`` receives in ``model(**batch)``."""
-    seen: list[tuple[tuple, dict]] = []
-
-    def hook(_mod: nn.Module, args: tuple, kwargs: dict) -> None:
-        if not seen:
-            seen.append((args, dict(kwargs)))
-
-    handle = block.register_forward_pre_hook(hook, with_kwargs=True)
-    try:
-        with torch.no_grad():
-            model(**batch)
-    finally:
-        handle.remove()
-    if not seen:
-        raise ValueError(f"the block {type(block).__name__} was not called by the model's forward")
-    return seen[0]
-
-
-def _first_tensor(out: Any) -> torch.Tensor:
-    while not isinstance(out, torch.Tensor):
-        out = out[0]
-    return out
-
-
 def _post_layernorm(model: nn.Module, smap: SymmetryMap, vo: PairBlock) -> bool:
     """Whether the output projection's own module ends in an ``nn.LayerNorm`` (BERT's ``output.LayerNorm``)."""
     o_weight = next(n for n in _owner_names(smap, vo.H_index[0, :1, :1]))
@@ -206,8 +187,9 @@ def _predict(smap: SymmetryMap, pieces: list[_Piece], o_bias: str | None, audite
                                  f"(width {width}) alone (relative-position rows?); the block audit does not cover it")
             per_block = (width + 1 - rank_x1) if biased else (width - rank_x)
             add("input subspace ([X, 1] n = 0) of W_q, W_k, W_v", blocks_in * per_block * p.t * p.k)
-        if b.kind == "qk" and b.lie_basis is None and "key bias visible" not in b.note:
-            add("key bias (invisible to softmax)", _bias_rows(smap, b.H_index[0]) * p.t * p.k)
+        if b.kind == "qk" and "key bias visible" not in b.note:  # RoPE: the unrotated columns only
+            columns = p.t if b.lie_basis is None else int(unrotated_columns(b)[: p.t].sum())
+            add("key bias (invisible to softmax)", _bias_rows(smap, b.H_index[0]) * columns * p.k)
         if b.kind == "vo" and audited_o_bias:
             add("value bias (absorbed by the output bias)", _bias_rows(smap, b.G_index[0]) * p.t * p.k)
         if b.kind == "vo" and post_ln:
@@ -225,7 +207,7 @@ def block_audit(
     heads: int = 1,
     dims: int = 2,
     max_params: int = MAX_BLOCK_PARAMS,
-    rtol: float = RANK_RTOL,
+    rtol: float | None = None,
     seed: int = 0,
     log: Callable[[str], None] = logger.info,
 ) -> list[BlockAuditResult]:
@@ -238,7 +220,8 @@ def block_audit(
         heads: a block with more than ``max_params`` parameters is audited on its first ``heads`` pairs ...
         dims: ... and their first ``dims`` head dimensions.
         max_params: the most coordinates one sketch may have.
-        rtol: singular values below ``rtol`` times the largest count as zero.
+        rtol: singular values below ``rtol`` times the largest count as zero; default numpy's ``matrix_rank``
+            tolerance, ``largest * max(sketch shape) * eps``.
         seed: seed of the inputs and the sketch.
         log: where progress and the time estimate go.
 
@@ -247,7 +230,7 @@ def block_audit(
     """
     params = list(model.parameters())
     if any(p.dtype != torch.float64 for p in params):
-        raise ValueError("the block audit needs a float64 model (numerical rank at 1e-9): audit "
+        raise ValueError("the block audit needs a float64 model (numerical rank near float64 round-off): audit "
                          "copy.deepcopy(model).double(), or use `geosharp symmetry MODEL --audit --layers ...`.")
     smap = map_symmetries(model) if smap is None else smap
     by_module: dict[str, list[PairBlock]] = {}
@@ -260,6 +243,14 @@ def block_audit(
     modes = {m: m.training for m in model.modules()}
     model.eval()
     try:
+        for name in by_module:
+            if low := block_precision(model, model.get_submodule(name), seed):
+                raise ValueError(
+                    f"{name} computes below float64 ({', '.join(low)}): its Jacobian shows float32 round-off where "
+                    "float64 shows zero, and no verdict can rest on it. Hugging Face's eager attention runs the "
+                    "softmax in float32; audit a copy with sdpa (float64 on float64 inputs): m = "
+                    "copy.deepcopy(model); m.set_attn_implementation('sdpa'), or use `geosharp symmetry MODEL "
+                    "--audit --layers ...`, which does that.")
         return [_audit_one(model, smap, name, blocks, heads, dims, max_params, rtol, seed, log)
                 for name, blocks in by_module.items()]
     finally:
@@ -297,24 +288,6 @@ def _local_coords(smap: SymmetryMap, name: str, local: dict[str, nn.Parameter], 
     return coords
 
 
-def _block_inputs(
-    model: nn.Module, block: nn.Module, n: int, gen: torch.Generator
-) -> tuple[tuple, dict, torch.Tensor, int]:
-    """The block's captured arguments, its input as ``[tokens, width]`` float64, and its output width.
-
-    Enough tokens to span the input space and give more outputs than coordinates, in sequences long enough that one
-    sequence's scores can show its share of the QK directions (see :data:`SEQ_LEN`).
-    """
-    make = random_inputs(model, seq_len=SEQ_LEN)
-    args, kwargs = _capture(model, block, make(gen, 8))
-    width = (args[0] if args else kwargs["hidden_states"]).shape[-1]
-    out_width = _first_tensor(block(*args, **kwargs)).shape[-1]
-    n_tokens = max(width + 1 + 16, math.ceil(1.25 * (n + SKETCH_OVERSAMPLE) / out_width))
-    args, kwargs = _capture(model, block, make(gen, n_tokens))
-    x = (args[0] if args else kwargs["hidden_states"]).reshape(-1, width).to(torch.float64)
-    return args, kwargs, x, out_width
-
-
 def _block_function(block: nn.Module, local: dict[str, nn.Parameter], coords: torch.Tensor, args: tuple,
                     kwargs: dict) -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]:
     """The block's flat output as a function of the audited coordinates (all else frozen), and their values now."""
@@ -325,7 +298,7 @@ def _block_function(block: nn.Module, local: dict[str, nn.Parameter], coords: to
     def f(v: torch.Tensor) -> torch.Tensor:
         flat = base.index_put((coords,), v)
         tensors = {k: t.view(s) for k, t, s in zip(local, flat.split(sizes), shapes)}
-        return _first_tensor(functional_call(block, tensors, args=args, kwargs=kwargs)).reshape(-1)
+        return first_tensor(functional_call(block, tensors, args=args, kwargs=kwargs)).reshape(-1)
 
     return f, base[coords].clone()
 
@@ -356,7 +329,7 @@ def _null_shares(vh: torch.Tensor, rank: int, coords: torch.Tensor, local: dict[
 
 
 def _audit_one(model: nn.Module, smap: SymmetryMap, name: str, blocks: list[PairBlock], heads: int, dims: int,
-               max_params: int, rtol: float, seed: int, log: Callable[[str], None]) -> BlockAuditResult:
+               max_params: int, rtol: float | None, seed: int, log: Callable[[str], None]) -> BlockAuditResult:
     start = time.perf_counter()
     block = model.get_submodule(name)
     local = dict(block.named_parameters())
@@ -369,11 +342,12 @@ def _audit_one(model: nn.Module, smap: SymmetryMap, name: str, blocks: list[Pair
     audited_o_bias = o_bias is not None and (scope == "whole block" or o_bias in extras)
 
     gen = torch.Generator().manual_seed(seed)
-    args, kwargs, x, out_width = _block_inputs(model, block, n, gen)
+    args, kwargs, x, out_width = block_inputs(model, block, n, gen)
     width = x.shape[1]
     ones = torch.ones(x.shape[0], 1, dtype=torch.float64)
-    rank_x = numerical_rank(torch.linalg.svdvals(x), rtol)
-    rank_x1 = numerical_rank(torch.linalg.svdvals(torch.cat([x, ones], 1)), rtol)
+    x1 = torch.cat([x, ones], 1)
+    rank_x = numerical_rank(torch.linalg.svdvals(x), rtol, tuple(x.shape))
+    rank_x1 = numerical_rank(torch.linalg.svdvals(x1), rtol, tuple(x1.shape))
     post_ln = vo is not None and _post_layernorm(model, smap, vo)
     terms = _predict(smap, pieces, o_bias, audited_o_bias, post_ln, width, rank_x, rank_x1)
 
@@ -383,11 +357,14 @@ def _audit_one(model: nn.Module, smap: SymmetryMap, name: str, blocks: list[Pair
         f"{n + SKETCH_OVERSAMPLE:,} vector-Jacobian products ({8 * (n + SKETCH_OVERSAMPLE) * n / 2**20:,.0f} MiB)")
     sketch, _ = sketch_jacobian(f, theta, generator=gen, on_first_chunk=_estimator(name, n, log))
     _, sv, vh = torch.linalg.svd(sketch, full_matrices=False)
-    rank = numerical_rank(sv, rtol)
+    predicted = n - sum(terms.values())
+    tolerance = rank_tolerance(sv, tuple(sketch.shape)) if rtol is None else rtol * float(sv[0])
+    judged = judge(sv, predicted, tolerance)
+    rank = judged.rank
     col = sketch.norm(dim=0)
     n_inactive = int((col <= 1e-12 * col.max()).sum())
     cut = [float(sv[rank - 1] / sv[0]) if rank else 0.0, float(sv[rank] / sv[0]) if rank < sv.numel() else 0.0]
-    predicted = n - sum(terms.values())
     return BlockAuditResult(name, scope, n, x.shape[0], n_outputs, sketch.shape[0],
                             {"width": width, "x": rank_x, "x1": rank_x1}, terms, predicted, rank, n_inactive, cut,
-                            _null_shares(vh, rank, coords, local), rtol, time.perf_counter() - start)
+                            _null_shares(vh, rank, coords, local), tolerance / float(sv[0]), judged.gap,
+                            judged.gap_within_rounding, judged.verdict, time.perf_counter() - start)
