@@ -195,7 +195,7 @@ def run_measure(
     ``accelerator``, ``progress``, ``loss_fn``; a ``symmetry_map`` is dropped for measures that do not use one).
 
     Relative flatness depends on none of the settings: it is the exact trace (``relative_flatness``). The Hessian's
-    top eigenvalue takes the ``seed`` (its power iterations' starts), its trace the ``seed`` and ``n_samples``
+    top eigenvalue takes the ``seed`` (its Lanczos runs' starts), its trace the ``seed`` and ``n_samples``
     (Hutchinson samples per batch); both run a transformers model with eager attention (:mod:`.engine.hessian`). The
     note of a model with nothing to quotient (:func:`no_symmetry_note`) is the caller's to give, once:
     :func:`run_measures` and the leaderboard say it."""

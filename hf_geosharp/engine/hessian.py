@@ -5,11 +5,10 @@ measures perturb (:func:`~.model_function.objective.measured_parameters`; ``para
 ``requires_grad``) and, like them, per batch and averaged over the batches. For batch ``b`` with loss ``L_b`` and
 Hessian ``H_b = d^2 L_b / dw^2``:
 
-- :func:`hessian_top_eigenvalue`: ``lambda_max(H_b)`` by power iteration on Hessian-vector products. The iteration
-  stops when the Rayleigh quotient ``v^T H_b v`` (``||v|| = 1``) changes by at most ``tol`` relative between two
-  products (PyHessian's test). Power iteration finds the eigenvalue of largest magnitude; when that one is negative
-  (away from a minimum), or as large in magnitude as the top one, a second iteration on ``H_b + r I`` (``r`` about
-  the spectral radius) finds the largest one, so the value is the largest eigenvalue, not the largest in magnitude.
+- :func:`hessian_top_eigenvalue`: ``lambda_max(H_b)`` by Lanczos on Hessian-vector products
+  (:mod:`.lanczos`), certified by a measured residual and a second, deflated Lanczos that finds nothing larger
+  (``_top_eigenvalue`` states the rule). Lanczos' largest Ritz value converges to the largest eigenvalue, not to the
+  largest in magnitude, so a dominant negative end (away from a minimum) needs no shift.
 - :func:`hessian_trace`: ``Tr(H_b)`` exactly (one product per parameter: small models only) or by Hutchinson's
   estimator ``E[v^T H_b v]`` over Rademacher vectors ``v`` (one product per sample), with the samples' standard error.
 
@@ -48,6 +47,7 @@ from .._version import __version__
 from . import result as _result
 from .checks import check_inputs
 from .defaults import N_SAMPLES, PARAMS, SEED
+from .lanczos import lanczos
 from .model_function.objective import (
     LossFn,
     default_loss,
@@ -87,7 +87,7 @@ def hessian_top_eigenvalue(
     loss_fn: LossFn | None = None,
     progress: bool = True,
 ) -> SharpnessResult:
-    """The largest eigenvalue of the loss Hessian, per batch by power iteration, averaged over batches.
+    """The largest eigenvalue of the loss Hessian, per batch by Lanczos, averaged over batches.
 
     Runs a transformers model with eager attention (fused SDPA and flash attention have no double backward): the
     config's ``_attn_implementation`` is switched for the call and restored exactly.
@@ -95,19 +95,22 @@ def hessian_top_eigenvalue(
     Args:
         model: any ``nn.Module``; restored exactly afterwards (it runs in eval mode).
         batches: as for :func:`hf_geosharp.geodesic_sharpness`; the value is the mean over batches.
-        max_iters: most Hessian-vector products per batch and stage (a second, shifted stage runs where the
-            eigenvalue of largest magnitude is negative or its relative residual exceeds ``sqrt(tol)``).
-        tol: the certificate: converged when the Rayleigh quotient's relative change between two consecutive
-            products is at most ``tol``, in every batch (a ``NotConvergedWarning`` says when it is not).
-        seed: seeds each batch's start vector.
+        max_iters: most Hessian-vector products per Lanczos run (a batch runs a search and a check: at most
+            ``2 max_iters`` products).
+        tol: the certificate, in every batch: the largest Ritz value has a measured relative residual
+            ``||H y - theta y|| / |theta| <= tol`` (an eigenvalue lies within ``tol |theta|`` of it), and a second
+            Lanczos from a fresh start, kept orthogonal to ``y``, settles no higher than ``theta (1 + tol)``
+            (``_top_eigenvalue`` states the rule). Otherwise a ``NotConvergedWarning`` says why, and the value is a
+            lower bound (a Rayleigh quotient).
+        seed: seeds each batch's start vectors.
         params: ``"all"`` (default) or ``"trainable"`` (those with ``requires_grad``).
         loss_fn: ``loss_fn(model, batch) -> scalar tensor`` when the model's own loss is not the one wanted.
         progress: show a progress bar over the batches.
 
     Returns:
         ``SharpnessResult(measure="hessian_top_eigenvalue")``: ``stderr`` over batches, ``steps_used`` the most
-        products any batch took, ``config["max_relative_residual"]`` the largest ``||H v - lambda v|| / |lambda|``
-        (an eigenvalue of ``H`` lies within ``||H v - lambda v||`` of ``lambda``).
+        products any batch took, ``config["max_relative_residual"]`` the largest ``||H y - theta y|| / |theta|``
+        (an eigenvalue of ``H`` lies within ``||H y - theta y||`` of ``theta``).
     """
     _check_count("max_iters", max_iters)
     if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0 < tol < 1:
@@ -120,12 +123,11 @@ def hessian_top_eigenvalue(
     note = None
     if unconverged:
         first = unconverged[0]
-        note = (f"batch {first}: the Rayleigh quotient still changed by more than tol={tol:g} (relative) after "
-                f"{outcomes[first][1]} products" + (f" (and {len(unconverged) - 1} more)" if len(unconverged) > 1
-                                                    else ""))
+        note = (f"batch {first}: not certified at tol={tol:g} after {outcomes[first][1]} products: "
+                f"{outcomes[first][4]}" + (f" (and {len(unconverged) - 1} more)" if len(unconverged) > 1 else ""))
         _warn(f"hessian_top_eigenvalue is not converged: {note}; raise max_iters (now {max_iters}) or tol"
               f"{' (from Python)' if _result.on_command_line() else ''}.")
-    config = dict(estimator="power_iteration", max_iters=max_iters, tol=tol, seed=seed, params=params,
+    config = dict(estimator="lanczos", max_iters=max_iters, tol=tol, seed=seed, params=params,
                   n_batches=len(per_batch), max_relative_residual=max(o[3] for o in outcomes),
                   attn_implementation="eager", library=f"hf_geosharp {__version__}")
     return SharpnessResult(
@@ -217,6 +219,15 @@ class _BatchHessian:
                 out[i] = h.to(self.compute)
         return out
 
+    def flat(self, x: Tensor) -> Tensor:
+        """``H x`` on flat vectors (the parameters' entries one after another)."""
+        parts = [p.view(leaf.shape) for p, leaf in zip(x.split([leaf.numel() for leaf in self.leaves]), self.leaves)]
+        return torch.cat([h.reshape(-1) for h in self(parts)])
+
+    def flat_random(self, generator: torch.Generator) -> Tensor:
+        """A Gaussian flat vector (:meth:`random`'s draw)."""
+        return torch.cat([x.reshape(-1) for x in self.random(generator)])
+
     def random(self, generator: torch.Generator, rademacher: bool = False) -> Vector:
         """A random vector (Gaussian, or Rademacher), drawn on the CPU from ``generator`` in float64 so that the
         draw does not depend on the device."""
@@ -270,56 +281,60 @@ class _BatchHessian:
 
 
 def _top_eigenvalue(hessian: _BatchHessian, generator: torch.Generator, max_iters: int,
-                    tol: float) -> tuple[float, int, bool, float]:
-    """``(largest eigenvalue, products, converged, relative residual)`` of one batch's Hessian.
+                    tol: float) -> tuple[float, int, bool, float, str]:
+    """``(largest eigenvalue, products, certified, relative residual, why not certified)`` of one batch's Hessian.
 
-    Power iteration on ``H`` finds the dominant eigenvalue ``mu``. It is the largest one when it is positive and its
-    vector is one (relative residual at most ``sqrt(tol)``, the size that a Rayleigh quotient accurate to ``tol``
-    has). Otherwise (``mu < 0``, or ``lambda_max`` and ``lambda_min`` so close in magnitude that the iterate swings
-    between their vectors while the Rayleigh quotient stands still) a second power iteration, from a fresh start,
-    runs on ``H + r I`` with ``r = ||H v||`` (about the spectral radius): its spectrum lies in ``[0, lambda_max + r]``
-    up to ``r``'s error, dominated by ``lambda_max + r``; the certificate is then the second iteration's."""
-    lam, _, converged, residual, radius = _power(hessian, hessian.random(generator), max_iters, tol, shift=0.0)
-    if (lam > 0 and residual <= math.sqrt(tol)) or radius == 0.0:  # radius 0: H v = 0 for a random v, so H = 0
-        return lam, hessian.products, converged, residual
-    mu, _, converged, residual, _ = _power(hessian, hessian.random(generator), max_iters, tol, shift=-radius)
-    return mu - radius, hessian.products, converged and mu >= 0, residual  # mu < 0: r was too small
+    Lanczos (:func:`~.lanczos.lanczos`) from a seeded Gaussian start until its largest Ritz pair ``(theta, y)`` has
+    a residual estimate ``<= tol |theta|``; one more product measures ``rho = ||H y - theta y||``, and an eigenvalue
+    lies within ``rho`` of ``theta``. That it is the largest one is checked by a second Lanczos from a fresh start,
+    kept orthogonal to ``y`` (on ``P H P``): certified when its largest Ritz pair ``theta'`` settles (residual
+    ``<= tol max(|theta'|, |theta|)``) no higher than ``theta + tol |theta|``. No rule on products alone proves that
+    no larger eigenvalue exists (a start orthogonal to its vector never sees it): the check is a second, independent
+    look, from a start with a component along every eigenvector almost surely. A check that rises above the bound
+    has found a larger eigenvalue (its Ritz values are Rayleigh quotients of ``H``): the search restarts from its
+    vector, and the next check avoids both. An invariant Krylov space certifies on its own (its Ritz values are
+    eigenvalues, the largest among them). Each run takes at most ``max_iters`` products, a batch at most
+    ``2 max_iters``; the value is always a Rayleigh quotient, so never above the largest eigenvalue."""
+    total = 2 * max_iters
+    start, found, best = hessian.flat_random(generator), [], -math.inf
+    while True:
+        search = lanczos(hessian.flat, start, min(max_iters, total - hessian.products), tol)
+        best = max(best, search.theta)
+        residual = search.residual / max(abs(search.theta), 1e-300)
+        if not search.settled:
+            return best, hessian.products, False, residual, (
+                f"the largest Ritz pair's relative residual is {residual:.2g} > tol after {search.products} products")
+        if search.invariant:
+            return search.theta, hessian.products, True, residual, ""
+        if hessian.products >= total:
+            return best, hessian.products, False, residual, "no product was left for the check"
+        hy = hessian.flat(search.vector)
+        residual = float(torch.linalg.vector_norm(hy - search.theta * search.vector)) / max(abs(search.theta), 1e-300)
+        if residual > tol:
+            return best, hessian.products, False, residual, f"the measured relative residual is {residual:.2g} > tol"
+        found.append(_unit(search.vector - sum(((f @ search.vector) * f for f in found), torch.zeros_like(hy))))
+        bound = search.theta + tol * abs(search.theta)
+        if hessian.products >= total:
+            return best, hessian.products, False, residual, "no product was left for the check"
+        check = lanczos(hessian.flat, hessian.flat_random(generator), min(max_iters, total - hessian.products),
+                        tol, floor=abs(search.theta), deflate=torch.stack(found), above=bound)
+        best = max(best, check.theta)
+        if check.settled:
+            return search.theta, hessian.products, True, residual, ""
+        if check.theta <= bound or hessian.products >= total:
+            return best, hessian.products, False, residual, (
+                "the check for a larger eigenvalue " + ("did not settle" if check.theta <= bound else
+                                                        f"found {check.theta:.6g} > {search.theta:.6g}") +
+                f" within {check.products} products")
+        start = check.vector
 
 
-def _power(hessian: _BatchHessian, v: Vector, max_iters: int, tol: float,
-           shift: float) -> tuple[float, Vector, bool, float, float]:
-    """Power iteration on ``H - shift I`` from ``v``: ``(Rayleigh quotient, its vector, converged, relative residual
-    ||(H - shift I) v - lambda v|| / |lambda + shift|, ||(H - shift I) v||)``."""
-    v = _scale(v, 1.0 / math.sqrt(_dot(v, v)))
-    previous = math.nan
-    for k in range(max_iters):
-        hv = hessian(v)
-        if shift:
-            hv = [h - shift * x for h, x in zip(hv, v)]
-        lam = _dot(v, hv)
-        norm = math.sqrt(_dot(hv, hv))
-        if norm == 0.0:  # H v = shift v: v is an eigenvector
-            return 0.0, v, True, 0.0, 0.0
-        converged = abs(lam - previous) <= tol * abs(lam)
-        if converged or k == max_iters - 1:
-            return lam, v, converged, _residual(hv, v, lam, shift), norm
-        previous, v = lam, _scale(hv, 1.0 / norm)
-    raise AssertionError("unreachable: max_iters >= 1")
-
-
-def _residual(hv: Vector, v: Vector, lam: float, shift: float) -> float:
-    """``||(H - shift I) v - lam v|| / |lam + shift|``: an eigenvalue of ``H`` lies within the numerator of
-    ``lam + shift`` (``v`` a unit vector)."""
-    r = [h - lam * x for h, x in zip(hv, v)]
-    return math.sqrt(_dot(r, r)) / max(abs(lam + shift), 1e-300)
+def _unit(x: Tensor) -> Tensor:
+    return x / torch.linalg.vector_norm(x)
 
 
 def _dot(a: Vector, b: Vector) -> float:
     return float(sum((x * y).sum(dtype=torch.float64) for x, y in zip(a, b)))
-
-
-def _scale(a: Vector, c: float) -> Vector:
-    return [x * c for x in a]
 
 
 # ------------------------------------------------------------------------------------------------ batches and state

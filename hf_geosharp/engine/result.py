@@ -311,14 +311,14 @@ LOWER_BOUND = "a lower bound of the maximum"
 
 def certified(result: SharpnessResult | Mapping[str, Any]) -> bool | None:
     """Whether ``result``'s value carries the certificate: ``converged`` for a worst case (a maximum) and for the
-    Hessian's top eigenvalue (a power iteration, whose Rayleigh quotient is a lower bound of the largest eigenvalue),
+    Hessian's top eigenvalue (Lanczos, whose Ritz value is a lower bound of the largest eigenvalue),
     ``None`` for a measure that maximises nothing and so has no certificate to give: the average case (a sample mean
     with its ``stderr``), relative flatness (an exact trace) and the Hessian's trace. ``result`` is a
     :class:`SharpnessResult` or its ``to_dict()``; a worst case that records no ``converged`` (an older file) counts
     as not certified."""
     get = result.get if isinstance(result, Mapping) else lambda name: getattr(result, name, None)
     mode = (get("config") or {}).get("mode") or str(get("measure") or "").rsplit("_", 1)[-1]
-    iterates = get("certificate") not in (None, NOT_ITERATIVE)  # e.g. the Hessian's power iteration
+    iterates = get("certificate") not in (None, NOT_ITERATIVE)  # e.g. the Hessian's Lanczos
     return bool(get("converged")) if mode == "worst" or iterates else None
 
 
