@@ -160,7 +160,15 @@ class App:
         return keys
 
     def validate(self, choice: str, hub_id: str, rho: float, measures: list[str] | None) -> None:
-        """:meth:`check_inputs` as the Compute button's first step, which has no outputs: it returns nothing."""
+        """:meth:`check_inputs` as the Compute button's first step, which has no outputs, so it returns nothing
+        (gradio warns of every value a step returns beyond its outputs).
+
+        Args:
+            choice: the model choice.
+            hub_id: the Hub model id, when that is the choice.
+            rho: the radius.
+            measures: the chosen measure keys.
+        """
         self.check_inputs(choice, hub_id, rho, measures)
 
     # ------------------------------------------------------------------------------------------- one model

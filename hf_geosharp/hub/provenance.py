@@ -59,7 +59,7 @@ def check_weights(context: dict[str, Any], folder: Path, force: bool) -> tuple[b
     differ = "; ".join(f"{name}: results {recorded.get(name, 'absent')[:12]}, folder {here.get(name, 'absent')[:12]}"
                        for name in sorted(set(here) | set(recorded)) if here.get(name) != recorded.get(name))
     if not force:
-        raise ForeignResults(f"the results were measured on other weights than {str(folder)!r}'s ({source}; "
+        raise ForeignResults(f"the results were measured on other weights than those in {str(folder)!r} ({source}; "
                              f"sha256 {differ}), so they do not describe this model. Run `geosharp run` on this "
                              "folder, or pass --force to publish them anyway (the card then says so). Nothing was "
                              "written.")
@@ -88,13 +88,27 @@ def run_note(context: dict[str, Any], forced: bool) -> str | None:
 
 
 def head_args(context: dict[str, Any]) -> dict[str, Any]:
-    """The model-index metric args that say a fresh head was measured (``head: new, N classes, seed S``)."""
+    """The model-index metric args that say a fresh head was measured.
+
+    Args:
+        context: the run file's top level (``config.head`` is read).
+
+    Returns:
+        ``{"head": "new, N classes, seed S"}``, or ``{}`` for the model's own head.
+    """
     head = (context.get("config") or {}).get("head")
     return {"head": f"new, {head.get('num_labels')} classes, seed {head.get('seed')}"} if head else {}
 
 
 def entry_key(entry: EvalResult) -> str:
-    """How a note line names its entry: the display name without its certificate, the data and split."""
+    """How a note line names its entry.
+
+    Args:
+        entry: a model-index entry.
+
+    Returns:
+        Its display name without the certificate, its data and split.
+    """
     name = entry.metric_name.replace(f", {certificate_words(False)}", "")
     data = entry.dataset_type + (f"/{entry.dataset_config}" if entry.dataset_config else "")
     return f"{name} on {data} [{entry.dataset_split}]"
