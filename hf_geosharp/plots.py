@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from .durable import atomic_path
-from .engine.result import BlockShare, Breakdown
+from .engine.result import BlockShare, Breakdown, certificate_words, certified
 from .measures import MEASURES, key_of_engine_name
 
 if TYPE_CHECKING:
@@ -29,7 +29,8 @@ def _title(key: str) -> str:
 def profile_figure(results: Mapping[str, Any], title: str) -> Figure:
     """The loss increase along each worst case's direction, from the clean point to twice the radius (mean over
     batches): for a geodesic measure its geodesic and the straight Euclidean segment to the same end point, for a
-    first-order measure (adaptive sharpness) its segment. ``results``: measure key -> result with a ``profile``.
+    first-order measure (adaptive sharpness) its segment. The value at rho is a dot, hollow and named in the legend
+    when it is not certified (a lower bound). ``results``: measure key -> result with a ``profile``.
 
     Args:
         results: measure key -> :class:`~hf_geosharp.engine.result.SharpnessResult` (those without a profile are
@@ -57,7 +58,9 @@ def profile_figure(results: Mapping[str, Any], title: str) -> Figure:
             ax.plot(radius, profile.mean(profile.geodesic), color=color, lw=2, label=f"{name}: geodesic")
         ax.plot(radius, profile.mean(profile.segment), color=color, lw=1.5, ls="--" if not first_order else ":",
                 label=f"{name}: straight segment" if not first_order else f"{name}: its worst case (straight)")
-        ax.plot([rho], [res.value], marker="o", color=color, ls="none")
+        bound = certified(res) is False  # the best point found, a lower bound of the maximum: a hollow marker
+        ax.plot([rho], [res.value], marker="o", color=color, ls="none", markerfacecolor="none" if bound else color,
+                label=f"{name}: {certificate_words(False)}" if bound else None)
         drawn += 1
     if not drawn:
         raise ValueError("no result has a profile: run the worst case with profile_points (the CLI's --profile).")

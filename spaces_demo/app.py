@@ -10,7 +10,8 @@ Runs are bounded (model size, examples, steps, rho) so that a shared CPU Space s
 measures, their names and defaults come from :mod:`hf_geosharp.measures`): this file only wires inputs to it and
 formats what comes back. Every worst-case number is shown with its certificate by the package's one rule
 (:func:`hf_geosharp.engine.result.shown`): a "certified" column in the results, "≥ ... (not certified)" in the status
-and the zoo ranking, and hollow, dashed lines in the per-batch plot for values that are lower bounds.
+and the zoo ranking, hollow, dashed lines in the per-batch plot and hollow, hatched bars in hide & seek for values
+that are lower bounds, with the solver's reason in hide & seek's status.
 Each tab is one function (``TABS``), so a new tab is one function and one line.
 
 Importing this file builds nothing and writes nothing; ``python app.py`` builds and launches the app
@@ -146,9 +147,10 @@ class App:
 
     def check_inputs(self, choice: str, hub_id: str, rho: float, measures: list[str] | None) -> list[str]:
         """Every check of the measure tab's inputs that needs no model: the radius, the measures, a Hub id (given,
-        online, not too large by the Hub's metadata). Run as its own step before the measurement, with no outputs,
-        so that a bad input shows its message and leaves the previous run's results on screen (an error in the
-        measuring step itself covers every output with an error badge). Returns the chosen measure keys."""
+        online, not too large by the Hub's metadata). Run as its own step before the measurement (:meth:`validate`,
+        with no outputs), so that a bad input shows its message and leaves the previous run's results on screen (an
+        error in the measuring step itself covers every output with an error badge). Returns the chosen measure
+        keys."""
         _check_rho(rho)
         keys = [k for k in MEASURES if k in (measures or [])]
         if not keys:
@@ -156,6 +158,18 @@ class App:
         if choice not in self.zoo_names and choice != MINILM:
             _check_hub_model((hub_id or "").strip())
         return keys
+
+    def validate(self, choice: str, hub_id: str, rho: float, measures: list[str] | None) -> None:
+        """:meth:`check_inputs` as the Compute button's first step, which has no outputs, so it returns nothing
+        (gradio warns of every value a step returns beyond its outputs).
+
+        Args:
+            choice: the model choice.
+            hub_id: the Hub model id, when that is the choice.
+            rho: the radius.
+            measures: the chosen measure keys.
+        """
+        self.check_inputs(choice, hub_id, rho, measures)
 
     # ------------------------------------------------------------------------------------------- one model
     def _load(self, choice: str, hub_id: str, progress: Any) -> tuple[torch.nn.Module, Any, str, str | None]:
@@ -278,6 +292,10 @@ def _pm(result: Any) -> str:
     return shown(result.value, certified(result), stderr=getattr(result, "stderr", math.nan))
 
 
+def _shown(result: Any) -> str:
+    return shown(result.value, certified(result))
+
+
 def _row(key: str, result: Any, seconds: float) -> list:
     stderr = getattr(result, "stderr", math.nan)  # NaN for a single worst-case batch: no error bar
     return [MEASURES[key].title, sig(result.value), sig(stderr, 2) if math.isfinite(stderr) else None,
@@ -364,54 +382,100 @@ def _where_plots(results: dict, name: str) -> tuple[Figure | None, Figure | None
 
 HIDE_HOW = {"random symmetry element": None, "adversarial: make it look sharp": "sharp",
             "adversarial: make it look flat": "flat"}
+HIDE_KEYS = ("geodesic_sharpness_inv", "adaptive_sharpness")
 
 
-def hide_and_seek_tab(app: App) -> None:
-    """The "Hide & seek" tab: reparametrise a zoo model along its attention symmetries (randomly or adversarially,
-    with :func:`hf_geosharp.hide`) and show adaptive sharpness move while geodesic sharpness stays."""
-    from matplotlib.figure import Figure
+def hide_and_seek(app: App, choice: str, how: str, steps: float = 5, progress: Any = None) -> tuple[Figure, str]:
+    """Reparametrise a zoo model along its attention symmetries (randomly or adversarially, with
+    :func:`hf_geosharp.hide`) and measure both sharpnesses before and after, in float64. Every value that is not
+    certified is shown as the lower bound it is (``≥``, hollow hatched bars), with the solver's reason beneath.
 
+    Args:
+        app: the app's state (the zoo and its cache).
+        choice: a zoo model's name.
+        how: a key of :data:`HIDE_HOW`.
+        steps: solver steps per measurement (at most ``LIMITS["zoo_steps"]``, the tab's slider).
+        progress: gradio's progress callback, or None.
+
+    Returns:
+        The before/after bar chart and the status Markdown.
+    """
+    from hf_geosharp.engine.result import collected_convergence_notes
     from hf_geosharp.hiding import hide, reparametrize_checked
     from hf_geosharp.pipeline import measure
 
-    keys = ("geodesic_sharpness_inv", "adaptive_sharpness")
+    if choice not in app.zoo_names or how not in HIDE_HOW:
+        raise gr.Error("Pick a zoo model and a kind of reparametrisation.")
+    steps = int(steps)
+    if not 1 <= steps <= LIMITS["zoo_steps"]:
+        raise gr.Error(f"solver steps must be between 1 and {LIMITS['zoo_steps']}; got {steps}.")
+    progress = progress or (lambda *a, **k: None)
+    progress(0.05, desc=f"training {choice} (first use only)")
+    with torch_threads(1), collected_convergence_notes() as notes:  # the reasons go into the status, not the log
+        zoo = build_zoo(app.zoo_size, app.cache_dir, progress=False, names=[choice])
+        source = str(zoo.root / choice)
+        model = load(ModelSource(source)).double()  # float64: round-off must not blur the invariance on show
+        spec = DataSpec(dataset=str(zoo.data_dir), split="train", n_examples=64, batch_size=32)
+        batches = [{k: v.double() if v.is_floating_point() else v for k, v in b.items()}
+                   for b in load_batches(model, load_processor(source, model), spec)]
+        settings = Settings(steps=steps)
+        before = measure(Request(model, batches, HIDE_KEYS, settings))
+        progress(0.5, desc="reparametrising")
+        if HIDE_HOW[how] is None:
+            seed = int.from_bytes(os.urandom(2), "little")  # a new random element on every press
+            deviation = reparametrize_checked(model, batches, condition=1000.0, seed=seed)[1]
+        else:
+            deviation = hide(model, batches, target=HIDE_HOW[how], condition=1000.0, settings=settings,
+                             evaluate=False).max_output_deviation
+        after = measure(Request(model, batches, HIDE_KEYS, settings))
+    return _hide_plot(before, after, f"{choice}: {how}"), _hide_status(choice, how, deviation, before, after, notes)
 
-    def run(choice: str, how: str, progress=gr.Progress()):  # noqa: B008 - how gradio injects progress
-        if choice not in app.zoo_names or how not in HIDE_HOW:
-            raise gr.Error("Pick a zoo model and a kind of reparametrisation.")
-        progress(0.05, desc=f"training {choice} (first use only)")
-        with torch_threads(1):
-            zoo = build_zoo(app.zoo_size, app.cache_dir, progress=False, names=[choice])
-            source = str(zoo.root / choice)
-            model = load(ModelSource(source)).double()  # float64: round-off must not blur the invariance on show
-            spec = DataSpec(dataset=str(zoo.data_dir), split="train", n_examples=64, batch_size=32)
-            batches = [{k: v.double() if v.is_floating_point() else v for k, v in b.items()}
-                       for b in load_batches(model, load_processor(source, model), spec)]
-            settings = Settings(steps=5)
-            before = {k: r.value for k, r in measure(Request(model, batches, keys, settings)).items()}
-            progress(0.5, desc="reparametrising")
-            if HIDE_HOW[how] is None:
-                seed = int.from_bytes(os.urandom(2), "little")  # a new random element on every press
-                deviation = reparametrize_checked(model, batches, condition=1000.0, seed=seed)[1]
-            else:
-                deviation = hide(model, batches, target=HIDE_HOW[how], condition=1000.0, settings=settings,
-                                 evaluate=False).max_output_deviation
-            after = {k: r.value for k, r in measure(Request(model, batches, keys, settings)).items()}
-        fig = Figure(figsize=(6, 3))
-        ax = fig.subplots()
-        x = range(len(keys))
-        ax.bar([i - 0.2 for i in x], [before[k] for k in keys], width=0.4, label="before", color="#4c72b0")
-        ax.bar([i + 0.2 for i in x], [after[k] for k in keys], width=0.4, label="after", color="#dd8452")
-        ax.set_xticks(list(x), ["geodesic (inv)", "adaptive"])
-        ax.set_yscale("log")
-        ax.set_ylabel("sharpness")
-        ax.legend(fontsize=8)
-        ax.set_title(f"{choice}: {how}", fontsize=9)
-        fig.tight_layout()
-        status = (f"{choice}, {how}: the outputs moved by {deviation:.1e} (relative; the function is the same). "
-                  f"Geodesic sharpness {before[keys[0]]:.4g} -> {after[keys[0]]:.4g}; adaptive sharpness "
-                  f"{before[keys[1]]:.4g} -> {after[keys[1]]:.4g} (x{after[keys[1]] / before[keys[1]]:.3g}).")
-        return fig, status
+
+def _hide_plot(before: dict, after: dict, title: str) -> Figure:
+    """Before and after bars per measure on a log axis; a value that is not certified is a hollow, hatched bar."""
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    fig = Figure(figsize=(6, 3))
+    ax = fig.subplots()
+    for shift, results, label, color in ((-0.2, before, "before", "#4c72b0"), (0.2, after, "after", "#dd8452")):
+        for i, key in enumerate(HIDE_KEYS):
+            bound = certified(results[key]) is False  # a lower bound of the maximum
+            ax.bar(i + shift, results[key].value, width=0.4, color="none" if bound else color, edgecolor=color,
+                   hatch="//" if bound else None, label=label if i == 0 else None)
+    handles = ax.get_legend_handles_labels()[0]
+    if any(certified(r[k]) is False for r in (before, after) for k in HIDE_KEYS):
+        handles.append(Patch(facecolor="none", edgecolor="#555555", hatch="//", label=certificate_words(False)))
+    ax.set_xticks(range(len(HIDE_KEYS)), ["geodesic (inv)", "adaptive"])
+    ax.set_yscale("log")
+    ax.set_ylabel("sharpness")
+    ax.legend(handles=handles, fontsize=8)
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def _hide_status(choice: str, how: str, deviation: float, before: dict, after: dict, notes: list[str]) -> str:
+    """The status line: each value by the one display rule, the adaptive ratio (a ratio of lower bounds is no
+    bound, so it is marked too), and the solver's reason for every value that is not certified."""
+    geo, ada = HIDE_KEYS
+    ratio = after[ada].value / before[ada].value
+    sure = certified(before[ada]) is not False and certified(after[ada]) is not False
+    factor = f"x{ratio:.3g}" if sure else f"x{ratio:.3g}, a ratio of values that are not all certified"
+    status = (f"{choice}, {how}: the outputs moved by {deviation:.1e} (relative; the function is the same). "
+              f"Geodesic sharpness {_shown(before[geo])} -> {_shown(after[geo])}; adaptive sharpness "
+              f"{_shown(before[ada])} -> {_shown(after[ada])} ({factor}).")
+    if notes:
+        status += "\n\n**Not certified** (≥: a lower bound of the maximum):\n" + "\n".join(f"- {n}" for n in notes)
+    return status
+
+
+def hide_and_seek_tab(app: App) -> None:
+    """The "Hide & seek" tab: reparametrise a zoo model and show adaptive sharpness move while geodesic sharpness
+    stays (:func:`hide_and_seek`)."""
+
+    def run(choice: str, how: str, steps: float, progress=gr.Progress()):  # noqa: B008 - how gradio injects it
+        return hide_and_seek(app, choice, how, steps, progress)
 
     gr.Markdown(
         "Attention computes with `W_Q W_K^T` and `W_V W_O`, so replacing `W_Q -> W_Q A^-1`, `W_K -> W_K A^T` (any "
@@ -422,10 +486,11 @@ def hide_and_seek_tab(app: App) -> None:
     with gr.Row():
         model_in = gr.Dropdown(app.zoo_names, value=app.zoo_names[0], label="zoo model", elem_id="hide-model")
         how_in = gr.Radio(list(HIDE_HOW), value=list(HIDE_HOW)[1], label="reparametrisation")
+        steps_in = gr.Slider(1, LIMITS["zoo_steps"], value=5, step=1, label="solver steps")
     go = gr.Button("Reparametrise", variant="primary", elem_id="hide-btn")
     status_out = gr.Markdown(elem_id="hide-status")
-    plot_out = gr.Plot(label="before and after", elem_id="hide-plot")
-    go.click(run, [model_in, how_in], [plot_out, status_out], api_name="hide_and_seek")
+    plot_out = gr.Plot(label="before and after (hollow, hatched: not certified, a lower bound)", elem_id="hide-plot")
+    go.click(run, [model_in, how_in, steps_in], [plot_out, status_out], api_name="hide_and_seek")
 
 
 def _measure_tab(app: App) -> None:
@@ -457,7 +522,7 @@ def _measure_tab(app: App) -> None:
     inputs = [model_in, hub_in, data_in, dataset_in, split_in, n_in, rho_in, measures_in, steps_in]
     outputs = [table_out, report_out, plot_out, card_out, status_out, where_out, profile_out]
     checked = [model_in, hub_in, rho_in, measures_in]  # a bad input stops here: the last results stay on screen
-    go.click(app.check_inputs, checked, None, api_visibility="private").success(
+    go.click(app.validate, checked, None, api_visibility="private").success(
         app.measure, inputs, outputs, api_name="measure")
 
 

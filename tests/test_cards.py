@@ -417,3 +417,79 @@ def test_the_ball_is_published_and_a_record_without_one_is_the_papers():
     card = merge(new_card("m"), [calibrated, old], "m")
     assert len(card.data.eval_results) == 2  # not one measurement replacing the other
     assert BALL_NOTE in card.text and "`ball`" in BALL_NOTE
+
+
+# ------------------------------------------------------------------------------------------- whose numbers
+def _model_folder(path: Path, weights: bytes = b"the weights") -> Path:
+    path.mkdir()
+    (path / "model.safetensors").write_bytes(weights)
+    (path / "README.md").write_text(EXISTING)
+    return path
+
+
+def _measured_run(path: Path, weights: bytes, head: dict | None = None, used: int = 32) -> Path:
+    """A `geosharp run --json` file that records the weights' sha256, the examples used and the head."""
+    import hashlib
+
+    run = _run_json(path, _result("geodesic_inv_worst", 0.2), _result("adaptive_clean_worst", 0.4))
+    payload = json.loads(run.read_text())
+    payload["data"].update(n_examples=1024, n_examples_used=used)
+    payload["config"] = {"head": head}
+    payload["model_source"] = {"source": "elsewhere", "weights_sha256": {
+        "model.safetensors": hashlib.sha256(weights).hexdigest()}}
+    run.write_text(json.dumps(payload))
+    return run
+
+
+def test_results_of_other_weights_are_refused_before_anything_is_written(tmp_path, capsys):
+    model = _model_folder(tmp_path / "m")
+    foreign = _measured_run(tmp_path / "run.json", b"another model's weights")
+    before = sorted((p.name, p.read_bytes()) for p in model.rglob("*"))
+    for extra in ([], ["--dry-run"], ["--format", "both", "--benchmark", "me/b"]):
+        assert cli.main(["card", str(model), "--results", str(foreign), *extra]) == 2
+        err = capsys.readouterr().err
+        assert "measured on other weights" in err and "--force" in err and "Nothing was written" in err
+    assert sorted((p.name, p.read_bytes()) for p in model.rglob("*")) == before
+
+    args = ["card", str(model), "--results", str(foreign), "--force", "--format", "both", "--benchmark", "me/b"]
+    assert cli.main(args) == 0
+    assert "--force" in capsys.readouterr().err
+    text = ModelCard.load(model / "README.md").text
+    assert "**Do not lose this sentence.**" in text
+    assert text.count("weights other than this model's") == 2  # one line per entry
+    entries = parse_eval_result_entries(yaml.safe_load((model / ".eval_results" / "me__b.yaml").read_text()))
+    assert all("weights other than this model's" in e.notes for e in entries)
+
+
+def test_results_of_these_weights_pass_and_results_without_a_digest_are_published_with_a_warning(tmp_path, capsys):
+    model = _model_folder(tmp_path / "m")
+    assert cli.main(["card", str(model), "--results", str(_measured_run(tmp_path / "run.json", b"the weights"))]) == 0
+    err = capsys.readouterr().err
+    assert "warning" not in err and "hf_geosharp notes" not in (model / "README.md").read_text()
+    assert cli.main(["card", str(model), "--results", str(_run_json(tmp_path / "old.json", _result(
+        "geodesic_inv_worst", 0.1)))]) == 0
+    assert "record no weights sha256" in capsys.readouterr().err
+
+
+def test_the_card_states_the_examples_measured_and_a_fresh_head(tmp_path, capsys):
+    model = _model_folder(tmp_path / "m")
+    headed = _measured_run(tmp_path / "run.json", b"the weights", head={"num_labels": 2, "seed": 7}, used=32)
+    assert cli.main(["card", str(model), "--results", str(headed), "--format", "both", "--benchmark", "me/b"]) == 0
+    _, parsed = model_index_to_eval_results(metadata_load(model / "README.md")["model-index"])
+    ours = [e for e in parsed if e.metric_type != "accuracy"]
+    assert len(ours) == 2 and all(e.dataset_args["n_examples"] == 32 for e in ours)  # not the 1024 asked for
+    assert all(e.metric_args["head"] == "new, 2 classes, seed 7" for e in ours)
+    text = ModelCard.load(model / "README.md").text
+    assert text.count("freshly initialised 2-class head (seed 7") == 2
+    entries = parse_eval_result_entries(yaml.safe_load((model / ".eval_results" / "me__b.yaml").read_text()))
+    assert all("freshly initialised 2-class head" in e.notes and "32 examples" in e.notes for e in entries)
+
+    # the same measurements with the model's own head: new entries (another configuration), and the head's notes
+    # stay with the entries they describe; a rerun of the headed run replaces its lines instead of adding more
+    own = _measured_run(tmp_path / "own.json", b"the weights")
+    assert cli.main(["card", str(model), "--results", str(own)]) == 0
+    assert ModelCard.load(model / "README.md").text.count("freshly initialised 2-class head") == 2
+    assert cli.main(["card", str(model), "--results", str(headed)]) == 0
+    card = ModelCard.load(model / "README.md")
+    assert len([e for e in card.data.eval_results if e.metric_type != "accuracy"]) == 4
+    assert card.text.count("freshly initialised 2-class head") == 2 and card.text.count("hf_geosharp notes:") == 1

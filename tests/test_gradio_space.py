@@ -428,16 +428,63 @@ def test_export_space_command_refuses_a_folder_with_files(tmp_path, capsys):
     assert [p.name for p in tmp_path.iterdir()] == ["mine.txt"] and (tmp_path / "mine.txt").read_text() == "keep me"
 
 
+def _status_values(segment: str) -> tuple[float, float]:
+    """The two numbers of ``a -> b`` in hide & seek's status, lower-bound marks (``≥ ... (not certified)``) dropped."""
+    before, after = (v.replace("≥ ", "").replace(" (not certified)", "").split(" (x")[0] for v in segment.split(" -> "))
+    return float(before), float(after)
+
+
 def test_hide_and_seek_through_gradio_client(app, url):
     from gradio_client import Client
 
-    plot, status = Client(url, verbose=False).predict("mini-01", "adversarial: make it look sharp",
+    plot, status = Client(url, verbose=False).predict("mini-01", "adversarial: make it look sharp", 5,
                                                       api_name="/hide_and_seek")
     assert plot["type"] == "matplotlib"
-    geodesic, adaptive = status.split("Geodesic sharpness ")[1].split(";")[0], status.split("adaptive sharpness ")[1]
-    g0, g1 = (float(v) for v in geodesic.split(" -> "))
-    a0, a1 = (float(v.split(" ")[0]) for v in adaptive.split(" -> "))
+    g0, g1 = _status_values(status.split("Geodesic sharpness ")[1].split(";")[0])
+    a0, a1 = _status_values(status.split("adaptive sharpness ")[1].split(").")[0] + ")")
     assert g1 == pytest.approx(g0, rel=1e-3) and a1 > 2 * a0
+
+
+def test_hide_and_seek_marks_every_uncertified_value_and_says_why(app, zoo_cache, tmp_path, monkeypatch):
+    """Two solver steps leave worst cases uncertified: each such value shows as ``≥ ... (not certified)`` in the
+    status and as a hollow, hatched bar, and the solver's reason for each is listed under the status."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    import hf_geosharp.pipeline as pipeline
+    from hf_geosharp.engine.result import certified, shown
+
+    measured, measure = [], pipeline.measure
+    monkeypatch.setattr(pipeline, "measure", lambda request: measured.append(measure(request)) or measured[-1])
+    fig, status = app.hide_and_seek(app.App("mini", zoo_cache, tmp_path), "mini-01",
+                                    "adversarial: make it look sharp", steps=2)
+    results = [r for run in measured for r in run.values()]
+    bounds = [r for r in results if certified(r) is False]
+    assert len(results) == 4 and bounds, "2 steps should leave a worst case uncertified, or this test checks nothing"
+    for r in results:
+        assert shown(r.value, certified(r)) in status
+    assert status.count("(not certified)") == len(bounds)
+    reasons = status.split("**Not certified**")[1].strip().splitlines()[1:]
+    assert len(reasons) == len(bounds) and all("not converged" in line for line in reasons)
+    FigureCanvasAgg(fig).draw()
+    bars = [b for b in fig.axes[0].patches if b.get_height() > 0]
+    assert len(bars) == 4 and sum(bool(b.get_hatch()) for b in bars) == len(bounds)
+    assert "not certified" in " ".join(t.get_text() for t in fig.axes[0].get_legend().get_texts())
+
+
+def test_a_compute_click_returns_what_its_outputs_expect(app, tmp_path):
+    """Each step of the Compute click returns as many values as it has outputs: gradio warns otherwise ("returned
+    too many output values"), once per click."""
+    import asyncio
+    import warnings
+
+    demo = app.build_demo("mini", tmp_path, tmp_path)
+    button = next(b for b in demo.blocks.values() if getattr(b, "elem_id", None) == "compute-btn")
+    first = next(f for f in demo.fns.values() if (button._id, "click") in [tuple(t) for t in f.targets])
+    assert not first.outputs and len(first.inputs) == 4  # the checks: no outputs, so the last results stay
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = asyncio.run(demo.process_api(first, ["mini-00", "", 0.1, [INV]]))
+    assert out["data"] == [] and not [w for w in caught if "output values" in str(w.message)]
 
 
 @pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium: "

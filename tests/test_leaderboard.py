@@ -208,7 +208,8 @@ def test_killed_leaderboard_resumes_to_the_same_table_without_recomputing(zoo, t
     assert [r["model"] for r in resumed] == [r["model"] for r in expected]
     for got, want in zip(resumed, expected):
         for column in want:
-            if column == "model":
+            if column == "model" or column.endswith("_certified"):  # words: the same certificate
+                assert got[column] == want[column], column
                 continue
             assert float(got[column]) == pytest.approx(float(want[column]), rel=1e-9), column
     assert (out / "scatter.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -298,6 +299,28 @@ def test_outputs_rank_by_the_first_measure_and_plot_one_panel_per_predictor(tmp_
     assert set(taus["versus_param_norm"]) == {"sharp", "other"}
     width, height = Image.open(paths["plot"]).size
     assert width == pytest.approx(3.4 * 2 * 120, abs=2) and height == pytest.approx(3.0 * 2 * 120, abs=2)  # 2 x 2
+
+
+def test_the_csv_carries_each_measures_certificate_as_the_markdown_shows_it(tmp_path):
+    """``<measure>_certified`` per measure: False exactly where the Markdown table shows ``≥`` (a lower bound),
+    True for a certified worst case, empty for a measure without a certificate (the average case)."""
+    board = _board([0.3, 0.1, 0.2, 0.4], geodesic_inv_worst=[3.0, 1.0, 2.0, 0.5],
+                   adaptive_clean_average=[1.0, 2.0, 3.0, 4.0], param_norm=[1.0, 2.0, 3.0, 4.0],
+                   clean_loss=[4.0, 3.0, 2.0, 1.0])
+    flags = [True, False, True, False]
+    board.results = {f"m{i}": [{"measure": "geodesic_inv_worst", "config": {"mode": "worst"}, "converged": flag},
+                               {"measure": "adaptive_clean_average", "config": {"mode": "average"},
+                                "converged": True}] for i, flag in enumerate(flags)}
+    paths = write_outputs(board, tmp_path)
+    rows = {r["model"]: r for r in _table(paths["csv"])}
+    assert {m: r["geodesic_inv_worst_certified"] for m, r in rows.items()} == {
+        f"m{i}": str(flag) for i, flag in enumerate(flags)}
+    assert {r["adaptive_clean_average_certified"] for r in rows.values()} == {""}
+    lines = [line for line in paths["markdown"].read_text().split("\n\n")[0].splitlines() if line.startswith("| ")]
+    header, *cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines]
+    model, inv = header.index("model"), header.index("geodesic_inv_worst")
+    marked = {row[model] for row in cells if row[inv].startswith("≥")}
+    assert marked == {m for m, r in rows.items() if r["geodesic_inv_worst_certified"] == "False"} == {"m1", "m3"}
 
 
 # ------------------------------------------------------------------------------------------- inputs and gap

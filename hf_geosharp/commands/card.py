@@ -11,6 +11,10 @@ Reads the JSON of ``geosharp run --json`` (or ``SharpnessResult.to_dict()`` outp
 ``--push REPO_ID`` proposes the same files as one pull request (one commit) on the Hub with the user's token;
 ``--results-repo`` also commits the run JSON to a results dataset. Every check runs before anything is written.
 
+The results must describe this model: the weights' sha256 that ``geosharp run`` recorded is checked against the model
+folder's, and results of other weights are refused unless ``--force`` (the card then says so). The card states the
+examples actually measured, and notes (in its text and the entries) a freshly initialised ``--head``.
+
 Every worst-case value goes out with its certificate (``certified`` in the metric's args, the certificate in the
 ``.eval_results`` notes); a value that is not certified is published as a lower bound and named on stderr.
 """
@@ -43,6 +47,7 @@ from ..hub.cards import (
     write_card,
     write_eval_results,
 )
+from ..hub.provenance import ForeignResults, check_weights, head_args, run_note
 from ..hub.publish import Publication, details_path, proposed_paths, pull_request_text, push, require_online
 from .common import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK
 
@@ -79,14 +84,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--results-repo", metavar="DATASET_ID",
                    help="with --push: also commit the run JSON to this results dataset (<org>/<model>/results_*.json)")
     p.add_argument("--token", help="Hub token for --push (default: the one from `hf auth login` / HF_TOKEN)")
+    p.add_argument("--force", action="store_true",
+                   help="publish results whose recorded weights sha256 differs from the model folder's (the card "
+                   "says so)")
     p.add_argument("--dry-run", action="store_true",
                    help="print the entries, the files and (with --push) the pull request's title and body; write and "
                    "send nothing (works offline)")
     p.set_defaults(func=run)
 
 
-def _prepare(args: argparse.Namespace) -> tuple[list, list, dict]:
-    """All checks and entries, before anything is written."""
+def _prepare(args: argparse.Namespace) -> tuple[list, list, dict, str | None]:
+    """All checks and entries, before anything is written; the last item is the card's note on how the numbers
+    were measured (:func:`~hf_geosharp.hub.provenance.run_note`)."""
     if args.push and not args.dry_run:
         require_online(args.push)  # before anything is written: a failed command changes nothing
     if args.format != "model-index" and not args.benchmark:
@@ -96,16 +105,20 @@ def _prepare(args: argparse.Namespace) -> tuple[list, list, dict]:
     if args.results_repo and not args.push:
         raise CardError("--results-repo needs --push REPO_ID.")
     results, context = read_results(args.results)
+    forced, warnings = check_weights(context, _folder(args.model), args.force)
+    for warning in warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    note = run_note(context, forced)
     dataset = dataset_info(context, name=args.dataset, split=args.split, revision=args.dataset_revision,
                            local=True if args.local_data else None)
     task = args.task_type or known_task(context.get("model_class"))
     if task is None:
         print(f"note: no Hub task type is known for model class {context.get('model_class')!r}; writing 'other'. "
               "Pass --task-type to name it.", file=sys.stderr)
-    index = [eval_result(r, dataset, task or "other", url=args.source_url) for r in results] \
-        if args.format != "eval-results" else []
+    index = [eval_result(r, dataset, task or "other", url=args.source_url, extra_args=head_args(context))
+             for r in results] if args.format != "eval-results" else []
     entries = [eval_result_entry(r, dataset, args.benchmark, url=args.source_url,
-                                 benchmark_revision=args.benchmark_revision) for r in results] \
+                                 benchmark_revision=args.benchmark_revision, note=note) for r in results] \
         if args.format != "model-index" else []
     folder = _folder(args.model)
     if index and readme_path(args.model).exists():  # a card we cannot read stops us before any write
@@ -119,10 +132,10 @@ def _prepare(args: argparse.Namespace) -> tuple[list, list, dict]:
         print(f"note: {len(uncertified)} of {len(results)} results are not certified, so each is published as "
               f"{LOWER_BOUND} (certified: false): {shown_values}. `geosharp run --steps auto` continues until "
               "certified or says why not.", file=sys.stderr)
-    return index, entries, meta
+    return index, entries, meta, note
 
 
-def dry_run(args: argparse.Namespace, index: list, entries: list, meta: dict) -> None:
+def dry_run(args: argparse.Namespace, index: list, entries: list, meta: dict, note: str | None = None) -> None:
     """Print what the command would write and propose, touching no file and no network.
 
     Args:
@@ -130,18 +143,21 @@ def dry_run(args: argparse.Namespace, index: list, entries: list, meta: dict) ->
         index: the model-index entries.
         entries: the ``.eval_results`` entries.
         meta: the card metadata a new card would get.
+        note: what the card's text would note of each entry.
     """
     folder = _folder(args.model)
     if index:
         print(card_yaml(index, args.model_name or folder.resolve().name))
         print(f"would write {len(index)} model-index entr{'y' if len(index) == 1 else 'ies'} into "
               f"{readme_path(args.model)}")
+        if note:
+            print(f"the card's text would note of each entry: {note}")
     if entries:
         print(entries_yaml(entries))
         print(f"would write {len(entries)} eval result(s) into "
               f"{', '.join(str(folder / eval_results_file(b)) for b in dict.fromkeys(e.dataset_id for e in entries))}")
     if args.push:
-        pub = Publication(args.push, index, entries, meta)
+        pub = Publication(args.push, index, entries, meta, note)
         paths = proposed_paths(pub)
         title, body = pull_request_text(paths)
         print(f"would open a pull request on {args.push} changing {', '.join(paths)} (the entries merged into the "
@@ -164,16 +180,16 @@ def run(args: argparse.Namespace) -> int:
     """Write (or print) the model-card entries of a results file; the exit code."""
     try:
         readme_path(args.model)  # a model folder or its README.md; anything else (config.json!) is refused
-        index, entries, meta = _prepare(args)
-    except CardError as err:
+        index, entries, meta, note = _prepare(args)
+    except (CardError, ForeignResults) as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     if args.dry_run:
-        dry_run(args, index, entries, meta)
+        dry_run(args, index, entries, meta, note)
         return EXIT_OK
     try:
         if index:
-            path = write_card(args.model, index, args.model_name, meta)
+            path = write_card(args.model, index, args.model_name, meta, note)
             print(card_yaml(index, ModelCard.load(path).data.model_name))
             print(f"wrote {len(index)} model-index entr{'y' if len(index) == 1 else 'ies'} into {path}")
         if entries:
@@ -185,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
               "are unchanged.", file=sys.stderr)
         return EXIT_FAILED
     if args.push:
-        pub = Publication(args.push, index, entries, meta)
+        pub = Publication(args.push, index, entries, meta, note)
         try:
             urls = push(pub, token=args.token, results_repo=args.results_repo,
                         run_json=args.results.read_bytes() if args.results_repo else None)

@@ -19,11 +19,10 @@ from .._version import __version__
 from ..data import DataSpec
 from ..durable import OutputPathError, write_json
 from ..engine.result import certified, shown
-from ..leaderboard.store import file_digest, model_identity
+from ..leaderboard.store import model_identity, weights_digests
 from ..measures import Settings, result_fields
 
 VERSIONED = ("torch", "transformers", "datasets", "accelerate", "huggingface_hub", "evaluate")
-WEIGHT_SUFFIXES = (".safetensors", ".bin")
 
 
 @dataclass
@@ -196,10 +195,8 @@ def _model_source(model_id: str) -> dict[str, Any]:
     """Which weights were measured: the content hash of the model folder's files and each weight file's sha256,
     or the Hub revision."""
     identity = model_identity(model_id)
-    folder = Path(model_id)
-    if folder.is_dir():
-        weights = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix in WEIGHT_SUFFIXES)
-        identity["weights_sha256"] = {p.name: file_digest(p) for p in weights}
+    if Path(model_id).is_dir():
+        identity["weights_sha256"] = weights_digests(Path(model_id))
     return identity
 
 

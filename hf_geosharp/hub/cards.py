@@ -47,6 +47,7 @@ from ..durable import atomic_path, write_text
 from ..engine.result import certificate_words, certified
 from ..engine.settings import config_keys
 from ..measures import MEASURES, Settings, key_of_engine_name
+from .provenance import noted
 
 logger = logging.getLogger(__name__)
 
@@ -194,13 +195,16 @@ def settings_args(result: dict[str, Any]) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------------ model-index
-def eval_result(result: dict[str, Any], dataset: DatasetInfo, task: str, *, url: str | None = None) -> EvalResult:
-    """One model-index entry from a ``SharpnessResult.to_dict()``: metric type = the measure's public key."""
+def eval_result(result: dict[str, Any], dataset: DatasetInfo, task: str, *, url: str | None = None,
+                extra_args: dict[str, Any] | None = None) -> EvalResult:
+    """One model-index entry from a ``SharpnessResult.to_dict()``: metric type = the measure's public key;
+    ``extra_args`` (what the run adds, e.g. a fresh ``head``) join the metric's args."""
     key = key_of_result(result)
-    args = settings_args(result)
+    args = {**settings_args(result), **(extra_args or {})}
     name = ", ".join([MEASURES[key].title, *([f"rho={args['rho']}"] if "rho" in args else []),
                       *([f"{args['ball']} ball"] if "ball" in args else []),
                       *([f"{args['mode']} case"] if "mode" in args else []),
+                      *(["freshly initialised head"] if "head" in args else []),
                       *([certificate_words(False)] if args.get("certified") is False else [])])
     url = source_url(url)
     return EvalResult(
@@ -219,10 +223,14 @@ def _same_config(a: EvalResult, b: EvalResult) -> bool:
     return strip[0] == strip[1] and all(getattr(a, k) == getattr(b, k) for k in vars(a) if k not in ignore)
 
 
-def merge(card: ModelCard, new: list[EvalResult], model_name: str, metadata: dict[str, Any] | None = None) -> ModelCard:
+def merge(card: ModelCard, new: list[EvalResult], model_name: str, metadata: dict[str, Any] | None = None,
+          note: str | None = None) -> ModelCard:
     """Add ``new`` to the card's eval results, replacing entries with the same configuration; all else is kept.
 
-    ``metadata`` (``library_name``, ``base_model``, ``license``) fills only fields the card does not have yet."""
+    ``metadata`` (``library_name``, ``base_model``, ``license``) fills only fields the card does not have yet;
+    ``note`` (how the numbers were measured, :func:`~hf_geosharp.hub.provenance.run_note`) goes into the text's notes
+    block, one line per entry (:func:`~hf_geosharp.hub.provenance.noted`)."""
+    card.text = noted(card.text, new, note)
     kept = [old for old in (card.data.eval_results or []) if not any(_same_config(old, n) for n in new)]
     card.data.model_name = card.data.model_name or model_name
     card.data.eval_results = kept + new
@@ -299,12 +307,13 @@ def model_metadata(model_dir: str | Path, *, base_model: str | None = None,
 
 
 def write_card(target: str | Path, new: list[EvalResult], model_name: str | None = None,
-               metadata: dict[str, Any] | None = None) -> Path:
-    """Merge ``new`` into ``target`` (a README.md, or a model folder holding one); create the card if needed."""
+               metadata: dict[str, Any] | None = None, note: str | None = None) -> Path:
+    """Merge ``new`` (and ``note``, :func:`merge`) into ``target`` (a README.md, or a model folder holding one);
+    create the card if needed."""
     path = readme_path(target)
     name = model_name or path.parent.name
     card = parse_card(read_card_text(path), str(path)) if path.exists() else new_card(name)
-    merge(card, new, name, metadata)
+    merge(card, new, name, metadata, note)
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(path) as tmp:
         card.save(tmp)
@@ -326,9 +335,9 @@ def eval_results_api(name: str) -> Any:
 
 
 def eval_result_entry(result: dict[str, Any], dataset: DatasetInfo, benchmark: str, *, url: str | None = None,
-                      benchmark_revision: str | None = None) -> EvalResultEntry:
-    """One ``.eval_results`` entry: the benchmark dataset, the measure key as task id, the settings and the certificate
-    in ``notes``."""
+                      benchmark_revision: str | None = None, note: str | None = None) -> EvalResultEntry:
+    """One ``.eval_results`` entry: the benchmark dataset, the measure key as task id, the settings, the certificate
+    and ``note`` (how it was measured) in ``notes``."""
     key = key_of_result(result)
     args = settings_args(result)
     notes = ", ".join(f"{k}={v}" for k, v in args.items() if k != "certified")
@@ -336,7 +345,8 @@ def eval_result_entry(result: dict[str, Any], dataset: DatasetInfo, benchmark: s
     return eval_results_api("EvalResultEntry")(
         dataset_id=benchmark, task_id=key, value=_value(result, key), dataset_revision=benchmark_revision,
         source_url=url, source_name=SOURCE_NAME if url else None,
-        notes=f"{result['measure']} on {dataset.describe()}: {notes}; {certificate_words(certified(result))}",
+        notes=f"{result['measure']} on {dataset.describe()}: {notes}; {certificate_words(certified(result))}"
+              + (f"; {note}" if note else ""),
     )
 
 
@@ -416,9 +426,11 @@ def dataset_info(context: dict[str, Any], *, name: str | None = None, split: str
         raise CardError("the results do not say which dataset they were measured on; pass --dataset NAME.")
     is_local = _is_local(dataset) if local is None else local
     hub_id, _, config = ("", "", None) if is_local else dataset.partition(":")
-    args = {k: data[k] for k in _DATA_ARGS if data.get(k) is not None} or None
+    args = {k: data[k] for k in _DATA_ARGS if data.get(k) is not None}
+    if data.get("n_examples_used") is not None:  # what was measured, not what was asked for
+        args["n_examples"] = data["n_examples_used"]
     return DatasetInfo(
         name=Path(dataset).name if is_local else hub_id, split=split or data.get("split") or "train",
         config=None if is_local else (data.get("config") or config or None),
-        revision=None if is_local else (revision or data.get("revision")), local=is_local, args=args,
+        revision=None if is_local else (revision or data.get("revision")), local=is_local, args=args or None,
     )

@@ -46,6 +46,8 @@ class Publication:
     model_index: list[EvalResult] = field(default_factory=list)
     eval_entries: list[EvalResultEntry] = field(default_factory=list)
     metadata: dict = field(default_factory=dict)
+    #: How the numbers were measured, for the card's notes (:func:`hf_geosharp.hub.provenance.run_note`).
+    note: str | None = None
 
 
 def require_online(repo_id: str) -> None:
@@ -78,7 +80,7 @@ def operations(api: HfApi, pub: Publication) -> list[CommitOperationAdd]:
         text = _remote_text(api, pub.repo_id, "README.md")
         card = parse_card(text, f"the README.md of {pub.repo_id!r}") if text is not None \
             else new_card(pub.repo_id.split("/")[-1])
-        merge(card, pub.model_index, pub.repo_id.split("/")[-1], pub.metadata)
+        merge(card, pub.model_index, pub.repo_id.split("/")[-1], pub.metadata, pub.note)
         ops.append(CommitOperationAdd("README.md", str(card).encode()))
     for benchmark in dict.fromkeys(e.dataset_id for e in pub.eval_entries):
         path = eval_results_file(benchmark)

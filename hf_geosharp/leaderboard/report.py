@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..durable import atomic_path, write_json, write_text
-from ..engine.result import LOWER_BOUND, NOT_CERTIFIED, shown
+from ..engine.result import LOWER_BOUND, NOT_CERTIFIED, certified, shown
 from .run import TRIVIAL, Leaderboard
 
 
@@ -100,18 +100,43 @@ def markdown(board: Leaderboard) -> str:
     return "\n".join(filter(None, (table_markdown(board), taus_markdown(board))))
 
 
+def certificates(board: Leaderboard) -> dict[str, dict[str, bool | None]]:
+    """Each model's certificate per measure, as the CSV's ``<measure>_certified`` columns: True, False (the value is
+    a lower bound of the maximum, ``≥`` in the Markdown table) or None (no certificate: not a worst case, or no
+    record).
+
+    Args:
+        board: a finished leaderboard.
+
+    Returns:
+        model -> ``<measure>_certified`` -> the flag.
+    """
+    return {model: {f"{name}_certified": None if record is None else certified(record)
+                    for name, record in zip(board.measures, records)}
+            for model, records in board.results.items()}
+
+
 def write_csv(board: Leaderboard, path: Path) -> None:
-    """Write the ranked table as CSV, one row per model, floats in full precision (``repr``).
+    """Write the ranked table as CSV, one row per model, floats in full precision (``repr``), and after the error
+    bars one ``<measure>_certified`` column per measure (:func:`certificates`; empty where there is no certificate).
 
     Args:
         board: a finished leaderboard.
         path: where the CSV goes.
     """
-    table = ranked(board)
+    flags = certificates(board)
+    columns = [f"{name}_certified" for name in board.measures]
+    table = []
+    for row in ranked(board):
+        cut = max((i for i, k in enumerate(row) if k.endswith("_stderr")), default=len(row) - 1) + 1
+        items = list(row.items())
+        table.append({**dict(items[:cut]), **{c: flags.get(row["model"], {}).get(c) for c in columns},
+                      **dict(items[cut:])})
     with atomic_path(path) as tmp, open(tmp, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(table[0]))
         writer.writeheader()
-        writer.writerows({k: repr(v) if isinstance(v, float) else v for k, v in row.items()} for row in table)
+        writer.writerows({k: repr(v) if isinstance(v, float) else "" if v is None else v for k, v in row.items()}
+                         for row in table)
 
 
 #: Most panels per row of the scatter figure: six predictors make a 2 x 3 grid that stays legible at a README's
@@ -207,7 +232,8 @@ def heatmaps(board: Leaderboard, out_dir: Path) -> list[Path]:
             safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model)
             path = out_dir / "where" / f"{safe}__{name}.png"
             path.parent.mkdir(parents=True, exist_ok=True)
-            save_figure(breakdown_heatmap(breakdown, f"{model}, {name}"), path)
+            bound = f" ({NOT_CERTIFIED}: the best perturbation found)" if certified(record) is False else ""
+            save_figure(breakdown_heatmap(breakdown, f"{model}, {name}{bound}"), path)
             written.append(path)
     return written
 

@@ -237,6 +237,24 @@ def model_identity(source: str) -> dict[str, Any]:
     return {"source": source, "revision": hub_revision(source)}
 
 
+#: The files that hold a model's weights: what ``geosharp run`` records the sha256 of, and ``geosharp card`` checks.
+WEIGHT_SUFFIXES = (".safetensors", ".bin")
+
+
+def weights_digests(folder: Path) -> dict[str, str]:
+    """Each weight file's sha256 in a model folder, by file name (empty for a folder without weights, or none).
+
+    Args:
+        folder: the model folder.
+
+    Returns:
+        File name -> sha256 of its content.
+    """
+    if not folder.is_dir():
+        return {}
+    return {p.name: file_digest(p) for p in sorted(folder.iterdir()) if p.is_file() and p.suffix in WEIGHT_SUFFIXES}
+
+
 def hub_revision(repo_id: str) -> str | None:
     """The commit sha a Hub model id resolves to: from the local cache (offline), else from the Hub."""
     from huggingface_hub import constants, model_info, try_to_load_from_cache
