@@ -143,10 +143,28 @@ def _main(argv: list[str] | None) -> int:
         parser.print_help()
         return 2
     prepare(args.command, level_of(args))
+    from .commands.common import print_progress
+    from .engine.progress import progress_lines
     from .engine.result import command_line_words
 
-    with command_line_words(), _progress_forced(bool(getattr(args, "progress", None))):
-        return int(args.func(args) or 0)  # advice names options (--steps auto), not Python arguments
+    options = option_names(parser, args.command)
+    with command_line_words(options), _progress_forced(bool(getattr(args, "progress", None))), \
+            progress_lines(print_progress):  # plain lines where a log gets no bar
+        return int(args.func(args) or 0)  # advice names this command's options (--steps auto), not Python arguments
+
+
+def option_names(parser: argparse.ArgumentParser, command: str) -> frozenset[str]:
+    """Every option string ``geosharp COMMAND`` accepts (``--steps``, ``-v``, ...): what its advice may name.
+
+    Args:
+        parser: the ``geosharp`` parser (:func:`build_parser`).
+        command: the sub-command's name.
+
+    Returns:
+        The option strings of the command's parser.
+    """
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return frozenset(s for action in subparsers.choices[command]._actions for s in action.option_strings)
 
 
 @contextlib.contextmanager
