@@ -19,9 +19,21 @@ import os
 import sys
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 
 from ._version import __version__
 from .commands.common import Parser, exit_process, invoke, quiet_libraries
+
+
+def _demo_minutes() -> str:
+    """``DEMO_MINUTES`` of :mod:`hf_geosharp.commands.demo`, read from its source: the one constant, and ``geosharp
+    --help`` imports no command module."""
+    import ast
+
+    tree = ast.parse((Path(__file__).parent / "commands" / "demo.py").read_text(encoding="utf-8"))
+    return next(str(ast.literal_eval(node.value)) for node in tree.body if isinstance(node, ast.Assign)
+                and any(getattr(target, "id", None) == "DEMO_MINUTES" for target in node.targets))
+
 
 #: Every sub-command: its name, the module of :mod:`hf_geosharp.commands` that defines it, and its one-line help (the
 #: same as the module's ``add_parser`` gives it, tested). ``geosharp --help`` lists them from here, so that it imports
@@ -35,7 +47,8 @@ SUBCOMMANDS = {
                     "rank many models by sharpness; Kendall tau of each measure against the generalisation gap"),
     "card": ("card",
              "publish sharpness results in a model card (model-index) and/or .eval_results, optionally as a Hub PR"),
-    "demo": ("demo", "train the embedded zoo of small ViTs on digits and rank them (offline, a few minutes)"),
+    "demo": ("demo", "train the embedded zoo of small ViTs on digits and rank them (offline, about "
+                     f"{_demo_minutes()} minutes on a 2-core CPU)"),
     "export-space": ("export_space", "write a self-contained Hugging Face Space folder (Gradio app, evaluate "
                                      "module, wheel, requirements)"),
     "reparametrize": ("reparametrize", "save a copy of a model moved along its attention symmetries (same "
@@ -131,10 +144,28 @@ def _main(argv: list[str] | None) -> int:
         return 2
     args.argv = argv  # the command line itself, for a command that runs it again in a child process
     prepare(args.command, level_of(args))
+    from .commands.common import print_progress
+    from .engine.progress import progress_lines
     from .engine.result import command_line_words
 
-    with command_line_words(), _progress_forced(bool(getattr(args, "progress", None))):
-        return int(args.func(args) or 0)  # advice names options (--steps auto), not Python arguments
+    options = option_names(parser, args.command)
+    with command_line_words(options), _progress_forced(bool(getattr(args, "progress", None))), \
+            progress_lines(print_progress):  # plain lines where a log gets no bar
+        return int(args.func(args) or 0)  # advice names this command's options (--steps auto), not Python arguments
+
+
+def option_names(parser: argparse.ArgumentParser, command: str) -> frozenset[str]:
+    """Every option string ``geosharp COMMAND`` accepts (``--steps``, ``-v``, ...): what its advice may name.
+
+    Args:
+        parser: the ``geosharp`` parser (:func:`build_parser`).
+        command: the sub-command's name.
+
+    Returns:
+        The option strings of the command's parser.
+    """
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return frozenset(s for action in subparsers.choices[command]._actions for s in action.option_strings)
 
 
 @contextlib.contextmanager

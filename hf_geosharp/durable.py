@@ -104,25 +104,40 @@ def write_text(path: str | os.PathLike[str], text: str) -> Path:
     return write_bytes(path, text.encode("utf-8"))
 
 
-def _no_nan(value: Any, where: str = "") -> None:
+def strict(value: Any) -> Any:
+    """``value`` with every non-finite float (NaN, inf) replaced by ``None``: JSON has no such numbers, and strict
+    readers (JavaScript's ``JSON.parse``, ``jq``, most languages' parsers) refuse the ``NaN`` that :func:`json.dumps`
+    writes by default.
+
+    Args:
+        value: a JSON-able value (dicts, lists, tuples, numbers, strings).
+
+    Returns:
+        The same structure (tuples become lists) with ``null`` where a number was not finite.
+    """
     if isinstance(value, float) and not math.isfinite(value):
-        raise ValueError(f"refusing to write the non-finite number {value} at {where or 'the top level'}")
+        return None
     if isinstance(value, dict):
-        for k, v in value.items():
-            _no_nan(v, f"{where}.{k}" if where else str(k))
-    elif isinstance(value, (list, tuple)):
-        for i, v in enumerate(value):
-            _no_nan(v, f"{where}[{i}]")
+        return {k: strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict(v) for v in value]
+    return value
 
 
-def write_json(path: str | os.PathLike[str], payload: Any, *, allow_nan: bool = True, indent: int | None = 2) -> Path:
-    """Replace ``path`` with ``payload`` as JSON durably.
+def write_json(path: str | os.PathLike[str], payload: Any, *, indent: int | None = 2) -> Path:
+    """Replace ``path`` with ``payload`` as strict JSON durably: a number that is not finite (NaN, inf) is written as
+    ``null`` (:func:`strict`), so every JSON file the package writes parses anywhere.
 
-    ``allow_nan=False`` refuses NaN and inf anywhere (they are not JSON and most readers choke on them); with the
-    default, they are written as JavaScript-style ``NaN`` like :func:`json.dumps` does."""
-    if not allow_nan:
-        _no_nan(payload)
-    return write_text(path, json.dumps(payload, indent=indent, allow_nan=allow_nan, default=str) + "\n")
+    Args:
+        path: the file to replace.
+        payload: what to write; objects JSON does not know are written as their ``str``.
+        indent: JSON indentation (``None``: one line).
+
+    Returns:
+        The path written.
+    """
+    text = json.dumps(strict(payload), indent=indent, allow_nan=False, default=str)
+    return write_text(path, text + "\n")
 
 
 def check_writable(path: str | os.PathLike[str], *, what: str = "output file") -> Path:

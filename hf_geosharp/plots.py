@@ -141,6 +141,11 @@ def breakdown_heatmap(breakdown: Any, title: str) -> Figure:
     return fig
 
 
+def _number(value: Any) -> float:
+    """A number read from plain data: ``None`` (strict JSON's ``null`` for NaN) is NaN."""
+    return math.nan if value is None else float(value)
+
+
 def rho_sweep_figure(sweep: Mapping[str, Any], title: str = "") -> Figure:
     """Each measure's Kendall tau against the generalisation gap (with its bootstrap 95 % interval) and its certified
     fraction across radii, on one figure: two panels sharing a logarithmic radius axis, the leaderboard's own radius
@@ -165,9 +170,9 @@ def rho_sweep_figure(sweep: Mapping[str, Any], title: str = "") -> Figure:
         color, label = next(colors, "#333333"), _title(entry.get("key", name))
         shift = spread ** (i - (len(measures) - 1) / 2)
         x = [r * shift for r in rhos]
-        tau = [float(t) for t in entry["tau"]]
-        low = [t - float(lo) if not math.isnan(float(lo)) else 0.0 for t, lo in zip(tau, entry["ci_low"])]
-        high = [float(hi) - t if not math.isnan(float(hi)) else 0.0 for t, hi in zip(tau, entry["ci_high"])]
+        tau = [_number(t) for t in entry["tau"]]
+        low = [t - lo if not math.isnan(lo) else 0.0 for t, lo in zip(tau, map(_number, entry["ci_low"]))]
+        high = [hi - t if not math.isnan(hi) else 0.0 for t, hi in zip(tau, map(_number, entry["ci_high"]))]
         top.errorbar(x, tau, yerr=[low, high], color=color, marker="o", ms=5, lw=1.8, capsize=3, label=label)
         fraction = [c / n if n else math.nan for c, n in zip(entry["certified"], entry["total"])]
         bottom.plot(rhos, fraction, color=color, marker="o", ms=5, lw=1.8, label=label)

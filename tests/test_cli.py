@@ -401,3 +401,28 @@ def test_measures_option_selects_by_key(files, capsys):
     with pytest.raises(SystemExit):
         geosharp("run", "--model", files["bert"], "--dataset", files["csv"], "--measures", "euclid")
     assert "unknown measure 'euclid'" in capsys.readouterr().err
+
+
+def test_export_space_says_to_upload_to_the_space_id_given(tmp_path, monkeypatch, capsys):
+    from hf_geosharp.commands import export_space
+
+    monkeypatch.setattr(export_space, "export_space", lambda out, **kwargs: [])  # the folder itself: test_gradio_space
+    assert cli.main(["export-space", str(tmp_path / "space"), "--space-id", "my-org/my-space"]) == 0
+    said = capsys.readouterr().out
+    assert f"hf upload my-org/my-space {tmp_path / 'space'} --repo-type space" in said and "OWNER" not in said
+    assert cli.main(["export-space", str(tmp_path / "space")]) == 0
+    assert "pass --space-id OWNER/NAME" in capsys.readouterr().out
+
+
+def test_the_list_of_written_files_keeps_a_space_after_every_kind(monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    from hf_geosharp.commands import board
+
+    monkeypatch.setattr(board, "markdown", lambda _: "")
+    paths = {"table": Path("out/leaderboard.md"), "sweep plot": Path("out/rho_sweep.png")}
+    board.report(SimpleNamespace(sweep=None), paths)
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+    expected = [["table", str(paths["table"])], ["sweep", "plot", str(paths["sweep plot"])]]
+    assert [row.split() for row in rows] == expected
+    assert len({row.index("out/") for row in rows}) == 1  # one column

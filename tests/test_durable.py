@@ -60,11 +60,19 @@ def test_file_size_limit_mid_write_keeps_old_file(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == ["results.json"]
 
 
-def test_write_json_refuses_nan_when_asked(tmp_path: Path) -> None:
+def test_write_json_writes_strict_json_with_null_for_non_finite_numbers(tmp_path: Path) -> None:
     target = tmp_path / "x.json"
-    with pytest.raises(ValueError, match="non-finite"):
-        durable.write_json(target, {"results": [{"value": float("nan")}]}, allow_nan=False)
-    assert not target.exists()
+    payload = {"taus": {"a": [float("nan"), 0.5]}, "inf": float("-inf"), "pair": (1.0, float("inf")), "n": 3}
+    durable.write_json(target, payload)
+    text = target.read_text()
+    assert "NaN" not in text and "Infinity" not in text
+
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"{constant} in a written JSON file")
+
+    assert json.loads(text, parse_constant=refuse) == {"taus": {"a": [None, 0.5]}, "inf": None, "pair": [1.0, None],
+                                                       "n": 3}
+    assert payload["taus"]["a"][0] != payload["taus"]["a"][0]  # the caller's payload is not changed
 
 
 def test_check_writable_refuses_a_folder(tmp_path: Path) -> None:

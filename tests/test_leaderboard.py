@@ -411,7 +411,7 @@ def test_rho_sweep_draws_each_radius_measures_tau_and_certified_fraction(zoo, tm
             tau = stats.kendalltau([here[m]["value"] for m in models], [gaps[m] for m in models]).statistic
             assert entry["tau"][i] == pytest.approx(tau)
             assert entry["certified"][i] == sum(here[m]["converged"] is not False for m in models)
-            assert entry["total"][i] == 4 and math.isnan(entry["ci_low"][i])  # 4 models: no interval
+            assert entry["total"][i] == 4 and entry["ci_low"][i] is None  # 4 models: no interval (strict JSON: null)
     certified = [sum(sweep["measures"][n]["certified"][i] for n in names) for i in range(3)]
     assert certified[0] > certified[-1], "3 steps at rho 1 should certify less than at rho 0.01"
 

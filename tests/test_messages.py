@@ -4,7 +4,10 @@ through the package), and advice speaks the interface in use: Python arguments (
 
 from __future__ import annotations
 
+import ast
+import re
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -150,3 +153,60 @@ def test_the_leaderboards_advice_speaks_the_readers_interface():
     assert convergence_fix(20).startswith("steps='auto'") and "--rho" not in convergence_fix("auto")
     with command_line_words():
         assert convergence_fix(20).startswith("--steps auto") and "--rho" in convergence_fix("auto")
+
+
+FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
+SAYING = {"print", "error", "warning", "warn", "info", "exception"}
+
+
+def _said(tree: ast.AST) -> Iterator[str]:
+    """The text of every message a module prints, logs, warns, raises or returns (f-strings joined, their fields as
+    ``{}``); command lines quoted in backticks (``geosharp run --json``, ``hf upload``) name other programs."""
+
+    def text(node: ast.AST) -> str:
+        if isinstance(node, ast.JoinedStr):
+            return "".join(v.value if isinstance(v, ast.Constant) else "{}" for v in node.values)
+        return node.value
+
+    for node in ast.walk(tree):
+        name = isinstance(node, ast.Call) and (getattr(node.func, "id", None) or getattr(node.func, "attr", None))
+        if name in SAYING or isinstance(node, (ast.Raise, ast.Return)):
+            parts = [n for n in ast.walk(node) if isinstance(n, ast.JoinedStr)
+                     or isinstance(n, ast.Constant) and isinstance(n.value, str)]
+            inside = {id(v) for n in parts if isinstance(n, ast.JoinedStr) for v in n.values}
+            yield from (re.sub(r"`[^`]*`", "", text(n)) for n in parts if id(n) not in inside)
+
+
+def _options() -> dict[str, tuple[str, frozenset[str]]]:
+    parser = cli.build_parser(None)
+    return {name: (module, cli.option_names(parser, name)) for name, (module, _) in cli.SUBCOMMANDS.items()}
+
+
+def test_every_option_a_command_names_in_its_messages_is_one_it_has():
+    """A command's errors, warnings and hints name only its own options (another program's go in backticks)."""
+    wrong = []
+    for name, (module, options) in _options().items():
+        source = (Path(cli.__file__).parent / "commands" / f"{module}.py").read_text(encoding="utf-8")
+        wrong += [(name, flag, said) for said in _said(ast.parse(source)) for flag in FLAG.findall(said)
+                  if flag not in options]
+    assert not wrong
+    assert "--steps" in _options()["run"][1] and "--steps" not in _options()["reparametrize"][1]
+
+
+@pytest.mark.parametrize("config", [
+    {"steps": 20, "max_steps": 640, "rho": 0.1},  # fixed steps: pass steps auto
+    {"steps": "auto", "max_steps": 640, "rho": 0.1},  # the budget ran out: lower rho, or raise it from Python
+])
+def test_engine_advice_names_only_the_running_commands_options(config):
+    """The solver's not-converged advice, inside each command: its options where it has them (``--steps auto`` in
+    ``run``), the Python argument where it has none (``reparametrize`` has no ``--steps``)."""
+    from hf_geosharp.engine.result import warn_not_converged
+
+    for name, (_, options) in _options().items():
+        with command_line_words(options):
+            caught = _recorded(lambda: warn_not_converged("adaptive_clean_worst", config, "the gap is 1 %", 20))
+        (message,) = [str(w.message) for w in caught]
+        assert set(FLAG.findall(message)) <= options, (name, message)
+        if config["steps"] == 20:
+            assert ("--steps auto" in message) == ("--steps" in options), (name, message)
+            assert ("steps='auto' (from Python)" in message) == ("--steps" not in options), (name, message)

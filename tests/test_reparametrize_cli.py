@@ -84,6 +84,27 @@ def test_hide_sharp_copy(tmp_path: Path, capsys) -> None:
     assert (a - b).abs().max() <= 1e-4 * a.abs().max()
 
 
+def test_hide_at_its_defaults_moves_adaptive_sharpness_tenfold_on_the_readme_model(tmp_path: Path, capsys) -> None:
+    """The README's tiny BERT (float64, seed 0): --hide sharp at its default condition moves adaptive sharpness by
+    x10 or more; at --condition 100 it barely moves, and the command says so and which option moves it further."""
+    torch.manual_seed(0)
+    config = tf.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                           vocab_size=100)
+    model_dir = tmp_path / "model"
+    tf.BertForSequenceClassification(config).double().save_pretrained(model_dir)
+    tiny_tokenizer(tmp_path / "tok").save_pretrained(model_dir)
+    data = write_csv(tmp_path / "data.csv", 32)
+    argv = ["reparametrize", str(model_dir), str(tmp_path / "out"), "--hide", "sharp", "--dataset", str(data)]
+    factors = {}
+    for condition in ([], ["--condition", "100"]):
+        assert main([*argv, *condition, "--overwrite"]) == 0
+        record = json.loads((tmp_path / "out" / "geosharp_reparametrize.json").read_text())
+        factors[record["condition"]] = record["factor"], capsys.readouterr().out
+    (default, (moved, said)), (_, (barely, hint)) = factors.items()
+    assert default > 100 and moved >= 10 and "a larger one" not in said
+    assert barely < moved and f"moved by x{barely:.3g} only at --condition 100; a larger one" in hint
+
+
 @pytest.mark.parametrize("condition", ["0.5", "nan"])
 def test_bad_condition(tmp_path: Path, condition: str, capsys) -> None:
     model_dir = save_text_model(tmp_path / "model")

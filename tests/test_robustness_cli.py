@@ -246,6 +246,57 @@ def test_a_mistyped_local_path_is_said_at_once_without_the_hub(files, monkeypatc
         "such file or folder here); check the path. A Hub id looks like 'name' or 'org/name'."
 
 
+@pytest.mark.parametrize("offline", [True, False])
+def test_a_hub_id_this_machine_cannot_get_is_said_at_once_like_a_bad_path(files, monkeypatch, capsys, offline):
+    """A placeholder such as PATH_OR_ID, not cached: offline, or with a Hub that cannot be reached (one lookup fails),
+    it is the bad path's one line at once, never transformers' half minute of retries."""
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    _no_hub(monkeypatch)
+    lookups = []
+
+    def unreachable(repo_id, **kwargs):
+        lookups.append(repo_id)
+        raise OSError("[Errno -2] Name or service not known")
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", offline)
+    monkeypatch.setattr(huggingface_hub, "model_info", unreachable)
+    argv = run_argv(files)
+    argv[argv.index("--model") + 1] = "PATH_OR_ID"
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: the model folder 'PATH_OR_ID' does not exist (no such file or folder here), and ")
+    assert err.endswith("check the path. A Hub id looks like 'name' or 'org/name'.") and "\n" not in err
+    assert ("HF_HUB_OFFLINE=1" in err) == offline and ("cannot be reached" in err) == (not offline)
+    assert lookups == ([] if offline else ["PATH_OR_ID"])
+
+
+def test_a_hub_id_in_the_cache_or_on_a_reachable_hub_goes_on_to_transformers(tmp_path, monkeypatch):
+    """The check refuses only what cannot load: a cached id passes offline, a reachable one online, and a name that
+    is no Hub id at all is the path message."""
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    from hf_geosharp.data import DataError, require_model
+
+    snapshot = tmp_path / "models--org--cached" / "snapshots" / ("a" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (tmp_path / "models--org--cached" / "refs").mkdir()
+    (tmp_path / "models--org--cached" / "refs" / "main").write_text("a" * 40)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    require_model("org/cached")
+    with pytest.raises(DataError, match="not in the local Hugging Face cache"):
+        require_model("org/other")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub, "model_info", lambda repo_id, **kwargs: object())
+    require_model("org/other")
+    with pytest.raises(DataError, match="not a Hub id either; check the path"):
+        require_model("my model!")
+
+
 @pytest.mark.parametrize("layout", ["folder", "script file", "hub"])
 def test_a_dataset_loading_script_is_exit_2_and_one_line(files, tmp_path, monkeypatch, capsys, layout):
     """datasets no longer runs loading scripts: refused before anything runs, one line, no traceback."""

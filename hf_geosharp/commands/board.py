@@ -86,8 +86,9 @@ def report(board: Leaderboard, paths: dict[str, Path]) -> None:
     print(markdown(board))
     if board.sweep:
         print(sweep_markdown(board.sweep))
+    width = max((len(kind) for kind in paths), default=0) + 1  # "sweep plot" is longer than the column was
     for kind, path in paths.items():
-        print(f"{kind:9s}{path}")
+        print(f"{kind:{width}s}{path}")
 
 
 def execute(

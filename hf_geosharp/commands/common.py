@@ -228,6 +228,27 @@ _kept: list[str | Callable[[], str]] = []  # what the running command has saved 
 _interrupts = [0]  # Ctrl-Cs seen by the running command
 
 
+def progress_line(tick: Any) -> str:
+    """A measurement's progress as one plain line for a log (``geosharp`` prints it where no bar shows).
+
+    Args:
+        tick: an :class:`hf_geosharp.engine.progress.Tick`.
+
+    Returns:
+        E.g. ``progress: geodesic_inv_worst, batch 2/8, step 14/20, 0:03:12 elapsed``.
+    """
+    minutes, seconds = divmod(int(tick.elapsed), 60)
+    state = f"done after {tick.steps} steps, sharpness {tick.value:.4g}" if tick.done else \
+        f"step {tick.steps}/{tick.n_steps}"
+    return (f"progress: {tick.measure}, batch {tick.batch}/{tick.n_batches}, {state}, "
+            f"{minutes // 60}:{minutes % 60:02d}:{seconds:02d} elapsed")
+
+
+def print_progress(tick: Any) -> None:
+    """:func:`progress_line` on stderr, flushed (a log shows it at once)."""
+    print(progress_line(tick), file=sys.stderr, flush=True)
+
+
 def keep_on_interrupt(sentence: str | Callable[[], str]) -> None:
     """Tell the Ctrl-C handler where the running command's finished work is (e.g. its result store); a callable is
     asked at the moment of the Ctrl-C (e.g. how many members of a zoo are trained by then)."""

@@ -33,6 +33,11 @@ from ..zoo import build_zoo, cache_root, cached_members, torch_threads, zoo_memb
 from .board import add_data_arguments, execute
 from .common import EXIT_BAD_INPUT, EXIT_OK, folder_path, keep_on_interrupt, positive, steps_arg
 
+#: How long a first ``geosharp demo`` takes on a 2-core CPU, in minutes (measured: see docs/demo.md).
+DEMO_MINUTES = 8
+HELP = ("train the embedded zoo of small ViTs on digits and rank them (offline, about "
+        f"{DEMO_MINUTES} minutes on a 2-core CPU)")
+
 
 def _size(text: str) -> str | int:
     if text in ("mini", "full"):
@@ -46,7 +51,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register ``geosharp demo``."""
     p = subparsers.add_parser(
         "demo",
-        help="train the embedded zoo of small ViTs on digits and rank them (offline, a few minutes)",
+        help=HELP,
         description="Train (once; cached) a zoo of small ViT classifiers on scikit-learn's digits with varied "
         "hyperparameters, then run the leaderboard on them: geodesic and adaptive sharpness against the "
         "generalisation gap, with the trivial predictors beside them. Offline.",

@@ -171,5 +171,6 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
     print("\n".join(str(f) for f in files))
     hint = "" if args.space_id else " (pass --space-id OWNER/NAME before uploading to the Hub)"
-    print(f"wrote the Space to {args.out}{hint}; upload it with `hf upload OWNER/NAME {args.out} --repo-type space`")
+    target = args.space_id or "OWNER/NAME"
+    print(f"wrote the Space to {args.out}{hint}; upload it with `hf upload {target} {args.out} --repo-type space`")
     return EXIT_OK

@@ -26,13 +26,12 @@ from typing import Any
 import torch
 
 from ..data import (
-    MODEL_PATH_SUFFIXES,
     DataError,
     DataSpec,
     check_source,
     load_batches,
     load_processor,
-    require_existing_path,
+    require_model,
     require_task,
 )
 from ..durable import OutputPathError, check_writable, write_json
@@ -329,7 +328,7 @@ def _model_and_batches(args: argparse.Namespace, launch: Launch, spec_: DataSpec
     if launch.fsdp and args.device:
         raise DataError("--device does not apply with --fsdp: each rank uses its own GPU (LOCAL_RANK), or the CPU.")
     device = launch.device if launch.fsdp else _device(args, launch.accelerator)
-    require_existing_path("the model folder", args.model, MODEL_PATH_SUFFIXES)  # both paths before any loading
+    require_model(args.model)  # both paths (and a Hub id the Hub cannot serve) before any loading
     check_source(spec_)
     model = _load(args)
     require_task(model)  # before any data work: a model without a loss cannot be measured

@@ -26,6 +26,7 @@ from .models import (
     is_vision,
     load_model,
     load_processor,
+    require_model,
     require_task,
     task_of,
 )
@@ -68,6 +69,7 @@ __all__ = [
     "load_split",
     "make_batches",
     "require_existing_path",
+    "require_model",
     "require_task",
     "resolve_columns",
     "select_examples",

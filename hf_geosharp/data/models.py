@@ -131,6 +131,61 @@ def _local_auto_map(model_id: str) -> dict[str, list[str]]:
     return found
 
 
+#: Seconds the one Hub lookup of a model id that is not cached may take before the Hub counts as unreachable.
+HUB_LOOKUP_TIMEOUT = 10.0
+
+
+def _hub_unreachable(model_id: str) -> str | None:
+    """Why the Hub cannot serve ``model_id`` at once (``None``: it can, or it may: gated, private, an HTTP hiccup),
+    from one lookup of its info (huggingface_hub's ``model_info``): without it, transformers retries an unreachable
+    Hub for half a minute before it fails."""
+    import huggingface_hub
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
+
+    try:
+        huggingface_hub.model_info(model_id, timeout=HUB_LOOKUP_TIMEOUT)
+    except GatedRepoError:
+        return None  # it exists: transformers says how to get access
+    except RepositoryNotFoundError:
+        return ("and the Hugging Face Hub has no model of that name (a private one needs `hf auth login` or "
+                "HF_TOKEN)")
+    except HfHubHTTPError:
+        return None
+    except Exception:  # noqa: BLE001 - no network, DNS, a timeout: whichever HTTP client raised it
+        return "and the Hugging Face Hub cannot be reached (no network?)"
+    return None
+
+
+def require_model(model_id: str, what: str = "the model folder") -> None:
+    """Refuse at once a model that can be neither a local folder nor a Hub model this machine can get: a path that
+    does not exist, a name that is no valid Hub id, or a Hub id that is not in the local cache while the Hub is
+    offline (``HF_HUB_OFFLINE=1``) or cannot be reached; all with the message a bad path gets. A cached or
+    reachable Hub id passes (transformers loads it).
+
+    Args:
+        model_id: a local folder or a Hub id.
+        what: what ``model_id`` was given as, as the message names it.
+    """
+    require_existing_path(what, model_id, MODEL_PATH_SUFFIXES)
+    if Path(model_id).exists():
+        return
+    from huggingface_hub import constants, try_to_load_from_cache
+    from huggingface_hub.errors import HFValidationError
+
+    head = f"{what} {model_id!r} does not exist (no such file or folder here)"
+    try:
+        cached = try_to_load_from_cache(model_id, "config.json")
+    except HFValidationError:
+        raise DataError(f"{head}, and it is not a Hub id either; check the path. A Hub id looks like 'name' or "
+                        "'org/name'.") from None
+    if isinstance(cached, str):
+        return
+    why = ("and it is not in the local Hugging Face cache while the Hub is offline (HF_HUB_OFFLINE=1)"
+           if constants.HF_HUB_OFFLINE else _hub_unreachable(model_id))
+    if why is not None:
+        raise DataError(f"{head}, {why}; check the path. A Hub id looks like 'name' or 'org/name'.")
+
+
 def load_model(model_id: str, *, trust_remote_code: bool = False) -> torch.nn.Module:
     """Load a model with the task head its config names (``config.architectures``), in eval mode.
 
@@ -147,7 +202,7 @@ def load_model(model_id: str, *, trust_remote_code: bool = False) -> torch.nn.Mo
     if not isinstance(model_id, (str, os.PathLike)):
         raise DataError(f"model_id must be a folder path or a Hub id (a string), got {type(model_id).__name__}.")
     model_id = str(model_id)
-    require_existing_path("the model folder", model_id, MODEL_PATH_SUFFIXES)
+    require_model(model_id)
     custom = _local_auto_map(model_id)
     if custom and not trust_remote_code:
         where = "; ".join(f"{name}: {', '.join(classes)}" for name, classes in custom.items())

@@ -22,7 +22,7 @@ from ..symmetry.base import PairBlock, SymmetryMap
 from .model_function.embedding_rows import UsedRows, scan_used_rows
 from .model_function.objective import LossFn, Objective, measured_parameters, to_device
 from .placement.base import Holding, Placement
-from .result import on_command_line, warn_at_caller
+from .result import has_option, setting, warn_at_caller
 from .settings import RunSettings
 from .space.coordinates import pair_parameters
 from .space.perturbation_space import PerturbationSpace, SpaceOptions
@@ -123,8 +123,8 @@ def _warn_half_precision(params: list[Tensor], rho: float, moving: int) -> None:
     typical = rho / math.sqrt(moving)
     if typical >= cut:
         return
-    fix = "pass --dtype float32" if on_command_line() else "cast the model to float32 (model.float())"
-    rho_word = "--rho" if on_command_line() else "rho"
+    fix = "pass --dtype float32" if has_option("--dtype") else "cast the model to float32 (model.float())"
+    rho_word = setting("rho")
     if rho < cut:
         what = (f"every weight moves by at most rho = {rho:.2g} of itself, below {name}'s rounding (a relative change "
                 f"under {cut:.2g} rounds back to the weight): the whole ball rounds back to the model's weights, and "

@@ -8,7 +8,7 @@ import copy
 import math
 import sys
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextvars import ContextVar
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -240,14 +240,20 @@ def warn_at_caller(message: str, category: type[Warning]) -> None:
     warnings.warn(message, category, stacklevel=level if frame is not None else level - 1)
 
 
-_command_line: ContextVar[bool] = ContextVar("hf_geosharp_command_line", default=False)
+#: ``None`` in Python; on the command line, the options of the command that runs (empty: not known).
+_command_line: ContextVar[frozenset[str] | None] = ContextVar("hf_geosharp_command_line", default=None)
 
 
 @contextlib.contextmanager
-def command_line_words() -> Iterator[None]:
+def command_line_words(options: Iterable[str] = ()) -> Iterator[None]:
     """Inside the block, advice names the command line's options (``--steps auto``) instead of Python's arguments
-    (``steps='auto'``): the ``geosharp`` commands run inside it."""
-    token = _command_line.set(True)
+    (``steps='auto'``): the ``geosharp`` commands run inside it.
+
+    Args:
+        options: the option strings the running command declares (``--steps``, ...); advice for a setting the
+            command has no option for names the Python argument instead. Empty: every setting has its option.
+    """
+    token = _command_line.set(frozenset(options))
     try:
         yield
     finally:
@@ -256,11 +262,25 @@ def command_line_words() -> Iterator[None]:
 
 def on_command_line() -> bool:
     """Whether advice is read on the command line (inside :func:`command_line_words`)."""
-    return _command_line.get()
+    return _command_line.get() is not None
+
+
+def has_option(flag: str) -> bool:
+    """Whether advice may name ``flag``: on the command line, and the running command declares it.
+
+    Args:
+        flag: an option string (``--dtype``).
+
+    Returns:
+        ``True`` inside :func:`command_line_words` when the command has ``flag`` (or its options are not known).
+    """
+    options = _command_line.get()
+    return options is not None and (not options or flag in options)
 
 
 def setting(name: str, value: Any = None) -> str:
-    """How advice names a setting: ``steps='auto'`` (Python) or ``--steps auto`` (inside :func:`command_line_words`).
+    """How advice names a setting: ``steps='auto'`` (Python) or ``--steps auto`` (inside :func:`command_line_words`,
+    where the command has that option; else the Python argument, said to be one).
 
     Args:
         name: the Python argument's name (``max_steps``); the option is ``--`` and its dashed form.
@@ -269,10 +289,11 @@ def setting(name: str, value: Any = None) -> str:
     Returns:
         The words for the reader's interface.
     """
-    if on_command_line():
-        flag = "--" + name.replace("_", "-")
+    python = name if value is None else f"{name}={value!r}"
+    flag = "--" + name.replace("_", "-")
+    if has_option(flag):
         return flag if value is None else f"{flag} {value}"
-    return name if value is None else f"{name}={value!r}"
+    return f"{python} (from Python)" if on_command_line() else python
 
 
 def warn_not_converged(measure: str, config: dict[str, Any], note: str, steps_used: int) -> None:

@@ -28,7 +28,7 @@ from .model_function.objective import LossFn, Objective, default_loss, preserved
 from .placement.base import Placement
 from .placement.fsdp import FsdpPlacement
 from .placement.single import SingleProcess
-from .progress import bar_disabled
+from .progress import Ticker, bar_disabled
 from .result import NOT_ITERATIVE, Profile, SharpnessResult, average_stderr, batch_stderr, warn_not_converged
 from .settings import RunSettings
 from .solvers.apgd import AUTO_BLOCK, apgd
@@ -150,7 +150,8 @@ def _solve_batches(space: PerturbationSpace, objective: Objective, settings: Run
     n_steps = settings.n_samples if settings.mode == "average" else settings.steps
     results: dict[int, tuple] = {}
     bar = tqdm(list(mine), desc=settings.measure, unit="batch", disable=bar_disabled(progress))
-    for index in bar:
+    ticker = Ticker(settings.measure, len(bar), n_steps, progress)  # lines where the bar does not show
+    for position, index in enumerate(bar, start=1):
         objective.batch = to_device(batches[index], space.device)
         generator = torch.Generator().manual_seed(batch_seed(settings.seed, index))
         torch.manual_seed(batch_seed(settings.seed, index))  # the forked global RNG: random models repeat
@@ -158,6 +159,7 @@ def _solve_batches(space: PerturbationSpace, objective: Objective, settings: Run
         def on_step(k: int, sharpness: float) -> None:  # solver progress inside the batch bar
             bar.set_postfix(step=f"{k + 1}/{n_steps}", sharpness=f"{sharpness:.4g}", refresh=False)
             bar.refresh()
+            ticker.step(position, k + 1, sharpness)  # noqa: B023 - called while this batch is solved
 
         with measuring(settings.measure, index, batches[index]):
             out = solve(settings, space, objective, generator, on_step, keep_best_point=reader is not None)
@@ -174,6 +176,7 @@ def _solve_batches(space: PerturbationSpace, objective: Objective, settings: Run
         results[index] = (out.sharpness, out.clean_loss, samples, out.gap, out.steps_used, note, state, precision,
                           reading)
         bar.set_postfix(sharpness=f"{out.sharpness:.4g}")
+        ticker.batch_end(position, out.steps_used if out.steps_used is not None else n_steps, out.sharpness)
         del out  # the solver's vectors, before the next batch's
     return results
 

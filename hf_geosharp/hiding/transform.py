@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from ..engine.model_function.objective import LossFn, default_loss, preserved_model_state
+from ..engine.result import setting
 from ..engine.symmetry_search import Target, search_group_element
 from ..measures import Settings, run_measure
 from ..symmetry import map_symmetries
@@ -118,8 +119,8 @@ def _checked_apply(model: nn.Module, batches: list, smap: SymmetryMap, elements:
             if not deviation <= tolerance:
                 raise FunctionChangedError(
                     f"the transformed model's outputs moved by {deviation:.3g} (relative) > tolerance {tolerance:.3g}; "
-                    "the model was restored. Lower `condition`, or check the symmetry map with `geosharp symmetry "
-                    "MODEL --audit`.")
+                    f"the model was restored. Lower {setting('condition')}, or check the symmetry map with "
+                    "`geosharp symmetry MODEL --audit`.")
         except BaseException:
             undo()
             raise

@@ -28,7 +28,7 @@ def ranked(board: Leaderboard) -> list[dict[str, Any]]:
 
 
 def _fmt(value: Any, spec: str = ".4g") -> str:
-    if isinstance(value, float) and math.isnan(value):
+    if value is None or isinstance(value, float) and math.isnan(value):  # None: a NaN read back from strict JSON
         return "n/a"
     return format(value, spec) if isinstance(value, float) else str(value)
 

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ..api import SharpnessResult, no_symmetry_note, symmetry_note_given, symmetry_noted
-from ..data import DataError, launch_accelerator, load_model
+from ..data import DataError, launch_accelerator, load_model, require_model
 from ..engine.placement.sharding import attention_placement, is_sharded, shard_model
 from ..engine.solvers.apgd import AUTO_BLOCK
 from ..measures import DEFAULT_MEASURES, Settings, parse_measures, run_measure, run_measures, spec
@@ -72,6 +72,8 @@ def load(source: ModelSource) -> nn.Module:
     if source.new_head_labels is None:
         return load_model(source.model_id, trust_remote_code=source.trust_remote_code)
     from transformers import AutoModelForSequenceClassification
+
+    require_model(source.model_id)  # at once, not after the Hub's retries
 
     with torch.random.fork_rng(devices=[]):  # the head's initialisation is transformers', from this seed
         torch.manual_seed(source.seed)
