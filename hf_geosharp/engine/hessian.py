@@ -64,9 +64,9 @@ from .settings import PARAMS_CHOICES, Params
 
 logger = logging.getLogger(__name__)
 
-#: Largest number of Hessian-vector products of one power iteration (PyHessian's default ``maxIter``).
+#: Largest number of Hessian-vector products of one Lanczos run (a batch makes at most two: the search and its check).
 MAX_ITERS = 100
-#: Relative change of the Rayleigh quotient between two products under which the power iteration stops (PyHessian's).
+#: Relative residual bound of the top eigenvalue's certificate: ``||H y - theta y|| <= TOL |theta|``.
 TOL = 1e-3
 #: Attention implementations with a double backward; any other one is switched to ``"eager"`` for these measures.
 DOUBLE_BACKWARD_ATTENTION = ("eager",)
