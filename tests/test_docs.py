@@ -98,6 +98,22 @@ def test_every_public_function_has_args_and_returns(objects):
     assert not missing, missing
 
 
+def test_the_home_page_has_the_readmes_quick_start_and_the_guides_link_both_ways():
+    """docs/index.md, the site's home, shows the README's set-up commands and its example as they are (the README's
+    tests run and check them), and the guide, the README and the home page link one another."""
+    readme = (REPO / "README.md").read_text()
+    index = (REPO / "docs" / "index.md").read_text()
+    guide = (REPO / "docs" / "guide.md").read_text()
+    setup = readme.split("\n## Set-up: two commands\n", 1)[1].split("\n## ", 1)[0]
+    example = readme.split("\n## Example\n", 1)[1].split("\n## ", 1)[0]
+    blocks = [re.findall(r"^```bash\n.*?^```\n", setup, re.S | re.M)[0],
+              re.findall(r"^```python\n.*?^```\n", example, re.S | re.M)[0]]
+    quick_start = index.split("\n## Quick start\n", 1)[1].split("\n## ", 1)[0]
+    assert all(block in quick_start for block in blocks), "docs/index.md's quick start differs from the README's"
+    assert "](guide.md)" in index and "](docs/guide.md)" in readme
+    assert guide.count("](index.md#quick-start)") >= 1 and "README's example:" not in guide
+
+
 def test_the_guides_python_example_runs(capsys):
     """docs/guide.md's first example (every measure of the Python API) runs as written on a model and batches of the
     kind it names, and prints one line of the values it says."""
