@@ -6,12 +6,15 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from packaging.version import Version
 
 from .fixtures.hf_models import one_thread  # noqa: F401
+from .fixtures.torchrun import offline_env
 
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
@@ -33,7 +36,8 @@ def _blocks(text: str, language: str) -> list[str]:
 
 def test_the_python_example_runs_as_written(capsys, tmp_path, monkeypatch):
     """Every ```python block of the README, in order and in one namespace (later sections continue the example), run
-    from an empty directory: what it prints is what its comments promise."""
+    from an empty directory: the example prints what each ``# -> `` comment says, line for line, and the prose after it
+    quotes the same run."""
     monkeypatch.chdir(tmp_path)
     blocks = _blocks(README, "python")
     assert len(blocks) >= 3, "the README's example, evaluate and Trainer blocks"
@@ -42,16 +46,112 @@ def test_the_python_example_runs_as_written(capsys, tmp_path, monkeypatch):
     for i, code in enumerate(blocks):
         exec(compile(code, f"README.md (python block {i + 1})", "exec"), namespace)
         printed.append(capsys.readouterr().out.split("\n"))
-    example = printed[0]
-    assert example[0] == "8"  # 8 QK pairs
-    value, stderr, converged, adaptive = example[1].split()
-    assert float(value) > 0 and float(stderr) >= 0 and converged in ("True", "False") and float(adaptive) > 0
-    moved = float(example[2])
-    assert abs(moved - float(adaptive)) > 1e-3 * float(adaptive), "the example says adaptive sharpness moved"
+    promised = [line.split("# -> ", 1)[1] for line in blocks[0].splitlines() if "# -> " in line]
+    assert len(promised) == 3 and [line for line in printed[0] if line] == promised
+    moved, before, after = namespace["moved"], namespace["before"], namespace["after"]
+    assert moved.factor > 2 and abs(after.value - before.value) <= 1e-6 * before.value, "the example's point"
+    quoted = f"`gs.hide`: {moved.factor:.1f}x, {moved.value_before:.3g} to {moved.value_after:.3g}, the function"
+    assert quoted in " ".join(README.split()), f"the prose after the example should quote this run: {quoted}"
     for i, lines in enumerate(printed[1:], start=2):
         assert "nan" not in " ".join(lines).lower() and lines[0].strip(), f"block {i} printed {lines}"
     logged = json.loads([line for line in printed[-1] if line.strip()][-1])  # the Trainer block's measurements
     assert len(logged) == 2 and all(v > 0 for v in logged)
+
+
+#: README shell commands the tests do not run, by how they start (after ``.venv/bin/``), and why; every other command
+#: of every ```bash block runs as pasted (below), its placeholders filled in and its optional ``[...]`` left out.
+NOT_RUN = {
+    "bash scripts/install.sh": "installs from the network (CI runs the set-up's command 2 itself)",
+    "geosharp run ": "a measurement on a dataset: tests/test_cli.py runs it on tiny models",
+    "geosharp leaderboard ": "many measurements: tests/test_leaderboard.py",
+    "geosharp card ": "needs a run's results, and --push the network: tests/test_cards.py",
+    "geosharp demo": "trains a zoo: minutes",
+    "geosharp register": "writes evaluate's module cache: tests/test_evaluate_module.py",
+    "geosharp export-space ": "builds a wheel and needs the `space` extra: tests/test_gradio_space.py",
+    "python spaces_demo/app.py": "serves the app until stopped",
+}
+#: What the runnable commands' placeholders stand for: a tiny saved model, and a folder to write.
+PLACEHOLDERS = {"PATH_OR_ID": "{model}", "MODEL": "{model}", "OUT": "{out}"}
+ACTIVATE = ". .venv/bin/activate"
+
+
+def _commands(block: str, chains: bool = True) -> list[str]:
+    """The commands of a shell block: its lines without comments; with ``chains=False``, ``&&`` chains split."""
+    lines = [line.split("  #", 1)[0].strip() for line in block.splitlines() if not line.lstrip().startswith("#")]
+    return [part.strip() for line in lines if line for part in ([line] if chains else line.split("&&"))]
+
+
+def _skipped(command: str) -> str | None:
+    """Why ``command`` is not run (``NOT_RUN``), or None: a chain is skipped where any of its commands is."""
+    return next((why for part in command.split("&&") for start, why in NOT_RUN.items()
+                 if part.strip().removeprefix(".venv/bin/").startswith(start)), None)
+
+
+def test_every_shell_block_names_the_venv_once():
+    """``geosharp`` and ``python`` run from the venv that scripts/install.sh makes: each block either activates it
+    first, or names ``.venv/bin/`` on every such command (bare ``geosharp`` is "command not found" otherwise)."""
+    assert "-m venv .venv\n" in (REPO / "scripts" / "install.sh").read_text(), "the venv the blocks name"
+    blocks = _blocks(README, "bash")
+    assert len(blocks) >= 3, "the set-up, the command line and the Space"
+    for block in blocks:
+        commands = _commands(block, chains=False)
+        tools = [c for c in commands if re.match(r"(\.venv/bin/)?(geosharp|python)\b", c)]
+        if commands[0] == ACTIVATE:
+            assert not [c for c in tools if c.startswith(".venv/")], f"activated, then named again: {block}"
+        else:
+            assert ACTIVATE not in commands, f"activate it before the first command: {block}"
+            assert all(c.startswith(".venv/bin/") for c in tools), f"a bare command without the venv: {block}"
+
+
+def _fake_venv(root: Path) -> dict[str, str]:
+    """``root/.venv`` as scripts/install.sh leaves it, for this checkout: ``bin/activate`` puts ``bin`` first on the
+    PATH, ``bin/geosharp`` and ``bin/python`` are this interpreter on this repository's package. Returns the
+    environment of a fresh shell, whose PATH has no ``geosharp``."""
+    venv = root / ".venv" / "bin"
+    venv.mkdir(parents=True)
+    (venv / "activate").write_text(f'export PATH="{venv}:$PATH"\n')
+    for name, args in {"geosharp": "-m hf_geosharp", "python": ""}.items():
+        (venv / name).write_text(f'#!/bin/sh\nexec "{sys.executable}" {args} "$@"\n')
+        (venv / name).chmod(0o755)
+    return {**offline_env(), "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}
+
+
+def test_the_cheap_shell_commands_run_as_pasted(tmp_path):
+    """Each README shell block's commands that ``NOT_RUN`` does not name run in bash from a folder holding the venv,
+    in the block's order (so an activation carries over), and exit 0; the options every command names (skipped or
+    not) are options of its sub-command. Without the activation the same commands are "command not found"."""
+    from hf_geosharp.cli import build_parser, option_names
+
+    from .fixtures.hf_models import save_text_model
+
+    env = _fake_venv(tmp_path)
+    model = save_text_model(tmp_path / "model")
+    ran = []
+    for block in _blocks(README, "bash"):
+        script = []
+        for command in _commands(block):
+            words = command.removeprefix(".venv/bin/").split()
+            if words[0] == "geosharp" and "&&" not in command:
+                unknown = set(re.findall(r"(?<![\w-])--[\w-]+", command)) - option_names(build_parser(words),
+                                                                                      words[1])
+                assert not unknown, f"{command}: geosharp {words[1]} has no {sorted(unknown)}"
+            if _skipped(command):
+                continue
+            runnable = re.sub(r"\s*\[[^]]*\]", "", command)
+            for placeholder, value in PLACEHOLDERS.items():
+                runnable = re.sub(rf"\b{placeholder}\b", value, runnable)
+            runnable = runnable.format(model=model, out=tmp_path / "moved")
+            assert not re.search(r"\b[A-Z][A-Z_]{2,}\b", runnable), f"a placeholder PLACEHOLDERS lacks: {runnable}"
+            script.append(runnable)
+        if script:
+            done = subprocess.run(["bash", "-ec", "\n".join(script)], cwd=tmp_path, env=env, capture_output=True,
+                                  text=True, timeout=600)
+            assert done.returncode == 0, f"{script}: {done.stderr[-2000:]}"
+            ran += script
+    assert ACTIVATE in ran and any(c.startswith("geosharp symmetry") for c in ran), ran
+    assert (tmp_path / "moved" / "config.json").is_file()  # geosharp reparametrize MODEL OUT wrote its copy
+    bare = subprocess.run(["bash", "-c", "geosharp --version"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert bare.returncode == 127, "without the activation there is no geosharp (the control of the test)"
 
 
 def test_the_set_up_commands_are_the_ones_ci_runs():

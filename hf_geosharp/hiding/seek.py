@@ -63,7 +63,11 @@ class SeekReport:
     certified: dict[str, dict[str, list[bool | None]]]
 
     def uncertified(self) -> int:
-        """How many of the report's values are not certified (lower bounds)."""
+        """How many of the report's values are not certified (lower bounds).
+
+        Returns:
+            The count of values whose certificate is False (values without a certificate are not counted).
+        """
         return sum(c is False for what in self.certified.values() for cs in what.values() for c in cs)
 
     def to_dict(self) -> dict[str, Any]:
