@@ -254,7 +254,7 @@ class _MLP(torch.nn.Module):
         return {"loss": torch.nn.functional.cross_entropy(self.net(x), labels)}
 
 
-@pytest.mark.parametrize("steps", [1, 20])
+@pytest.mark.parametrize("steps", [1, "auto"])
 def test_each_logged_value_carries_its_certificate_and_an_uncertified_measurement_warns_once(caplog, steps):
     """Two measurements of an MLP: every worst-case value is logged with eval_<key>_certified (the engine's
     ``converged``) under the reporters' eval/ prefix; a measurement with values that are not certified gives one
