@@ -136,13 +136,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
+    own_process = argv is None  # the process's own command line (the geosharp script, python -m hf_geosharp)
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser(argv)
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    args.argv = argv  # the command line itself, for a command that runs it again in a child process
+    args.argv, args.own_process = argv, own_process  # for a command that runs its command line again
     prepare(args.command, level_of(args))
     from .commands.common import print_progress
     from .engine.progress import progress_lines

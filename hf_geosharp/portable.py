@@ -47,21 +47,29 @@ def portable_torch() -> Iterator[None]:
         torch.backends.mkldnn.enabled = enabled
 
 
-def rerun_portably(argv: Sequence[str]) -> int:
-    """Run ``geosharp argv`` in a child process on :data:`PORTABLE_KERNELS` and return its exit code. Its standard
-    output is printed here line by line (so that it reaches whatever reads this process's ``sys.stdout``); its
-    standard error is this process's own (progress bars and log lines show as they would). Ctrl-C reaches the child
-    too (the same process group), which stops as the command does; this process then returns its exit code.
+def rerun_portably(argv: Sequence[str], own_process: bool = False) -> int:
+    """Run ``geosharp argv`` again on :data:`PORTABLE_KERNELS` and return its exit code.
+
+    In a process of its own (``own_process``: the ``geosharp`` script), the process becomes that command (``exec``):
+    the same process, signals and children, with the kernels chosen before torch loads. Called from Python (a test,
+    a notebook), it runs in a child process instead, whose standard output is printed here line by line (so that it
+    reaches whatever reads this process's ``sys.stdout``) and whose standard error is this process's own; Ctrl-C
+    reaches the child too (the same process group), which stops as the command does.
 
     Args:
         argv: the command line after ``geosharp``.
+        own_process: whether this process runs nothing but this command.
 
     Returns:
-        The child's exit code.
+        The child's exit code (``exec`` does not return).
     """
     env = {**os.environ, **PORTABLE_KERNELS}
-    with subprocess.Popen([sys.executable, "-m", "hf_geosharp", *argv], stdout=subprocess.PIPE, text=True,
-                          env=env) as child:
+    command = [sys.executable, "-m", "hf_geosharp", *argv]
+    if own_process:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execve(sys.executable, command, env)
+    with subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env) as child:
         assert child.stdout is not None
         try:
             for line in child.stdout:

@@ -143,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {problem}", file=sys.stderr)
         return EXIT_BAD_INPUT
     if not on_portable_kernels():  # the same numbers on every CPU: measured where they are trained
-        return rerun_portably(args.argv)
+        return rerun_portably(args.argv, own_process=args.own_process)
     with portable_torch():
         return _run(args)
 
