@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import math
 import platform
@@ -46,7 +47,7 @@ from torch import Tensor, nn
 import hf_geosharp as gs
 from hf_geosharp.commands.common import Parser, folder_path, positive
 from hf_geosharp.commands.common import seed as seed_arg
-from hf_geosharp.durable import atomic_path, write_json
+from hf_geosharp.durable import write_json
 from hf_geosharp.engine.solvers.apgd import apgd
 
 logger = logging.getLogger(__name__)
@@ -566,33 +567,71 @@ PANELS = (("adaptive", "adaptive"), ("geodesic_inv", "geodesic inv"), ("geodesic
 
 
 def plot_figure(
-    columns: dict[str, np.ndarray], tau: dict[str, dict], setting: Setting, mix_constraint: str, path: Path
-) -> None:
-    """Fig. 3 of the paper: one panel per measure, sharpness against test loss, tau in the title; colour = alpha."""
-    import matplotlib
+    columns: dict[str, np.ndarray], tau: dict[str, dict], setting: Setting, mix_constraint: str,
+    path: Path | None = None,
+) -> Any:
+    """Fig. 3 of the paper: one panel per measure, sharpness against test loss, tau in the title; colour = alpha. In
+    the shared style of :mod:`hf_geosharp.plots`; written to ``path`` when one is given.
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    Args:
+        columns: per converged net, ``test_loss``, ``alpha`` and each sharpness measure.
+        tau: each column's Kendall tau against the test loss, with ``ci95``.
+        setting: the population's setting (title and radius).
+        mix_constraint: which mix ball the third panel shows (``"metric"`` or ``"loose"``).
+        path: where the PNG goes, or None.
 
-    fig, axes = plt.subplots(1, 3, figsize=(13.5, 4.2), constrained_layout=True)
+    Returns:
+        The matplotlib ``Figure``.
+    """
+    from matplotlib.ticker import MaxNLocator
+
+    from hf_geosharp.plots import LABEL, TICK, TITLE, new_figure, save_figure
+
+    fig = new_figure(3.9)
+    axes = fig.subplots(1, 3, sharey=True)
     colour = np.log10(columns["alpha"])
     for ax, (name, title) in zip(axes, PANELS):
         key = f"geodesic_mix_{mix_constraint}" if name == "geodesic_mix" else name
         steps = setting.adaptive_steps if name == "adaptive" else setting.geodesic_steps
         t = tau[key]
-        points = ax.scatter(columns[key], columns["test_loss"], c=colour, cmap="viridis", s=22, edgecolors="none")
+        points = ax.scatter(columns[key], columns["test_loss"], c=colour, cmap="viridis", s=14, edgecolors="none")
         ax.set_title(
             f"{title}" + (f", {mix_constraint} ball" if name == "geodesic_mix" else "") + f", {steps} it.\n"
-            f"$\\tau$ = {t['tau']:.2f}  [{t['ci95'][0]:.2f}, {t['ci95'][1]:.2f}]   (paper {PAPER_TAU[name]:.2f})"
+            f"$\\tau$ = {t['tau']:.2f} [{t['ci95'][0]:.2f}, {t['ci95'][1]:.2f}]\n(paper {PAPER_TAU[name]:.2f})",
+            fontsize=LABEL,
         )
-        ax.set_xlabel(f"worst-case sharpness ($\\rho$ = {setting.rho:g})")
-        ax.set_ylabel("test loss $\\|\\beta - \\beta^*\\|^2$")
+        ax.set_xlabel(f"worst-case sharpness ($\\rho$ = {setting.rho:g})", fontsize=TICK)
+        ax.tick_params(labelsize=TICK)
+        ax.xaxis.set_major_locator(MaxNLocator(4))  # few ticks: legible at the README's width
         ax.grid(alpha=0.3)
-    fig.colorbar(points, ax=axes, label=r"$\log_{10}$ init scale $\alpha$")
-    fig.suptitle(f"Diagonal linear nets (init {setting.init}, truth {setting.truth}, data seed {setting.data_seed})")
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, dpi=130, format="png")
-    plt.close(fig)
+    axes[0].set_ylabel("test loss $\\|\\beta - \\beta^*\\|^2$", fontsize=LABEL)
+    bar = fig.colorbar(points, ax=axes, fraction=0.04, pad=0.02)
+    bar.set_label(r"$\log_{10}$ init scale $\alpha$", fontsize=TICK)
+    bar.ax.tick_params(labelsize=TICK)
+    fig.suptitle(f"Diagonal linear nets (init {setting.init}, truth {setting.truth}, data seed {setting.data_seed})",
+                 fontsize=TITLE)
+    fig.set_layout_engine("constrained")
+    if path is not None:
+        save_figure(fig, path)
+    return fig
+
+
+def replot(report: dict[str, Any], path: Path | None = None) -> Any:
+    """The figure drawn again from a saved report (``diagonal_networks.json``): the converged nets' values, taus and
+    setting as measured, nothing measured again.
+
+    Args:
+        report: the report :func:`run` wrote.
+        path: where the PNG goes, or None.
+
+    Returns:
+        The matplotlib ``Figure``.
+    """
+    main = report["main"]
+    nets = [m for m in main["models"] if m["converged"]]
+    names = ("test_loss", "alpha", *SHARPNESS_MEASURES)
+    columns = {name: np.array([float(m[name]) for m in nets]) for name in names}
+    return plot_figure(columns, main["tau"], Setting(**main["setting"]), report["config"]["mix_constraint"], path)
 
 
 def format_table(main: dict[str, Any], sweep: dict[str, Any] | None) -> str:
@@ -652,6 +691,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-seeds", type=seed_arg, nargs="*", default=(1, 2, 3, 4), help="further data seeds")
     p.add_argument("--threads", type=positive(int), default=1,
                    help="torch threads (the problems are tiny; more threads mostly add contention)")
+    p.add_argument("--replot", type=Path, metavar="JSON",
+                   help="only draw diagonal_networks.png into --out again from a saved diagonal_networks.json")
     return p
 
 
@@ -700,6 +741,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> None:
     """Command-line entry: configure logging and threads (process-wide), run, print the tau table."""
     args = parse_args(argv)
+    if args.replot is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        replot(json.loads(args.replot.read_text()), args.out / "diagonal_networks.png")
+        print(f"wrote {args.out / 'diagonal_networks.png'}")
+        return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("hf_geosharp").setLevel(logging.WARNING)  # one INFO line per adaptive call is noise here
     torch.set_num_threads(args.threads)

@@ -1204,10 +1204,11 @@ def _adversarial_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def figure(out: dict[str, Any], path: Path) -> None:
+def figure(out: dict[str, Any], path: Path | None = None) -> Any:
     """Kendall tau with its 95 % interval of every predictor (main, hidden, sweep) against each of the four gaps, and
-    below, each measure's tau minus the parameter norm's with its paired interval."""
-    from matplotlib.figure import Figure
+    below, each measure's tau minus the parameter norm's with its paired interval, in the shared style of
+    :mod:`hf_geosharp.plots`; drawn from the report alone (``minilm_family.json``), written to ``path`` if given."""
+    from hf_geosharp.plots import SMALL, TICK, new_figure, save_figure, short_title
 
     entries: list[tuple[str, dict[str, dict[str, Any]], str, str]] = []
     for col in list(PLAN) + list(TRIVIAL):
@@ -1221,7 +1222,7 @@ def figure(out: dict[str, Any], path: Path) -> None:
                 entries.append((f"{name} @ rho {rho}", taus, f"{name}@{rho}", "#8172b2"))
     versus = out["versus_param_norm"]["differences"]
     measures = [col for col in PLAN if any(col in versus[gap] for gap in GAPS)]
-    fig = Figure(figsize=(2.7 * len(GAPS) + 1.6, 0.28 * (len(entries) + len(measures)) + 2.0))
+    fig = new_figure(0.26 * (len(entries) + len(measures)) + 2.4)
     axes = fig.subplots(2 if measures else 1, len(GAPS), squeeze=False, sharey="row",
                         gridspec_kw={"height_ratios": [len(entries), len(measures)] if measures else [1]})
 
@@ -1235,10 +1236,13 @@ def figure(out: dict[str, Any], path: Path) -> None:
                 bar(ax, y, t["tau"], t["ci_low"], t["ci_high"], color)
         ax.axvline(0, color="#999999", lw=0.8)
         ax.set_xlim(-1.05, 1.05)
-        ax.set_title(f"{gap}\n({out['gaps'][gap]})", fontsize=7)
-        ax.tick_params(labelsize=6)
-        ax.set_xlabel("Kendall tau [95 % CI]", fontsize=7)
+        ax.set_xticks([-1, -0.5, 0, 0.5, 1], ["-1", "-0.5", "0", "0.5", "1"])
+        definition = out["gaps"][gap].replace(" - ", " -\n")
+        ax.set_title(f"{gap}\n({definition})", fontsize=SMALL)
+        ax.tick_params(labelsize=SMALL)
+        ax.set_xlabel("Kendall tau [95 % CI]", fontsize=SMALL)
     axes[0][0].set_yticks(range(len(entries)), [e[0] for e in entries])
+    axes[0][0].set_ylabel("predictor", fontsize=TICK)
     axes[0][0].invert_yaxis()
     if measures:  # the paired comparison: does a measure rank the members better than the parameter norm?
         for ax, gap in zip(axes[1], GAPS):
@@ -1248,16 +1252,19 @@ def figure(out: dict[str, Any], path: Path) -> None:
                         else "#55a868")
             ax.axvline(0, color="#999999", lw=0.8)
             ax.set_xlim(-1.05, 1.05)
-            ax.tick_params(labelsize=6)
-            ax.set_xlabel("tau minus the parameter norm's\n[paired 95 % CI]", fontsize=7)
+            ax.set_xticks([-1, -0.5, 0, 0.5, 1], ["-1", "-0.5", "0", "0.5", "1"])
+            ax.tick_params(labelsize=SMALL)
+            ax.set_xlabel("tau minus param_norm's\n[paired 95 % CI]", fontsize=SMALL)
         axes[1][0].set_yticks(range(len(measures)), measures)
+        axes[1][0].set_ylabel("measure", fontsize=TICK)
         axes[1][0].invert_yaxis()
     p = out["progress"]
-    fig.suptitle(f"all-MiniLM-L6-v2 fine-tunes on SpamAssassin: {p['main_complete']} of {p['members']} members "
-                 f"(hf_geosharp {out['library']['hf_geosharp']})", fontsize=8)
+    fig.suptitle(short_title(f"all-MiniLM-L6-v2 fine-tunes on SpamAssassin: {p['main_complete']} of {p['members']} "
+                             f"members (hf_geosharp {out['library']['hf_geosharp']})"), fontsize=TICK)
     fig.tight_layout()
-    with durable.atomic_path(path) as tmp:
-        fig.savefig(tmp, dpi=110)
+    if path is not None:
+        save_figure(fig, path)
+    return fig
 
 
 def _cell(t: dict[str, Any] | None, value: str = "tau") -> str:

@@ -1,12 +1,14 @@
 """Figures of where a worst case is: the loss along the worst direction (:func:`profile_figure`) and the breakdown by
 layer and head as a heat map (:func:`breakdown_heatmap`). matplotlib's object API only (no pyplot: no global figure
-registry), imported inside the functions (importing it writes its font cache). Every face draws with these."""
+registry), imported inside the functions (importing it writes its font cache). Every face draws with these, and every
+figure of the package and its experiments is made with the one style below: legible at the width the README shows it."""
 
 from __future__ import annotations
 
 import math
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .durable import atomic_path
@@ -16,8 +18,82 @@ from .measures import MEASURES, key_of_engine_name
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-#: 800 x 450 pixels at the saved resolution.
-SIZE, DPI = (8.0, 4.5), 100
+#: Every figure is WIDTH inches wide and saved at DPI (1245 px wide); the README and the docs show it DISPLAY_PX wide.
+WIDTH, DPI, DISPLAY_PX = 8.3, 150, 830
+#: Font sizes in points, none below SMALL: at DISPLAY_PX a point is 830 / (72 * 8.3) = 1.39 px, so SMALL (7 pt) reads
+#: as 9.7 px, above the 8 px that text needs there. matplotlib's defaults (10 pt, 12 pt titles) are above it too.
+TITLE, LABEL, TICK, SMALL = 10.0, 9.0, 8.0, 7.0
+#: The smallest text, in display pixels, that a figure may hold.
+MIN_PX = 8.0
+#: The longest line of a title: a longer one is shortened (:func:`short_title`).
+TITLE_CHARS = 70
+#: The profile's and the heat map's size.
+SIZE = (WIDTH, 4.5)
+
+
+def display_px(points: float, width: float = WIDTH) -> float:
+    """How tall text of ``points`` reads, in pixels, in a figure ``width`` inches wide shown :data:`DISPLAY_PX` wide
+    (independent of the saved dpi).
+
+    Args:
+        points: a font size.
+        width: the figure's width in inches.
+
+    Returns:
+        The size in display pixels.
+    """
+    return points * DISPLAY_PX / (72.0 * width)
+
+
+def new_figure(height: float) -> Figure:
+    """A figure of the shared width, :data:`WIDTH`, and ``height`` inches: the one way a figure is begun.
+
+    Args:
+        height: its height in inches.
+
+    Returns:
+        The empty figure.
+    """
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=(WIDTH, height))
+
+
+def short_title(text: str, limit: int = TITLE_CHARS, lines: int = 3) -> str:
+    """``text`` wrapped at words into lines of at most ``limit`` characters, and at most ``lines`` of them (the last
+    one cut, with an ellipsis, when more would be needed): a title that fits the figure's width.
+
+    Args:
+        text: a title, maybe of several lines already.
+        limit: the longest line.
+        lines: the most lines.
+
+    Returns:
+        The title as drawn.
+    """
+    import textwrap
+
+    wrapped = [part for line in text.split("\n") for part in textwrap.wrap(line, limit) or [""]]
+    if len(wrapped) > lines:
+        last = " ".join(wrapped[lines - 1:])
+        wrapped = [*wrapped[:lines - 1], last[:limit - 1].rstrip() + "\u2026"]
+    return "\n".join(wrapped)
+
+
+def model_label(model: str) -> str:
+    """How a figure names a model: a local folder by its own name (never its path, a site-packages one say), a Hub
+    id as it is.
+
+    Args:
+        model: a model's folder or Hub id.
+
+    Returns:
+        The short name.
+    """
+    path = Path(model).expanduser()
+    if path.is_absolute() or path.exists() or model.startswith((".", "~")):
+        return path.resolve().name or model
+    return model
 
 
 def _title(key: str) -> str:
@@ -35,14 +111,12 @@ def profile_figure(results: Mapping[str, Any], title: str) -> Figure:
     Args:
         results: measure key -> :class:`~hf_geosharp.engine.result.SharpnessResult` (those without a profile are
             skipped).
-        title: what the figure shows (the model).
+        title: what the figure shows: the model, by :func:`model_label` (shortened to :data:`TITLE_CHARS`).
 
     Returns:
         The figure (save it with :func:`save_figure`).
     """
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=SIZE)
+    fig = new_figure(SIZE[1])
     ax = fig.subplots()
     colors = iter(["#4c72b0", "#c44e52", "#55a868", "#8172b2", "#ccb974"])
     drawn = 0
@@ -67,11 +141,12 @@ def profile_figure(results: Mapping[str, Any], title: str) -> Figure:
     rhos = sorted({float(r.config.get("rho", 1.0)) for r in results.values() if getattr(r, "profile", None)})
     for rho in rhos:
         ax.axvline(rho, color="#999999", lw=0.8, ls=":")
-    ax.set_xlabel("distance along the direction (the worst case sits at rho, the dotted line)")
-    ax.set_ylabel("loss increase over the clean loss")
-    ax.set_title(f"Loss along the worst direction: {title}", fontsize=11)
+    ax.set_xlabel("distance along the direction (the worst case sits at rho, the dotted line)", fontsize=LABEL)
+    ax.set_ylabel("loss increase over the clean loss", fontsize=LABEL)
+    ax.set_title(short_title(f"Loss along the worst direction: {title}"), fontsize=TITLE)
+    ax.tick_params(labelsize=TICK)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=TICK)
     fig.tight_layout()
     return fig
 
@@ -113,10 +188,8 @@ def breakdown_heatmap(breakdown: Any, title: str) -> Figure:
     Returns:
         The figure.
     """
-    from matplotlib.figure import Figure
-
     breakdown = as_breakdown(breakdown)
-    fig = Figure(figsize=SIZE)
+    fig = new_figure(SIZE[1])
     axes = fig.subplots(1, 2)
     for ax, what, label in zip(axes, ("norm_share", "first_order_share"),
                                ("share of ||xi||_g^2", "share of <grad, xi>_g")):
@@ -130,13 +203,13 @@ def breakdown_heatmap(breakdown: Any, title: str) -> Figure:
             image = ax.imshow(matrix, aspect="auto", cmap="coolwarm", vmin=-limit, vmax=limit, interpolation="nearest")
         else:
             image = ax.imshow(matrix, aspect="auto", cmap="viridis", vmin=0.0, interpolation="nearest")
-        ax.set_xticks(range(len(columns)), [str(c) for c in columns], fontsize=7)
-        ax.set_yticks(range(len(names)), [str(i) for i in range(len(names))], fontsize=7)
-        ax.set_xlabel("head")
-        ax.set_ylabel("layer")
-        ax.set_title(label, fontsize=9)
-        fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04)
-    fig.suptitle(f"Where the sharpness is: {title}", fontsize=11)
+        ax.set_xticks(range(len(columns)), [str(c) for c in columns], fontsize=TICK)
+        ax.set_yticks(range(len(names)), [str(i) for i in range(len(names))], fontsize=TICK)
+        ax.set_xlabel("head", fontsize=LABEL)
+        ax.set_ylabel("layer", fontsize=LABEL)
+        ax.set_title(label, fontsize=LABEL)
+        fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04).ax.tick_params(labelsize=TICK)
+    fig.suptitle(short_title(f"Where the sharpness is: {title}"), fontsize=TITLE)
     fig.tight_layout()
     return fig
 
@@ -156,13 +229,11 @@ def rho_sweep_figure(sweep: Mapping[str, Any], title: str = "") -> Figure:
         title: what was ranked (the zoo, the population); the figure's title.
 
     Returns:
-        The figure (800 x 560 pixels with :func:`save_figure`).
+        The figure (1245 x 840 pixels with :func:`save_figure`).
     """
-    from matplotlib.figure import Figure
-
     rhos = [float(r) for r in sweep["rhos"]]
     measures = sweep["measures"]
-    fig = Figure(figsize=(SIZE[0], 5.6))
+    fig = new_figure(5.6)
     top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=(3, 2))
     colors = iter(["#4c72b0", "#c44e52", "#55a868", "#8172b2", "#ccb974", "#64b5cd"])
     spread = 1.04  # intervals of neighbouring measures side by side, not on top of each other (log axis)
@@ -181,26 +252,26 @@ def rho_sweep_figure(sweep: Mapping[str, Any], title: str = "") -> Figure:
         ax.axvline(float(sweep["rho"]), color="#999999", lw=0.8, ls=":")
         ax.set_xscale("log")
         ax.grid(alpha=0.3)
-        ax.tick_params(labelsize=9)
-    top.set_ylabel("Kendall tau vs gap\n(95 % interval)", fontsize=10)
-    bottom.set_ylabel("certified fraction", fontsize=10)
+        ax.tick_params(labelsize=LABEL)
+    top.set_ylabel("Kendall tau vs gap\n(95 % interval)", fontsize=LABEL)
+    bottom.set_ylabel("certified fraction", fontsize=LABEL)
     bottom.set_ylim(-0.05, 1.05)
     bottom.set_xticks(rhos, [f"{r:g}" for r in rhos])
     bottom.minorticks_off()
     ball = sweep.get("settings", {}).get("ball")
-    bottom.set_xlabel(f"radius rho{f' ({ball} ball)' if ball else ''}; dotted: the leaderboard's rho", fontsize=10)
+    bottom.set_xlabel(f"radius rho{f' ({ball} ball)' if ball else ''}; dotted: the leaderboard's rho", fontsize=LABEL)
     handles, labels = top.get_legend_handles_labels()
-    fig.legend(handles, labels, loc="upper center", ncol=len(labels), fontsize=9, frameon=False,
+    fig.legend(handles, labels, loc="upper center", ncol=len(labels), fontsize=LABEL, frameon=False,
                bbox_to_anchor=(0.5, 0.925))
     what = f": {title}" if title else ""
     examples = f", {sweep['n_examples']} examples each" if sweep.get("n_examples") else ""
-    fig.suptitle(f"The reading depends on the radius{what}\n{sweep['n_models']} models{examples}; gap: test minus "
-                 f"train {sweep['gap_metric']}", fontsize=11, y=0.99)
+    fig.suptitle(short_title(f"The reading depends on the radius{what}\n{sweep['n_models']} models{examples}; gap: "
+                             f"test minus train {sweep['gap_metric']}"), fontsize=TITLE, y=0.99)
     fig.tight_layout(rect=(0, 0, 1, 0.93))
     return fig
 
 
 def save_figure(fig: Figure, path: str | os.PathLike[str]) -> None:
-    """Write ``fig`` as a PNG (800 px wide), durably."""
+    """Write ``fig`` as a PNG at the shared :data:`DPI` (1245 px wide at :data:`WIDTH`), durably."""
     with atomic_path(path) as tmp:
         fig.savefig(tmp, dpi=DPI, format="png")

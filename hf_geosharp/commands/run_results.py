@@ -272,12 +272,12 @@ def write_results(c: RunContext, timed: list[tuple[str, Any, float]], outputs: l
         if show:
             print(f"wrote {path}")
     if getattr(args, "profile", None) is not None:
-        from ..plots import profile_figure, save_figure
+        from ..plots import model_label, profile_figure, save_figure
 
         path = profile_path(args.profile, args.model)
         kept = f" (the results are in {written[0]})" if written else ""
         try:
-            save_figure(profile_figure({key: res for key, res, _ in timed}, args.model), path)
+            save_figure(profile_figure({key: res for key, res, _ in timed}, model_label(args.model)), path)
         except ValueError as err:
             return problem or f"--profile: {err}{kept}"
         except OSError as err:

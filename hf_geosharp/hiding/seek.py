@@ -18,7 +18,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..durable import atomic_path
 from ..engine.result import certified, shown
 from ..measures import DEFAULT_MEASURES, Settings
 from ..pipeline import Request, measure
@@ -256,24 +255,29 @@ def seek_lines(report: SeekReport, condition: float) -> list[str]:
     return lines
 
 
-def seek_figure(report: SeekReport, path: Any) -> None:
+def seek_figure(report: SeekReport, path: Any = None) -> Any:
     """Before/after bars per measure: (i) rank tau under random elements, (ii) after/before of the two pushed
-    models, (iii) tau against the gap before and after the adversarial push. Written atomically to ``path``.
+    models, (iii) tau against the gap before and after the adversarial push, in the shared style of
+    :mod:`hf_geosharp.plots`. Written atomically to ``path`` when one is given.
 
     Args:
-        report: the experiment's report.
-        path: where the PNG goes.
+        report: the experiment's report (or one read back from its saved fields).
+        path: where the PNG goes, or None to only draw it.
+
+    Returns:
+        The matplotlib ``Figure``.
     """
-    from matplotlib.figure import Figure
+    from ..plots import LABEL, SMALL, TICK, new_figure, save_figure
 
     keys = report.measures
-    short = [k.replace("geodesic_sharpness_", "geodesic ").replace("_sharpness", "") for k in keys]
-    fig = Figure(figsize=(12, 3.4))
+    short = [k.replace("geodesic_sharpness_", "geodesic\n").replace("_sharpness", "") for k in keys]
+    fig = new_figure(3.6)
     axes = fig.subplots(1, 3)
     x = torch.arange(len(keys)).numpy()
     axes[0].bar(x, [report.rank_taus[k] for k in keys], color=["#4c72b0" if "geodesic" in k else "#dd8452"
                                                                 for k in keys])
-    axes[0].set_title("(i) random symmetry element:\ntau(original ranking, transformed ranking)", fontsize=9)
+    axes[0].set_title("(i) a random symmetry element", fontsize=LABEL)
+    axes[0].set_ylabel("tau(original, transformed ranking)", fontsize=TICK)
     axes[0].set_ylim(-1, 1.05)
     for j, case in enumerate(report.showcase):
         ratios = [case["after"][k] / case["before"][k] for k in keys]
@@ -286,18 +290,22 @@ def seek_figure(report: SeekReport, path: Any) -> None:
                 bar.set_edgecolor(["#c44e52", "#55a868"][j])
     axes[1].set_yscale("log")
     axes[1].axhline(1.0, color="k", lw=0.8, ls=":")
-    axes[1].set_title("(ii) adversarial: value after / before\n(same function; hatched: not certified)", fontsize=9)
-    axes[1].legend(fontsize=7)
+    axes[1].set_title("(ii) adversarial, same function", fontsize=LABEL)
+    axes[1].set_ylabel("value after / before (hatched: not certified)", fontsize=TICK)
+    axes[1].legend(fontsize=SMALL)
     for j, what in enumerate(("original", "adversarial")):
         taus = [report.gap_taus[what][k]["tau"] for k in keys]
         axes[2].bar(x + (j - 0.5) * 0.38, taus, width=0.38, label=what, color=["#8172b2", "#dd8452"][j])
     axes[2].axhline(0.0, color="k", lw=0.8)
     axes[2].set_ylim(-1, 1)
-    axes[2].set_title("(iii) Kendall tau against the gap:\noriginal vs adversarially transformed zoo", fontsize=9)
-    axes[2].legend(fontsize=7)
+    axes[2].set_title("(iii) against the gap", fontsize=LABEL)
+    axes[2].set_ylabel("Kendall tau vs the gap", fontsize=TICK)
+    axes[2].legend(fontsize=SMALL, title="zoo", title_fontsize=SMALL)
     for ax in axes:
-        ax.set_xticks(x, short, fontsize=8)
-        ax.tick_params(labelsize=7)
+        ax.set_xticks(x, short, fontsize=TICK)
+        ax.set_xlabel("measure", fontsize=TICK)
+        ax.tick_params(labelsize=TICK)
     fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, dpi=110)
+    if path is not None:
+        save_figure(fig, path)
+    return fig

@@ -163,15 +163,15 @@ def public_name(name: str) -> str:
 
 
 def scatter_plot(board: Leaderboard, path: Path) -> None:
-    """Write :func:`scatter_figure` to ``path`` (PNG, 120 dpi).
+    """Write :func:`scatter_figure` to ``path`` (PNG, the shared width and dpi of :mod:`hf_geosharp.plots`).
 
     Args:
         board: a finished leaderboard.
         path: where the PNG goes.
     """
-    fig = scatter_figure(board)
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, dpi=120)
+    from ..plots import save_figure
+
+    save_figure(scatter_figure(board), path)
 
 
 def scatter_figure(board: Leaderboard) -> Any:
@@ -184,13 +184,14 @@ def scatter_figure(board: Leaderboard) -> Any:
     Returns:
         The matplotlib ``Figure``.
     """
-    from matplotlib.figure import Figure  # no pyplot: no global backend switch, no GUI, safe in threads
     from matplotlib.ticker import MaxNLocator
+
+    from ..plots import LABEL, SMALL, TICK, new_figure  # no pyplot: no global backend switch, no GUI, safe in threads
 
     names = board.predictors
     rows = -(-len(names) // SCATTER_COLUMNS)
     columns = -(-len(names) // rows)  # rows as full as they can be: four panels make 2 x 2
-    fig = Figure(figsize=(3.4 * columns, 3.0 * rows))
+    fig = new_figure(2.7 * rows + 0.3)
     axes = fig.subplots(rows, columns, squeeze=False, sharey=True).ravel()
     gap = [r["gap"] for r in board.rows]
     uncertified = set(board.not_converged())
@@ -203,17 +204,18 @@ def scatter_figure(board: Leaderboard) -> Any:
                 ax.scatter(*zip(*points), s=20, facecolors=face, edgecolors=color,
                            label="not certified" if flag else None)
         if any(hollow):
-            ax.legend(fontsize=8, loc="best")
+            ax.legend(fontsize=SMALL, loc="best")
         t = board.taus[name]
         ci = f"[{_fmt(t['ci_low'], '+.2f')}, {_fmt(t['ci_high'], '+.2f')}]"
-        ax.set_title(f"{public_name(name)}\n\u03c4 = {_fmt(t['tau'], '+.2f')} {ci}", fontsize=10)
+        ax.set_title(f"{public_name(name)}\n\u03c4 = {_fmt(t['tau'], '+.2f')} {ci}", fontsize=LABEL)
+        ax.set_xlabel("predictor value", fontsize=TICK)
         ax.xaxis.set_major_locator(MaxNLocator(4))  # few ticks: legible when the figure is scaled down
-        ax.tick_params(labelsize=9)
-        ax.xaxis.get_offset_text().set_fontsize(8)
+        ax.tick_params(labelsize=LABEL)
+        ax.xaxis.get_offset_text().set_fontsize(TICK)
     for ax in axes[len(names):]:
         ax.set_visible(False)
     for ax in axes[::columns]:
-        ax.set_ylabel(f"generalisation gap ({board.gap_metric})", fontsize=9)
+        ax.set_ylabel(f"generalisation gap ({board.gap_metric})", fontsize=LABEL)
     fig.tight_layout()
     return fig
 
@@ -221,7 +223,7 @@ def scatter_figure(board: Leaderboard) -> Any:
 def heatmaps(board: Leaderboard, out_dir: Path) -> list[Path]:
     """Per model and measure whose stored result has heads in its breakdown (the geodesic worst cases), the heat
     map (layers x heads) of where the worst case sits: ``where/<model>__<measure>.png``."""
-    from ..plots import breakdown_heatmap, save_figure
+    from ..plots import breakdown_heatmap, model_label, save_figure
 
     written = []
     for model, records in board.results.items():
@@ -233,7 +235,7 @@ def heatmaps(board: Leaderboard, out_dir: Path) -> list[Path]:
             path = out_dir / "where" / f"{safe}__{name}.png"
             path.parent.mkdir(parents=True, exist_ok=True)
             bound = f" ({NOT_CERTIFIED}: the best perturbation found)" if certified(record) is False else ""
-            save_figure(breakdown_heatmap(breakdown, f"{model}, {name}{bound}"), path)
+            save_figure(breakdown_heatmap(breakdown, f"{model_label(model)}, {name}{bound}"), path)
             written.append(path)
     return written
 
