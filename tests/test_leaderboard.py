@@ -298,7 +298,10 @@ def test_outputs_rank_by_the_first_measure_and_plot_one_panel_per_predictor(tmp_
     assert taus["versus_param_norm"]["other"]["difference"] == 0.0 and "| other | " in text
     assert set(taus["versus_param_norm"]) == {"sharp", "other"}
     width, height = Image.open(paths["plot"]).size
-    assert width == pytest.approx(3.4 * 2 * 120, abs=2) and height == pytest.approx(3.0 * 2 * 120, abs=2)  # 2 x 2
+    from hf_geosharp.plots import DPI, WIDTH
+
+    assert width == pytest.approx(WIDTH * DPI, abs=2)  # the shared width; two rows of panels (2 x 2)
+    assert height == pytest.approx((2.7 * 2 + 0.3) * DPI, abs=2)
 
 
 def test_the_csv_carries_each_measures_certificate_as_the_markdown_shows_it(tmp_path):
