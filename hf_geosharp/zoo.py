@@ -34,13 +34,11 @@ import json
 import logging
 import os
 import shutil
-import subprocess
-import sys
-import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import torch
@@ -48,7 +46,13 @@ from tqdm.auto import tqdm
 
 from .durable import staged_dir, write_json, write_text
 from .engine.progress import bar_disabled
-from .portable import PORTABLE_KERNELS
+from .portable import (  # noqa: F401  (run_portably, portable_result, weights_digest: re-exported)
+    PORTABLE_KERNELS,
+    kernels,
+    portable_result,
+    run_portably,
+    weights_digest,
+)
 
 if TYPE_CHECKING:
     from transformers import ViTImageProcessorPil
@@ -105,9 +109,7 @@ def zoo_members(size: ZooSize | int = "full") -> list[ZooMember]:
             ZooMember("mini-02", 24, 1, 2, 2, 3e-3, 0.1, 6, 64, 0.1, 2),
             ZooMember("mini-03", 16, 2, 4, 4, 1e-3, 0.0, 2, 128, 0.0, 3),
         ]
-    n = 20 if size == "full" else size
-    if not isinstance(n, int) or n < 1:
-        raise ValueError(f"zoo size must be 'mini', 'full' or a positive integer, got {size!r}.")
+    n = member_count(size, 20, "zoo")
     rng = np.random.default_rng(2025)
     members = []
     for i in range(n):
@@ -130,6 +132,13 @@ def zoo_members(size: ZooSize | int = "full") -> list[ZooMember]:
             )
         )
     return members
+
+
+def member_count(size: ZooSize | int, full: int, what: str) -> int:
+    """How many members ``size`` (``"full"``, or a count; ``"mini"`` is each zoo's own list) names, or a clear error."""
+    if size == "full" or (isinstance(size, int) and not isinstance(size, bool) and size >= 1):
+        return full if size == "full" else int(size)
+    raise ValueError(f"{what} size must be 'mini', 'full' or a positive integer, got {size!r}.")
 
 
 # ------------------------------------------------------------------------------------------------------------ data
@@ -235,23 +244,12 @@ def train_member(member: ZooMember, data: dict[str, tuple[np.ndarray, np.ndarray
         "test_loss": test["loss"], "test_error": test["error"],
         "fit_loss": _metrics(model, x_train, y_fit)["loss"], "n_params": sum(p.numel() for p in model.parameters()),
         "weights_digest": weights_digest(model.state_dict()),
-        "kernels": {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-                    "threads": torch.get_num_threads()},
+        "kernels": kernels(),
     }
     model.save_pretrained(folder)
     image_processor().save_pretrained(folder)
     write_json(folder / METRICS_FILE, metrics)
     return metrics
-
-
-def weights_digest(state: dict[str, torch.Tensor]) -> str:
-    """A short SHA-256 of the tensors' names, dtypes, shapes and bytes, in name order."""
-    h = hashlib.sha256()
-    for name in sorted(state):
-        t = state[name].detach().cpu().contiguous()
-        h.update(f"{name} {t.dtype} {tuple(t.shape)}".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()[:16]
 
 
 @contextlib.contextmanager
@@ -328,16 +326,16 @@ def build_zoo(
         todo = [m for m in members if not _cached(root / m.name, m)]
         if todo:
             logger.info("training %d of %d zoo models into %s (cached ones are reused)", len(todo), len(members), root)
-            with tqdm(total=len(todo), desc="training zoo", unit="model", disable=bar_disabled(progress)) as bar:
-                results = train_portably(todo, root)
-                try:
-                    for metrics in results:
-                        bar.update()
-                        logger.debug("%s: train error %.3f, test error %.3f", metrics["member"]["name"],
-                                     metrics["train_error"], metrics["test_error"])
-                finally:
-                    results.close()  # an error or Ctrl-C: the child is stopped before its staging folder is removed
+            follow(train_portably(todo, root), len(todo), "training zoo", progress)
     return Zoo(root, members)
+
+
+def follow(results: Generator[dict, None, None], total: int, desc: str, progress: bool) -> None:
+    """Consume a training child's metrics under a progress bar; an error or Ctrl-C stops the child first."""
+    with tqdm(total=total, desc=desc, unit="model", disable=bar_disabled(progress)) as bar, contextlib.closing(results):
+        for metrics in results:
+            bar.update()
+            logger.debug("%s trained: %s", metrics["member"]["name"], {k: v for k, v in metrics.items() if "_" in k})
 
 
 def cached_members(size: ZooSize | int = "full", cache_dir: str | Path | None = None) -> list[str]:
@@ -380,97 +378,22 @@ def _remove_staging(root: Path) -> None:
             shutil.rmtree(stale, ignore_errors=True)
 
 
-def train_portably(members: list[ZooMember], root: Path) -> Iterator[dict]:
+def train_portably(members: list[ZooMember], root: Path) -> Generator[dict, None, None]:
     """Train ``members`` into ``root/<name>`` in a child process on :data:`PORTABLE_KERNELS`; yields each member's
     metrics as it is saved."""
     yield from run_portably("hf_geosharp.zoo:_train_members_here",
                             {"root": str(root), "members": [asdict(m) for m in members]})
 
 
-def run_portably(target: str, payload: Any, *, path: tuple[str, ...] = ()) -> Iterator[dict]:
-    """Call ``target`` (``"module:function"``, given ``payload``) in a child process on :data:`PORTABLE_KERNELS`
-    with one torch thread and oneDNN off, and yield what it passes to :func:`portable_result`. The environment is read
-    by torch, MKL and oneDNN when they load, hence the child; it imports this very copy of the package, plus ``path``.
-    An error or Ctrl-C of the consumer kills the child; a failed child raises with its last error lines."""
-    module, function = target.split(":")
-    roots = list(dict.fromkeys([str(Path(__file__).resolve().parents[1]), *path]))
-    child_code = (f"import json, sys; sys.path[:0] = {roots!r}; import torch; torch.set_num_threads(1); "
-                  "torch.backends.mkldnn.enabled = False; "  # oneDNN blocks by the CPU's cache sizes: other sums
-                  f"from hf_geosharp.zoo import _follow_parent; _follow_parent({os.getpid()}); "
-                  f"from {module} import {function}; {function}(json.loads(sys.stdin.read()))")
-    env = {**os.environ, **PORTABLE_KERNELS}
-    with tempfile.TemporaryFile("w+") as errors, subprocess.Popen(
-        [sys.executable, "-c", child_code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors, text=True,
-        env=env,
-    ) as child:
-        assert child.stdin is not None and child.stdout is not None
-        try:
-            child.stdin.write(json.dumps(payload))
-            child.stdin.close()
-            for line in child.stdout:
-                if line.startswith(_RESULT_LINE):
-                    yield json.loads(line[len(_RESULT_LINE):])
-                elif line.strip():
-                    logger.debug("%s: %s", target, line.rstrip())
-        except BaseException:  # the consumer stopped early (an error, Ctrl-C, a closed generator): no orphan
-            _stop(child)
-            raise
-        if child.wait() != 0:
-            errors.seek(0)
-            raise RuntimeError(f"{target} failed in its portable child process (exit {child.returncode}):\n"
-                               f"{errors.read().strip()[-4000:]}")
-
-
-CHILD_GRACE_S = 10.0  # how long a child may take to clean up after SIGTERM before it is killed
-_PARENT_POLL_S = 0.2
-
-
-def _stop(child: subprocess.Popen) -> None:
-    """End ``child``: SIGTERM (it exits through its ``finally`` blocks, removing its staging folder), SIGKILL after
-    :data:`CHILD_GRACE_S`."""
-    child.terminate()
-    try:
-        child.wait(CHILD_GRACE_S)
-    except subprocess.TimeoutExpired:
-        child.kill()
-        child.wait()
-
-
-def _follow_parent(parent: int) -> None:
-    """The child's side of :func:`run_portably`: SIGTERM exits through the ``finally`` blocks (``SystemExit``), and
-    a watcher thread sends it when the parent is gone (killed, even with SIGKILL: the child is then re-parented), so
-    the child never outlives the process that waits for its results; if the exit hangs, it is forced."""
-    import signal
-    import threading
-    import time
-
-    def exit_cleanly(signum: int, frame: Any) -> None:
-        raise SystemExit(128 + signum)
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(_PARENT_POLL_S)
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(CHILD_GRACE_S)
-        os._exit(128 + signal.SIGTERM)
-
-    signal.signal(signal.SIGTERM, exit_cleanly)
-    threading.Thread(target=watch, name="follow-parent", daemon=True).start()
-
-
-_RESULT_LINE = "portable-result "  # marks the child's result lines among anything a library prints
-
-
-def portable_result(result: dict) -> None:
-    """Hand ``result`` to the parent of :func:`run_portably` (the child's side)."""
-    print(_RESULT_LINE + json.dumps(result), flush=True)
-
-
 def _train_members_here(payload: dict) -> None:
     """The child's side of :func:`train_portably`: one metrics result per member."""
-    members = [ZooMember(**m) for m in payload["members"]]
     data = digits_arrays()
+    train_each(Path(payload["root"]), [ZooMember(**m) for m in payload["members"]], partial(train_member, data=data))
+
+
+def train_each(root: Path, members: list, train: Callable[..., dict]) -> None:
+    """The training child's loop: ``train(member, folder=...)`` into a staging folder renamed to ``root/<name>`` when
+    done, then its metrics to the parent (:func:`portable_result`)."""
     for member in members:
-        with staged_dir(Path(payload["root"]) / member.name) as tmp:
-            metrics = train_member(member, data, tmp)
-        portable_result(metrics)
+        with staged_dir(root / member.name) as tmp:
+            portable_result(train(member, folder=tmp))

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "hf_geosharp"
-FACES = ("api", "measures", "cli", "zoo", "commands", "data", "evaluate_module", "hub", "leaderboard", "hiding",
-         "integrations", "plots", "pipeline")
+FACES = ("api", "measures", "cli", "zoo", "lm_zoo", "text_corpus", "commands", "data", "evaluate_module", "hub",
+         "leaderboard", "hiding", "integrations", "plots", "pipeline")
 #: The faces proper: they parse inputs into the pipeline's request and format its results (docs/architecture.md).
 FACE_FILES = sorted({*(PACKAGE / "commands").rglob("*.py"), *(PACKAGE / "evaluate_module").rglob("*.py"),
                      *(PACKAGE / "hub").rglob("*.py"), *(PACKAGE / "leaderboard").rglob("*.py"),

@@ -69,6 +69,17 @@ def _mask_tokens(input_ids: list[list[int]], special: list[list[int]], tokenizer
     return {"input_ids": masked, "labels": labels}
 
 
+def _pretokenised(ds: Any, task: Task) -> dict[str, list]:
+    """The rows of a dataset saved already tokenised: its ``input_ids`` and the model inputs beside them; a language
+    model's ``labels`` column when it has one (else a causal LM predicts its inputs)."""
+    keys = ["input_ids", "attention_mask", "token_type_ids"] + (["labels"] if task != "classification" else [])
+    out = {k: list(ds[k]) for k in keys if k in ds.column_names}
+    if task == "masked-lm" and "labels" not in out:
+        raise DataError("this masked-LM model needs a 'labels' column beside the tokenised 'input_ids' (the masked "
+                        "positions' ids, -100 elsewhere), or a text column to mask itself.")
+    return out
+
+
 def encode(
     ds: Any, columns: Columns, model: torch.nn.Module, processor: Any, spec: DataSpec, task: Task
 ) -> dict[str, list]:
@@ -89,6 +100,8 @@ def encode(
         mode = "L" if getattr(model.config, "num_channels", 3) == 1 else "RGB"
         images = [img.convert(mode) for img in list(ds[columns.image])]
         out: dict[str, list] = {"pixel_values": list(processor(images=images, return_tensors="np")["pixel_values"])}
+    elif columns.tokens is not None:
+        out = _pretokenised(ds, task)
     else:
         texts = list(ds[columns.text])
         pairs = list(ds[columns.text_pair]) if columns.text_pair else None

@@ -62,6 +62,7 @@ class Columns:
     text_pair: str | None = None
     label: str | None = None
     image: str | None = None
+    tokens: str | None = None  # ``input_ids`` of a dataset saved already tokenised (its other model inputs beside it)
 
 
 def hub_offline() -> bool:

@@ -179,6 +179,8 @@ def resolve_columns(ds: Any, spec: DataSpec, *, vision: bool, need_labels: bool)
     strings = tuple(c for c, f in ds.features.items() if is_string(f) and c != label)
     only_string = strings if len(strings) == 1 else ()
     text = _pick(ds, "--text-column", spec.text_column, TEXT_COLUMNS + only_string, is_string)
+    if text is None and spec.text_column is None and "input_ids" in ds.column_names:
+        return Columns(label=label, tokens="input_ids")  # already tokenised (e.g. the language-model zoo's blocks)
     if text is None:
         raise DataError(f"found no text column among {ds.column_names}; name it with --text-column.")
     partner = PAIR_COLUMNS.get(text)
