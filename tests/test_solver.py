@@ -374,7 +374,8 @@ def test_auto_certifies_within_tol_of_the_maximum_where_the_loss_rises_steeply_o
                generator=torch.Generator().manual_seed(0))
     assert res.certificate(1e-3, starts=2) is None, res.certificate(1e-3, starts=2)
     assert res.sharpness == pytest.approx(bowl.maximum(), rel=1e-3)
-    assert max(res.start_gaps) <= 1e-3 * START_STOP_FRACTION
+    assert res.start_gaps[0] <= 1e-3 * START_STOP_FRACTION  # the first start, the strict stop; checks: tol
+    assert max(res.start_gaps) <= 1e-3
     # with the slope stop, even a start stopped at a gap of 1e-3 ends within 3e-3 of the maximum
     sloped = apgd(bowl, bowl.objective, rho=bowl.rho, steps=20, max_steps=640, keep_best_gradient=False,
                   tol=1e-3 / START_STOP_FRACTION, generator=torch.Generator().manual_seed(0))
@@ -385,3 +386,30 @@ def test_auto_certifies_within_tol_of_the_maximum_where_the_loss_rises_steeply_o
                  tol=1e-3 / START_STOP_FRACTION, generator=torch.Generator().manual_seed(0))
     assert early.start_gaps[0] <= 1e-3
     assert early.start_values[0] < bowl.maximum() * (1 - 3e-3)
+
+
+@pytest.mark.parametrize("host_steps", [True, False], ids=["host", "device"])
+def test_a_checking_start_stops_once_it_agrees_with_the_best_value(monkeypatch, host_steps):
+    """A start after the first stops as soon as its best point is within ``tol`` of the best value found so far and
+    stationary within ``tol``: the certificate then holds, and the value is the one the start would have polished
+    further, to ``tol``. With the strict stop out of reach (a slope bound no climb meets), the checking starts that
+    reach the best value otherwise run until a whole block stalls: the agreement spares those steps, on the host
+    reference and the device climb alike."""
+    from hf_geosharp.engine.solvers import climb as solver
+    from hf_geosharp.engine.solvers.apgd import apgd
+
+    monkeypatch.setattr(solver, "SLOPE_STOP_FRACTION", 1e12)
+    bowl = _Bowl(200, rho=0.3, radial=10.0, a=1.0, s=2.0, c=0.1)
+
+    def solve():
+        return apgd(bowl, bowl.objective, rho=bowl.rho, steps=20, max_steps=640, keep_best_gradient=False,
+                    host_steps=host_steps, generator=torch.Generator().manual_seed(0))
+
+    agreed = solve()
+    monkeypatch.setattr(solver.Agreement, "with_best", classmethod(lambda cls, *args: cls(math.inf, -math.inf)))
+    unchecked = solve()
+    for res in (agreed, unchecked):
+        assert res.certificate(1e-3, starts=len(res.start_values)) is None, res.certificate(1e-3, starts=2)
+        assert res.sharpness == pytest.approx(bowl.maximum(), rel=1e-3)
+    assert agreed.start_values[0] == unchecked.start_values[0]  # the first start is the same climb
+    assert agreed.steps_used < unchecked.steps_used

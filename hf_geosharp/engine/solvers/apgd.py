@@ -24,7 +24,7 @@ from ..capture import capture_choice, compile_backend
 from ..checks import non_finite_loss
 from ..defaults import BLOCK_STEPS, STEP_NORMALIZATION
 from .certificate import CONVERGENCE_TOL, SolveResult, next_start_kind
-from .climb import Best, Climb
+from .climb import Agreement, Best, Climb
 from .device_climb import DeviceClimb
 from .interface import ObjectiveFn, PendingFn, Space, StepNormalization
 from .memory import GradientRule, saved_activation_bytes
@@ -195,10 +195,11 @@ class _Starts:
             if keep_best_point and self.overall is self.last:  # the next start reuses this row
                 self.kept_point = climb.space.empty() if self.kept_point is None else self.kept_point
                 self.kept_point.copy_(self.overall.row)
+            agreement = Agreement.with_best(self.overall, self.clean_loss, climb.tol, self.dtype)
             start, sq = climb.next_start(self.last, self.overall, kind, len(self.values), generator)
             loss, egrad = climb.first(start)
             best = climb.run(start, sq, loss, egrad, steps=min(AUTO_BLOCK, budget - climb.steps_used),
-                             budget=budget - climb.steps_used, auto=True)
+                             budget=budget - climb.steps_used, auto=True, agreement=agreement)
             self.values.append(best.loss - self.clean_loss)
             self.gaps.append(best.gap)
             self.kinds.append(kind)

@@ -38,6 +38,29 @@ class Best:
     gap: float = math.nan
 
 
+@dataclass(frozen=True)
+class Agreement:
+    """The losses ``[low, high]`` at which a checking start (any start after the first, under ``steps="auto"``)
+    agrees with the best value found so far: within ``tol`` of its sharpness (or the loss's resolution, if larger)
+    of that value's loss, on either side. A checking start whose best point lies in the window stops as soon as it is
+    stationary within ``tol``, the certificate's own test: two stationary starts then agree on the best value, one
+    of them held to the stricter stop of a first start, and more steps would move the value by less than ``tol``.
+    Outside the window a start runs to the stricter stop (a higher maximum, or a lower one, found)."""
+
+    low: float
+    high: float
+
+    @classmethod
+    def with_best(cls, best: Best, clean_loss: float, tol: float, dtype: str) -> Agreement:
+        """The window around ``best`` (a start's best point) that the certificate counts as the same value."""
+        margin = max(tol * abs(best.loss - clean_loss), loss_resolution(dtype, clean_loss, best.loss))
+        return cls(best.loss - margin, best.loss + margin)
+
+    def holds(self, loss: float) -> bool:
+        """Whether ``loss`` lies in the window."""
+        return self.low <= loss <= self.high
+
+
 @dataclass
 class _Iterates:
     """The climb's iterate ``xi`` and previous iterate (pool rows), ``||xi||^2``, ``||xi_prev||^2`` and
@@ -126,10 +149,14 @@ class Climb:
         tangential = sq_d - d_best * d_best / best.sq if best.sq > 0 else sq_d
         return self.rho * math.sqrt(max(tangential, 0.0)) / sharpness if sharpness > 0 else math.inf
 
-    def stationary_enough(self, best: Best, slope: float, stalled: bool = False) -> bool:
+    def stationary_enough(self, best: Best, slope: float, stalled: bool = False,
+                          agreement: Agreement | None = None) -> bool:
         """Whether an auto start stops at ``best``: its gap and its ``slope`` are at most ``START_STOP_FRACTION`` of
         ``tol``, or, in loss units, that fraction of the loss's resolution. With ``stalled`` (the block before
-        stalled, :meth:`stalled`) a gap within ``tol``, or within the resolution, is enough."""
+        stalled, :meth:`stalled`), or where ``best`` lies in a checking start's ``agreement`` window, a gap within
+        ``tol``, or within the resolution, is enough."""
+        if agreement is not None and agreement.holds(best.loss):
+            stalled = True
         start_stop, slope_stop = self.stop_fractions(stalled)
         measure = max(best.gap, slope * slope_stop)
         if measure <= self.tol * start_stop:
@@ -168,10 +195,11 @@ class Climb:
         return self.objective(best.row, True, out=self.work)[1]
 
     def run(self, xi: Tensor, sq_xi: float, loss: float, egrad: Tensor | None, *, steps: int, budget: int,
-            auto: bool) -> Best:
+            auto: bool, agreement: Agreement | None = None) -> Best:
         """Climb from ``xi`` (a feasible pool row of squared norm ``sq_xi`` and loss ``loss``; ``egrad`` its
         gradient in the working row, or None) for ``steps`` steps, or under ``auto`` until its best point is
-        stationary or ``budget`` steps are spent; the best point found, with its gap."""
+        stationary or ``budget`` steps are spent (a checking start: or stationary within ``tol`` in its
+        ``agreement`` window); the best point found, with its gap."""
         it = _Iterates(xi, sq_xi, xi, sq_xi, sq_xi, egrad)
         best = Best(xi, loss, sq_xi)
         schedule = StepSchedule(2.0 * self.rho, steps, self.min_update_ratio, loss)
@@ -179,7 +207,7 @@ class Climb:
         while k < total:
             step = self.direction(it, best, schedule.eta)
             if auto and it.xi is best.row and self.stationary_enough(best, self.slope(best, step.sq_d, step.d_xi),
-                                                                     stalled):
+                                                                     stalled, agreement):
                 return best
             stalled = False
             self.advance(it, step, best, k)

@@ -40,7 +40,7 @@ from ..capture import compiled
 from ..checks import non_finite_loss
 from ..device_paths import host_paths
 from .certificate import PRECISION_FACTOR, relative_gap
-from .climb import Best, Climb
+from .climb import Agreement, Best, Climb
 from .interface import PendingFn
 from .schedule import StepSchedule
 
@@ -54,10 +54,11 @@ AT_X, AT_P, AT_B = 0, 1, 2
 #: ``||xi_prev||^2`` again at 0 and ones between them: one comparison ``state[:5] > 0`` gives the masks of the
 #: products in either pool order (``[2::2]``, ``[0:3:2]``) and of the coefficients (``[2:5]``). ``ONE_C, ETA,
 #: ZERO_C`` are the numerators of the step sizes ``(1, c, 0)`` of ``(xi, d, xi_prev)``. The best point's Gram
-#: entries are ``<d, xi>, <d, d>`` at the step that started from it.
+#: entries are ``<d, xi>, <d, d>`` at the step that started from it. ``AGREE_LOW, AGREE_HIGH``: a checking start's
+#: agreement window (:class:`.climb.Agreement`; empty, ``[inf, -inf]``, for a first start).
 PREV_A, ONE_A, SQ, ONE_B, SQ_PREV, CROSS, BEST_LOSS, BEST_SQ, BEST_DXI, BEST_SQD, AT, DONE, STOP, STEP, ONE_C, ETA, \
-    ZERO_C = range(17)
-LANES = 17
+    ZERO_C, AGREE_LOW, AGREE_HIGH = range(19)
+LANES = 19
 #: The constants' vector: the momentum's base coefficients (3), 0, 1, 2, NaN, the step-size denominators' offsets,
 #: the clean loss (a value of the batch, so a tensor: a graph would be traced again for every batch's constant).
 _BASE, _ZERO, _ONE, _TWO, _NAN, _OFFSET, _CLEAN = slice(0, 3), 1, 3, 4, 5, slice(6, 9), 9
@@ -151,11 +152,11 @@ class DeviceClimb(Climb):
             self.book_pending = _Captured(_bookkeep, compile_backend, shared=False)
 
     def run(self, xi: Tensor, sq_xi: float, loss: float, egrad: Tensor | None, *, steps: int, budget: int,
-            auto: bool) -> Best:
+            auto: bool, agreement: Agreement | None = None) -> Best:
         """As :meth:`.climb.Climb.run`: the best point found, with its gap."""
         rows = _Rows(xi, xi, xi, sq_xi == 0.0)
         schedule = StepSchedule(2.0 * self.rho, steps, self.min_update_ratio, loss)
-        state = self.state(sq_xi, loss, schedule.eta)
+        state = self.state(sq_xi, loss, schedule.eta, agreement)
         if steps <= 0:
             return self.finish(rows, _Read(loss, sq_xi, math.nan, AT_X, 0, False, 0), egrad)
         pending: list[Tensor] = []
@@ -204,13 +205,17 @@ class DeviceClimb(Climb):
                 take()
         return read, self.work if at_x else None
 
-    def state(self, sq_xi: float, loss: float, eta: float) -> _State:
-        """The device state at a start's first point (its best point so far)."""
+    def state(self, sq_xi: float, loss: float, eta: float, agreement: Agreement | None = None) -> _State:
+        """The device state at a start's first point (its best point so far), with a checking start's
+        ``agreement`` window."""
+        window = (agreement.low, agreement.high) if agreement is not None else (math.inf, -math.inf)
         vec = torch.zeros((LANES,), dtype=torch.float64, device=self.work.device)
         for lanes, value in ((slice(PREV_A, SQ_PREV + 1, 2), sq_xi), (slice(ONE_A, ONE_B + 1, 2), 1.0),
                              (slice(CROSS, CROSS + 1), sq_xi), (slice(BEST_LOSS, BEST_LOSS + 1), loss),
                              (slice(BEST_SQ, BEST_SQ + 1), sq_xi), (slice(BEST_DXI, BEST_SQD + 1), math.nan),
-                             (slice(ONE_C, ONE_C + 1), 1.0), (slice(ETA, ETA + 1), eta)):
+                             (slice(ONE_C, ONE_C + 1), 1.0), (slice(ETA, ETA + 1), eta),
+                             (slice(AGREE_LOW, AGREE_LOW + 1), window[0]),
+                             (slice(AGREE_HIGH, AGREE_HIGH + 1), window[1])):
             vec[lanes].fill_(value)
         return _State(vec, eta, loss)
 
@@ -420,14 +425,16 @@ def _step_state(vec: Tensor, const: Tensor, at_x: Tensor, sq_d: Tensor, products
         at = torch.where(at_x, const[_ONE], const[_TWO])  # AT_X -> AT_P; else the best row
     done, stop, step = vec[DONE], vec[STOP], vec[STEP]
     if auto:  # Climb.stationary_enough at the best point (the iterate), the reference's operations
+        agreed = (vec[BEST_LOSS] >= vec[AGREE_LOW]) & (vec[BEST_LOSS] <= vec[AGREE_HIGH])
         halt = live & _stationary(rho, sq_d, d_xi, vec[BEST_LOSS], vec[BEST_SQ], const[_CLEAN], tol, start_stop,
-                                  slope_stop, floor_eps)
+                                  slope_stop, floor_eps, agreed)
         done = torch.where(halt, const[_ONE], done)
         stop = torch.where(halt, step, stop)
         step = step + 1
     best_dxi, best_sqd = best_entries.unbind(0)
     lanes = [sq, const[_ONE], sq_new, const[_ONE], sq, new_cross, vec[BEST_LOSS], vec[BEST_SQ], best_dxi,
-             best_sqd, at, done, stop, step, vec[ONE_C], vec[ETA], vec[ZERO_C]]  # the iterate becomes xi_prev
+             best_sqd, at, done, stop, step, vec[ONE_C], vec[ETA], vec[ZERO_C], vec[AGREE_LOW],
+             vec[AGREE_HIGH]]  # the iterate becomes xi_prev
     return torch.stack(lanes), coefs
 
 
@@ -444,9 +451,10 @@ def _bookkeep(vec: Tensor, const: Tensor, loss: Tensor, *, auto: bool) -> Tensor
 
 
 def _stationary(rho: float, sq_d: Tensor, d_xi: Tensor, best_loss: Tensor, best_sq: Tensor, clean: Tensor,
-                tol: float, start_stop: float, slope_stop: float, floor_eps: float) -> Tensor:
+                tol: float, start_stop: float, slope_stop: float, floor_eps: float, agreed: Tensor) -> Tensor:
     """:meth:`.climb.Climb.stationary_enough` at the best point (the iterate) from its direction's Gram entries,
-    with the operations of the reference, in its order."""
+    with the operations of the reference, in its order; where ``agreed`` (the best loss in a checking start's
+    window), the certificate's own test: the gap within ``tol``, or within the resolution."""
     sharpness = best_loss - clean
     gap = _relative_gap(rho, sq_d, d_xi, sharpness)
     tangential = torch.where(best_sq > 0, sq_d - d_xi * d_xi / best_sq, sq_d)
@@ -454,7 +462,9 @@ def _stationary(rho: float, sq_d: Tensor, d_xi: Tensor, best_loss: Tensor, best_
     scaled = slope * slope_stop
     measure = torch.where(scaled > gap, scaled, gap)
     floor = floor_eps * torch.maximum(best_loss.abs(), clean.abs())
-    return (measure <= tol * start_stop) | ((sharpness > 0) & (measure * sharpness <= start_stop * floor))
+    strict = (measure <= tol * start_stop) | ((sharpness > 0) & (measure * sharpness <= start_stop * floor))
+    checked = agreed & ((gap <= tol) | ((sharpness > 0) & (gap * sharpness <= floor)))
+    return strict | checked
 
 
 def _relative_gap(rho: float, sq_d: Tensor, d_xi: Tensor, sharpness: Tensor) -> Tensor:
