@@ -47,7 +47,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .durable import staged_dir, write_json, write_text
-from .engine.progress import bar_disabled
+from .engine.progress import Stages, bar_disabled
 from .portable import PORTABLE_KERNELS
 
 if TYPE_CHECKING:
@@ -328,11 +328,16 @@ def build_zoo(
         todo = [m for m in members if not _cached(root / m.name, m)]
         if todo:
             logger.info("training %d of %d zoo models into %s (cached ones are reused)", len(todo), len(members), root)
+            job = Stages("training zoo", len(todo), "model", progress)  # a log's lines, one a model
             with tqdm(total=len(todo), desc="training zoo", unit="model", disable=bar_disabled(progress)) as bar:
+                job.begin(todo[0].name)
                 results = train_portably(todo, root)
                 try:
                     for metrics in results:
                         bar.update()
+                        job.update()
+                        if job.done < len(todo):
+                            job.begin(todo[job.done].name)
                         logger.debug("%s: train error %.3f, test error %.3f", metrics["member"]["name"],
                                      metrics["train_error"], metrics["test_error"])
                 finally:
