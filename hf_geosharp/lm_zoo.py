@@ -300,8 +300,8 @@ def build_lm_zoo(size: ZooSize | int = "full", cache_dir: str | Path | None = No
             logger.info("training %d of %d LM zoo models into %s (cached ones are reused)", len(todo), len(members),
                         root)
             payload = {"root": str(root), "data": str(zoo.data_dir), "members": [asdict(m) for m in todo]}
-            follow(run_portably("hf_geosharp.lm_zoo:_train_members_here", payload), len(todo), "training LM zoo",
-                   progress)
+            follow(run_portably("hf_geosharp.lm_zoo:_train_members_here", payload), [m.name for m in todo],
+                   "training LM zoo", progress)
     return zoo
 
 

@@ -45,7 +45,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .durable import staged_dir, write_json, write_text
-from .engine.progress import bar_disabled
+from .engine.progress import Stages, bar_disabled
 from .portable import (  # noqa: F401  (run_portably, portable_result, weights_digest: re-exported)
     PORTABLE_KERNELS,
     kernels,
@@ -99,7 +99,7 @@ def zoo_members(size: ZooSize | int = "full") -> list[ZooMember]:
     """The zoo's member configs: ``"full"`` (20 models, the demo), ``"mini"`` (4 fast models, tests) or a count.
 
     Hyperparameters are drawn from a seeded generator, with the number of optimiser steps capped so that the whole full
-    zoo trains in a few minutes on two CPU cores (407 s on a busy 2-core machine). The mini zoo is hand-picked to span
+    zoo trains in minutes on two CPU cores (docs/demo.md). The mini zoo is hand-picked to span
     small and large gaps quickly.
     """
     if size == "mini":
@@ -326,15 +326,22 @@ def build_zoo(
         todo = [m for m in members if not _cached(root / m.name, m)]
         if todo:
             logger.info("training %d of %d zoo models into %s (cached ones are reused)", len(todo), len(members), root)
-            follow(train_portably(todo, root), len(todo), "training zoo", progress)
+            follow(train_portably(todo, root), [m.name for m in todo], "training zoo", progress)
     return Zoo(root, members)
 
 
-def follow(results: Generator[dict, None, None], total: int, desc: str, progress: bool) -> None:
-    """Consume a training child's metrics under a progress bar; an error or Ctrl-C stops the child first."""
-    with tqdm(total=total, desc=desc, unit="model", disable=bar_disabled(progress)) as bar, contextlib.closing(results):
+def follow(results: Generator[dict, None, None], names: list[str], desc: str, progress: bool) -> None:
+    """Consume a training child's metrics (one per name of ``names``, in order) under a progress bar, with a log's
+    line as each model starts; an error or Ctrl-C stops the child first."""
+    job = Stages(desc, len(names), "model", progress)  # a log's lines, one a model
+    with tqdm(total=len(names), desc=desc, unit="model", disable=bar_disabled(progress)) as bar, \
+            contextlib.closing(results):
+        job.begin(names[0])
         for metrics in results:
             bar.update()
+            job.update()
+            if job.done < len(names):
+                job.begin(names[job.done])
             logger.debug("%s trained: %s", metrics["member"]["name"], {k: v for k, v in metrics.items() if "_" in k})
 
 

@@ -19,6 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
+from ..engine.progress import Stage
+
 logger = logging.getLogger(__name__)
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -229,19 +231,23 @@ _interrupts = [0]  # Ctrl-Cs seen by the running command
 
 
 def progress_line(tick: Any) -> str:
-    """A measurement's progress as one plain line for a log (``geosharp`` prints it where no bar shows).
+    """A measurement's or a job's progress as one plain line for a log (``geosharp`` prints it where no bar shows).
 
     Args:
-        tick: an :class:`hf_geosharp.engine.progress.Tick`.
+        tick: an :class:`hf_geosharp.engine.progress.Tick` (a measure's batch) or
+            :class:`hf_geosharp.engine.progress.Stage` (a job's item).
 
     Returns:
-        E.g. ``progress: geodesic_inv_worst, batch 2/8, step 14/20, 0:03:12 elapsed``.
+        E.g. ``progress: geodesic_inv_worst, batch 2/8, step 14/20, 0:03:12 elapsed`` or
+        ``progress: leaderboard, 5/24 results done, now zoo-02: geodesic_mix_worst, 0:01:10 elapsed``.
     """
     minutes, seconds = divmod(int(tick.elapsed), 60)
+    elapsed = f"{minutes // 60}:{minutes % 60:02d}:{seconds:02d} elapsed"
+    if isinstance(tick, Stage):
+        return f"progress: {tick.job}, {tick.done}/{tick.total} {tick.unit}s done, now {tick.item}, {elapsed}"
     state = f"done after {tick.steps} steps, sharpness {tick.value:.4g}" if tick.done else \
         f"step {tick.steps}/{tick.n_steps}"
-    return (f"progress: {tick.measure}, batch {tick.batch}/{tick.n_batches}, {state}, "
-            f"{minutes // 60}:{minutes % 60:02d}:{seconds:02d} elapsed")
+    return f"progress: {tick.measure}, batch {tick.batch}/{tick.n_batches}, {state}, {elapsed}"
 
 
 def print_progress(tick: Any) -> None:

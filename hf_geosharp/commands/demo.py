@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from ..api import collected_convergence_notes
 from ..data import DataSpec, load_batches, load_processor
 from ..durable import OutputPathError, check_writable
-from ..engine.progress import bar_disabled
+from ..engine.progress import Stages, bar_disabled
 from ..hiding import hide_and_seek, seek_figure, seek_lines
 from ..hub.cards import card_yaml, dataset_info, eval_result
 from ..leaderboard import GapSpec, Leaderboard, convergence_fix, ranked
@@ -93,6 +93,9 @@ HIDE_STEPS = "auto"
 HIDE_CONDITION = 1000.0  # measured in float64 (hide_and_seek), where this is far from round-off
 HIDE_EXAMPLES = 128  # the first two of the leaderboard's batches
 HIDE_EPSILON = 0.0
+#: A hide & seek stage in a progress line.
+STAGE_WORDS = {"original": "as trained", "random": "under a random element", "flat": "pushed flat",
+               "sharp": "pushed sharp"}
 
 
 def _hide_and_seek(args: argparse.Namespace, zoo, data: DataSpec, board) -> None:
@@ -111,10 +114,16 @@ def _hide_and_seek(args: argparse.Namespace, zoo, data: DataSpec, board) -> None
         return model, batches[name]
 
     memo = Memo(ResultStore(args.out / "hide_and_seek.jsonl"))
+    job = Stages("hide & seek", 3 * len(names) + 2, "measurement", not args.quiet)  # a log's lines: 3 a model, 2 more
 
     def cache(name: str, key: str, compute):
-        return memo(fingerprint(kind="hide_and_seek", model=model_identity(sources[name]), data=vars(spec),
-                                stage=key), compute)
+        record = memo(fingerprint(kind="hide_and_seek", model=model_identity(sources[name]), data=vars(spec),
+                                  stage=key), compute)
+        job.update()
+        return record
+
+    def on_stage(name: str, how: str) -> None:
+        job.begin(f"{name} {STAGE_WORDS.get(how, how)}")
 
     # epsilon 0, the exact quotient metric: some of the tiny ViTs' heads are so ill-conditioned that after a
     # condition-1000 element their Gram matrices leave the range where the default relaxation is exactly covariant
@@ -127,7 +136,8 @@ def _hide_and_seek(args: argparse.Namespace, zoo, data: DataSpec, board) -> None
 
         with collected_convergence_notes():  # few steps on purpose: the section compares values, not maxima
             report = hide_and_seek(names, load_member, [gaps[n] for n in names], settings=settings,
-                                   condition=args.hide_condition, seed=args.seed, cache=cache, on_model=on_model)
+                                   condition=args.hide_condition, seed=args.seed, cache=cache, on_model=on_model,
+                                   on_stage=on_stage)
         bar.update(len(names) - bar.n)
     plot = args.out / "hide_and_seek.png"
     seek_figure(report, plot)

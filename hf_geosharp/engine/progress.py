@@ -2,7 +2,8 @@
 on a terminal, so that logs, CI output and redirected files get no bar lines (``HF_GEOSHARP_PROGRESS`` overrides
 it); where a bar was asked for but stderr is not a terminal, plain progress lines instead, for a face that listens
 (:func:`progress_lines`: at most one every ``every`` seconds while a batch is solved, and one at each batch's end).
-The engine reports where it stands (:class:`Tick`); the face words it."""
+The engine reports where it stands (:class:`Tick`), and so does a face's own long job, one line per item it starts
+(:class:`Stages`: the leaderboard's results, the zoo's training, hide & seek's measurements); the face words both."""
 
 from __future__ import annotations
 
@@ -62,17 +63,39 @@ class Tick:
     value: float
 
 
-OnTick = Callable[[Tick], None]
+@dataclass(frozen=True)
+class Stage:
+    """Where a face's long job stands, for a progress line.
+
+    Attributes:
+        job: what runs (``leaderboard``, ``training zoo``).
+        done: items finished.
+        total: items in all.
+        unit: what one item is (``result``, ``model``).
+        item: the item starting now (``zoo-02: geodesic_inv_worst``).
+        elapsed: seconds since the job began.
+    """
+
+    job: str
+    done: int
+    total: int
+    unit: str
+    item: str
+    elapsed: float
+
+
+OnTick = Callable[[Tick | Stage], None]
 _listener: ContextVar[tuple[OnTick, float] | None] = ContextVar("hf_geosharp_progress_lines", default=None)
 
 
 @contextlib.contextmanager
 def progress_lines(on_tick: OnTick, every: float = EVERY) -> Iterator[None]:
     """Inside the block, a measurement whose bar would not show (asked for, stderr not a terminal) reports to
-    ``on_tick`` instead: at most once every ``every`` seconds within a batch, and at each batch's end.
+    ``on_tick`` instead: at most once every ``every`` seconds within a batch, and at each batch's end; a face's
+    :class:`Stages` report there too.
 
     Args:
-        on_tick: called with each :class:`Tick` (a face prints it).
+        on_tick: called with each :class:`Tick` and :class:`Stage` (a face prints it).
         every: seconds between two reports within a batch.
     """
     token = _listener.set((on_tick, every))
@@ -119,3 +142,25 @@ class Ticker:
         self._last = now = time.monotonic()
         self._listener[0](Tick(self._measure, batch, self._n_batches, steps, self._n_steps, now - self._start, done,
                                value))
+
+
+class Stages:
+    """A face's job of many items, reported to the listening face as a line when each item starts, where the job's
+    bar does not show (none listening: every call is a no-op). Long items get the engine's own lines besides."""
+
+    def __init__(self, job: str, total: int, unit: str, progress: bool) -> None:
+        listener = _listener.get()
+        self._listener = listener if listener is not None and lines_wanted(progress) else None
+        self._job, self._total, self._unit = job, total, unit
+        self._start = time.monotonic()
+        self.done = 0
+
+    def update(self, n: int = 1) -> None:
+        """``n`` more items are finished (or were found stored)."""
+        self.done += n
+
+    def begin(self, item: str) -> None:
+        """Item ``item`` starts: always reported."""
+        if self._listener is not None:
+            self._listener[0](Stage(self._job, self.done, self._total, self._unit, item,
+                                    time.monotonic() - self._start))

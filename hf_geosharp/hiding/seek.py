@@ -89,6 +89,7 @@ def hide_and_seek(
     seed: int = 0,
     cache: Cache | None = None,
     on_model: Callable[[str], None] | None = None,
+    on_stage: Callable[[str, str], None] | None = None,
     dtype: torch.dtype = torch.float64,
 ) -> SeekReport:
     """The paper's point on a population: (i) a random symmetry element per model leaves every geodesic ranking
@@ -107,6 +108,8 @@ def hide_and_seek(
         cache: ``cache(name, key, compute) -> record``: the stored record of model ``name`` under ``key`` (which
             holds every setting), or ``compute()``'s, stored (so an interrupted run resumes).
         on_model: called with each model's name before it is worked on (progress).
+        on_stage: called with a model's name and the stage (``"original"``, ``"random"``, ``"flat"``, ``"sharp"``)
+            before that stage is measured; not when ``cache`` holds it (a log's progress lines).
         dtype: every model and batch is measured in this dtype. float64 by default: with float32 weights, the
             solver's round-off on an element of condition 1000 moves even geodesic sharpness by about 1 %, which
             would blur the very invariance on show.
@@ -119,7 +122,7 @@ def hide_and_seek(
         raise ValueError("hide_and_seek needs 'adaptive_sharpness' among the measures (it is what is hidden).")
     median = statistics.median(gaps)
     targets = ["flat" if g > median else "sharp" for g in gaps]
-    stage = _stages(load, settings, measures, condition, seed, cache, dtype)
+    stage = _stages(load, settings, measures, condition, seed, cache, dtype, on_stage)
 
     records: dict[str, list[dict[str, Any]]] = {"original": [], "random": [], "adversarial": []}
     for i, name in enumerate(names):
@@ -151,7 +154,7 @@ def _certified(record: dict[str, Any], key: str) -> bool | None:
 
 def _stages(
     load: Callable[[str], tuple[nn.Module, list]], settings: Settings, measures: tuple[str, ...], condition: float,
-    seed: int, cache: Cache | None, dtype: torch.dtype,
+    seed: int, cache: Cache | None, dtype: torch.dtype, on_stage: Callable[[str, str], None] | None = None,
 ) -> Callable[[str, int, str], dict[str, Any]]:
     """``stage(name, index, how)``: the values of model ``name`` as loaded (``how="original"``), under a random group
     element (``"random"``) or pushed ``"flat"``/``"sharp"`` by :func:`hide`, with the probe's deviation; each record
@@ -166,6 +169,8 @@ def _stages(
 
     def stage(name: str, index: int, how: str) -> dict[str, Any]:
         def compute() -> dict[str, Any]:
+            if on_stage is not None:
+                on_stage(name, how)
             model, batches = load(name)
             model = model.to(dtype)
             batches = [{k: v.to(dtype) if torch.is_floating_point(v) else v for k, v in b.items()} for b in batches]

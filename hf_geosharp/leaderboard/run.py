@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from ..api import SharpnessResult, collected_convergence_notes
 from ..data import DataError, DataSpec, load_batches, load_processor, load_split, require_task
-from ..engine.progress import bar_disabled
+from ..engine.progress import Stages, bar_disabled, lines_wanted
 from ..measures import MEASURES, Settings
 from ..pipeline import Memo, ModelSource, Request, load, prepare
 from .inputs import Column, GapSpec, ModelRef, read_gap_file
@@ -171,6 +171,7 @@ def run_leaderboard(
     rows, results = [], {}
     todo = len(models) * (len(runs) + 1 + (gap is not None and gap_table is None))
     bar = tqdm(total=todo, desc=desc, unit="result", disable=bar_disabled(progress))
+    job = Stages(desc if desc == "leaderboard" else f"leaderboard at {desc}", todo, "result", progress)
     for ref in models:
         model = model_identity(ref.source)
         keys = {name: fingerprint(kind="measure", model=model, measure=name, data=data_key,
@@ -181,9 +182,10 @@ def run_leaderboard(
             keys["splits"] = fingerprint(kind="splits", model=model, data=data_key, splits=splits)
         missing = [k for k, key in keys.items() if store.get(key) is None]
         bar.update(len(keys) - len(missing))
+        job.update(len(keys) - len(missing))
         if missing:
             with collected_convergence_notes(), _naming(ref):  # one summary line below, not a warning per result
-                _compute_missing(ref, data, runs, gap, store, keys, missing, bar, trust_remote_code)
+                _compute_missing(ref, data, runs, gap, store, keys, missing, bar, job, progress, trust_remote_code)
         rows.append(_row(ref, list(runs), store, keys, gap, gap_table))
         results[ref.name] = [store.get(keys[name]) for name in runs]
     bar.close()
@@ -292,8 +294,10 @@ def convergence_fix(steps: int | str) -> str:
 
 def _compute_missing(
     ref: ModelRef, data: DataSpec, runs: Plan, gap: GapSpec | None, store: ResultStore, keys: dict[str, str],
-    missing: list[str], bar: tqdm, trust_remote_code: bool,
+    missing: list[str], bar: tqdm, job: Stages, progress: bool, trust_remote_code: bool,
 ) -> None:
+    """Compute and store what ``store`` lacks of model ``ref``; a log gets a line as each result starts and, where
+    no bar shows, the engine's lines within each measure (on a terminal the leaderboard's bar alone)."""
     bar.set_postfix(model=ref.name)
     model = load(ModelSource(ref.source, trust_remote_code))
     require_task(model)
@@ -301,7 +305,7 @@ def _compute_missing(
     batches = load_batches(model, processor, data)
     # the note from one map (none when only non-geodesic columns are missing); each column maps for its own run
     measured = [key for name, (key, _) in runs.items() if name in missing]
-    prepared = prepare(Request(model, batches, measured, name=ref.name))
+    prepared = prepare(Request(model, batches, measured, name=ref.name, progress=lines_wanted(progress)))
     if note := prepared.note:
         logger.warning(note)
     memo = Memo(store)
@@ -334,12 +338,16 @@ def _compute_missing(
         if name not in missing:
             continue
         bar.set_postfix(model=ref.name, measure=name)
+        job.begin(f"{ref.name}: {name}")
         memo(keys[name], lambda key=key, settings=settings: measure_record(key, settings))
         bar.update()
+        job.update()
     for name, compute in (("stats", stats_record), ("splits", splits_record)):
         if name in missing:
+            job.begin(f"{ref.name}: {'parameter norm and clean loss' if name == 'stats' else 'split errors'}")
             memo(keys[name], compute)
             bar.update()
+            job.update()
 
 
 def _row(
