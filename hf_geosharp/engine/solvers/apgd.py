@@ -76,7 +76,8 @@ def apgd(
     comes from the step's own direction), or within ``tol`` after a block that barely raised it
     (:meth:`.climb.Climb.stalled`), continuing in blocks of doubling length (each with AS23's checkpoints) while it
     is not; then further starts (the antipode of the best point, then points near the best point found so far, up to
-    ``max_starts``) run the same way until two stationary starts agree on the best value within ``tol``, all within
+    ``max_starts``) run the same way, each stopping as soon as it agrees with the best value found so far
+    (:class:`~.climb.Agreement`), until two stationary starts agree on the best value within ``tol``, all within
     ``max_steps`` steps. With ``step_normalization="riemannian"`` every quantity is g-invariant, so the iterates are
     equivariant under the model's symmetries.
 
