@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from experiments import coverage
+from experiments import coverage, tiny_models
 
 
 @pytest.mark.parametrize("model_type,layout", [("bert", "separate q/k/v"),
@@ -39,35 +39,36 @@ def test_max_pooled_queries_fall_back_with_their_reason():
 @pytest.mark.parametrize("model_type", ["deepseek_v32", "xlnet", "donut-swin", "ministral", "olmo_hybrid", "mamba2",
                                         "sam2_mask_decoder"])
 def test_the_generator_satisfies_each_config_classs_validators(model_type):
-    model = coverage.tiny_model(model_type)
+    model = tiny_models.tiny_model(model_type)
     assert 0 < sum(p.numel() for p in model.parameters()) < 5_000_000
 
 
 def test_repair_reads_what_the_refusal_asks():
-    assert coverage._repair({"d_model": 32, "n_head": 4, "d_head": 32},
-                            "`d_head` (32) should be equal to `d_model // n_head` (8)")["d_head"] == 8
-    assert coverage._repair({}, "hidden_size_per_layer_input must be 0, got 256") == {"hidden_size_per_layer_input": 0}
+    assert tiny_models.repair({"d_model": 32, "n_head": 4, "d_head": 32},
+                              "`d_head` (32) should be equal to `d_model // n_head` (8)")["d_head"] == 8
+    forced = tiny_models.repair({}, "hidden_size_per_layer_input must be 0, got 256")
+    assert forced == {"hidden_size_per_layer_input": 0}
     nested = {"backbone_config": {"out_features": ["stage4"], "out_indices": [4]}}
-    repaired = coverage._repair(nested, "out_features must be a subset of stage_names: ['stem', 'stage1']")
+    repaired = tiny_models.repair(nested, "out_features must be a subset of stage_names: ['stem', 'stage1']")
     assert repaired["backbone_config"] == {"out_features": None, "out_indices": None}
     assert nested["backbone_config"]["out_features"] == ["stage4"]  # a copy, the input is left alone
-    assert coverage._repair({"a": 1}, "something unrelated") is None
+    assert tiny_models.repair({"a": 1}, "something unrelated") is None
 
 
 def test_shrink_cuts_per_layer_entries_and_keeps_every_layer_kind():
     values = {"num_hidden_layers": 6, "layer_types": ["linear"] * 5 + ["full"],
               "mlp_layer_types": ["dense"] + ["sparse"] * 5, "per_layer_config": {"0": 1, "4": 2},
               "num_heads": [3, 6, 12, 24], "num_layers": 4, "depths": [2, 2, 6, 2]}
-    out = coverage._shrink(values)
+    out = tiny_models.shrink(values)
     assert out["num_hidden_layers"] == 2 and out["layer_types"] == ["linear", "linear"]
     assert out["per_layer_config"] == {"0": 1} and out["num_heads"] == [2, 4, 4, 4]
     assert out["depths"] == [2, 2, 6, 2]  # a backbone's stages are not layers
-    kinds = coverage._shrink(values, kinds_first=True)
+    kinds = tiny_models.shrink(values, kinds_first=True)
     assert kinds["layer_types"] == ["linear", "full"] and kinds["mlp_layer_types"] == ["dense", "sparse"]
 
 
 def test_the_probe_fails_a_wrong_map():
-    model = coverage.tiny_model("bert")
+    model = tiny_models.tiny_model("bert")
     from hf_geosharp.symmetry import map_symmetries
 
     smap = map_symmetries(model)

@@ -11,6 +11,7 @@ import scipy.stats
 import torch
 
 from experiments import diagonal_networks as dn
+from experiments import exact_geodesic
 
 D = 6
 CASES = [("inv", "metric"), ("mix", "metric"), ("mix", "loose"), ("inv", "loose")]
@@ -33,7 +34,7 @@ def _rand(n, seed):
 
 @pytest.mark.parametrize("metric, constraint", CASES)
 def test_projection_is_the_metric_orthogonal_projection_onto_the_horizontal_space(metric, constraint):
-    space = dn.ExactGeodesicSpace(*_point(), metric, constraint)
+    space = exact_geodesic.ExactGeodesicSpace(*_point(), metric, constraint)
     xi = _rand(2 * D, 1)
     p = space.horizontal(xi)
     p_u, p_v = space.split(p)
@@ -49,7 +50,7 @@ def test_projection_is_the_metric_orthogonal_projection_onto_the_horizontal_spac
 
 @pytest.mark.parametrize("metric, constraint", CASES)
 def test_riemannian_gradient_is_horizontal_and_represents_the_differential(metric, constraint):
-    space = dn.ExactGeodesicSpace(*_point(1), metric, constraint)
+    space = exact_geodesic.ExactGeodesicSpace(*_point(1), metric, constraint)
     egrad = _rand(2 * D, 2)
     r = space.riemannian_gradient(egrad)
     assert torch.allclose(space.horizontal(r), r, atol=1e-13)
@@ -70,7 +71,7 @@ def test_riemannian_gradient_is_horizontal_and_represents_the_differential(metri
 @pytest.mark.parametrize("metric, constraint", CASES)
 def test_random_tangent_vectors_are_horizontal_and_metric_isotropic(metric, constraint):
     """Projecting N(0, g^-1) onto the d-dimensional horizontal space gives E ||xi||_g^2 = d."""
-    space = dn.ExactGeodesicSpace(*_point(5), metric, constraint)
+    space = exact_geodesic.ExactGeodesicSpace(*_point(5), metric, constraint)
     g = torch.Generator().manual_seed(0)
     samples = torch.stack([space.random_tangent_vector(g) for _ in range(4000)])
     assert torch.allclose(torch.stack([space.horizontal(x) for x in samples[:10]]), samples[:10], atol=1e-13)
@@ -86,7 +87,7 @@ def test_norm_identities_of_the_diagonal_network_metrics():
         ("mix", "metric", math.sqrt(2) * (b * u * v).norm()),
         ("mix", "loose", b.norm()),
     ]:
-        space = dn.ExactGeodesicSpace(u, v, metric, constraint)
+        space = exact_geodesic.ExactGeodesicSpace(u, v, metric, constraint)
         xi = space.horizontal_vector(b)
         assert float(space.norm(xi)) == pytest.approx(float(expected), rel=1e-13)
         assert torch.allclose(space.b_of(xi), b, atol=1e-14)
@@ -113,7 +114,7 @@ def _geodesic_ode(metric):
 @pytest.mark.parametrize("metric", ["inv", "mix"])
 def test_exact_geodesics_match_an_ode_integration_and_the_closed_forms(metric):
     u, v = _point(3)
-    space = dn.ExactGeodesicSpace(u, v, metric)
+    space = exact_geodesic.ExactGeodesicSpace(u, v, metric)
     b = 0.3 * _rand(D, 5).clamp(-1.2, 1.2)  # 1 + 2b > 0: the mix geodesic exists up to t = 1
     xi = space.horizontal_vector(b)
     xi_u, xi_v = space.split(xi)
@@ -129,7 +130,7 @@ def test_exact_geodesics_match_an_ode_integration_and_the_closed_forms(metric):
         # along the geodesic the velocity stays horizontal and its speed (metric at the current point) is constant
         du, dv = sol.y[2 * D : 3 * D, k], sol.y[3 * D :, k]
         assert np.allclose(du / sol.y[:D, k], dv / sol.y[D : 2 * D, k], atol=1e-9)
-        moving = dn.ExactGeodesicSpace(u_t, v_t, metric)
+        moving = exact_geodesic.ExactGeodesicSpace(u_t, v_t, metric)
         assert float(moving.norm(torch.tensor(np.concatenate([du, dv])))) == pytest.approx(speed0, rel=1e-9)
     beta1 = u * v * (torch.exp(2 * b) if metric == "inv" else 1 + 2 * b)
     u1, v1 = space.geodesic(xi)
@@ -150,7 +151,7 @@ def test_mix_sharpness_matches_its_closed_form_when_the_gram_matrix_is_the_ident
     u, v = _point(4, d=8)
     beta_star = _rand(8, 6)
     problem = _orthonormal_problem(8, 16, beta_star)
-    value, cut = dn.geodesic_sharpness(u, v, problem, metric="mix", constraint="metric", rho=rho, steps=20)
+    value, cut = exact_geodesic.geodesic_sharpness(u, v, problem, metric="mix", constraint="metric", rho=rho, steps=20)
     closed = 2 * math.sqrt(2) * rho * float((u * v - beta_star).norm()) + 2 * rho**2
     assert cut == 0
     assert value == pytest.approx(closed, rel=1e-10)
@@ -161,7 +162,7 @@ def test_mix_geodesic_cannot_flip_the_sign_of_beta_so_the_closed_form_can_overes
     end of the mix geodesic (beta = 0 at b = -1/2), so the exact value is max over [0, 0.81] of (beta - 1)^2 - 0.81."""
     problem = _orthonormal_problem(1, 4, torch.tensor([1.0], dtype=torch.float64))
     u, v = torch.tensor([1.0], dtype=torch.float64), torch.tensor([0.1], dtype=torch.float64)
-    value, cut = dn.geodesic_sharpness(u, v, problem, metric="mix", constraint="metric", rho=0.5, steps=20)
+    value, cut = exact_geodesic.geodesic_sharpness(u, v, problem, metric="mix", constraint="metric", rho=0.5, steps=20)
     closed = 2 * math.sqrt(2) * 0.5 * 0.9 + 2 * 0.5**2
     assert cut == 1
     assert value == pytest.approx(1.0 - 0.81, rel=1e-12)

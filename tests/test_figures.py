@@ -179,7 +179,8 @@ def test_the_diagonal_networks_figure_is_legible(monkeypatch):
 
 
 def test_the_minilm_family_figure_is_legible(monkeypatch):
-    from experiments.minilm_family import GAPS, HIDDEN, PLAN, TRIVIAL, figure
+    from experiments.minilm_family.config import GAPS, HIDDEN, PLAN, TRIVIAL
+    from experiments.minilm_family.figure import figure
 
     def tau(t: float) -> dict[str, float]:
         return {"tau": t, "ci_low": t - 0.2, "ci_high": t + 0.2}

@@ -114,7 +114,7 @@ def _where(path: Path) -> str:
 
 
 #: Experiments that study the solver itself (its certificate, against an exact oracle), not faces of a measurement.
-SOLVER_STUDIES = ("experiments/diagonal_networks.py", "experiments/minilm_family.py")
+SOLVER_STUDIES = ("experiments/exact_geodesic.py",)
 
 
 @pytest.mark.parametrize("path", FACE_FILES, ids=_where)

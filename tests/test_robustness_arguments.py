@@ -53,7 +53,7 @@ MINILM = [
 
 @pytest.mark.parametrize(("argv", "option", "why"), MINILM, ids=[" ".join(a) for a, _, _ in MINILM])
 def test_minilm_family_refuses_bad_arguments_in_one_line(paths, monkeypatch, capsys, argv, option, why):
-    family = importlib.import_module("experiments.minilm_family")
+    family = importlib.import_module("experiments.minilm_family.cli")
     _no_work(monkeypatch, family, "run", "spot_check", "report", "status")
     argv = [a.format(**paths) for a in argv]
     _one_line_usage_error(family.main, argv, capsys, option, why)
@@ -61,7 +61,7 @@ def test_minilm_family_refuses_bad_arguments_in_one_line(paths, monkeypatch, cap
 
 
 def test_minilm_family_accepts_what_it_documents(monkeypatch, capsys):
-    family = importlib.import_module("experiments.minilm_family")
+    family = importlib.import_module("experiments.minilm_family.cli")
     args = family.parse_args(["--spot-check", "minilm-03", "--threads", "2", "--stages", "main, sweep"])
     assert args.spot_check == "minilm-03" and args.threads == 2 and args.stages == ("main", "sweep")
 

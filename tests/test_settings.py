@@ -227,18 +227,19 @@ def _shown_default(text: str) -> object:
 
 
 def test_the_minilm_family_store_key_follows_the_one_declaration():
-    """experiments/minilm_family.py keys a stored number by the settings' ``as_dict``: changing any declared setting
-    changes the key (so a new field of ``Settings`` enters the key without an edit there)."""
+    """experiments/minilm_family/store.py keys a stored number by the settings' ``as_dict``: changing any declared
+    setting changes the key (so a new field of ``Settings`` enters the key without an edit there)."""
     import dataclasses
 
-    import experiments.minilm_family as family
+    from experiments.minilm_family.config import Config
+    from experiments.minilm_family.store import measure_key
 
-    config, row = family.Config(), {"folder": "member", "weights_digest": "0" * 16}
+    config, row = Config(), {"folder": "member", "weights_digest": "0" * 16}
     base = Settings()
-    key = family.measure_key(row, "geodesic_inv", base, "original", config)
-    assert key == family.measure_key(row, "geodesic_inv", Settings(), "original", config)
+    key = measure_key(row, "geodesic_inv", base, "original", config)
+    assert key == measure_key(row, "geodesic_inv", Settings(), "original", config)
     for name, value in OTHER_VALUES.items():
         changed = dataclasses.replace(base, **{name: value})
         # A setting that changes no number (``as_dict`` leaves it out, e.g. ``compile``) keeps the key.
-        moved = family.measure_key(row, "geodesic_inv", changed, "original", config) != key
+        moved = measure_key(row, "geodesic_inv", changed, "original", config) != key
         assert moved == (name in base.as_dict()), name

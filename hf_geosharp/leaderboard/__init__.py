@@ -13,15 +13,16 @@ computes what is missing. Every output file is written durably (:mod:`hf_geoshar
 
 The measures and their settings are the registry's (:mod:`hf_geosharp.measures`): a column is a registry measure in a
 mode. One job per module: :mod:`.inputs` (models, columns, gap), :mod:`.run` (measuring into the store),
-:mod:`.statistics` (Kendall taus and their paired differences) and :mod:`.report` (Markdown, CSV, plot).
+:mod:`.statistics` (Kendall taus, their paired differences, their range over lower bounds) and :mod:`.report`
+(Markdown, CSV, plot).
 """
 
 from .inputs import Column, GapMetric, GapSpec, ModelRef, read_gap_file, resolve_models
 from .report import markdown, ranked, scatter_plot, table_markdown, taus_markdown, write_csv, write_outputs
 from .run import TRIVIAL, Leaderboard, convergence_fix, evaluate_split, run_leaderboard
-from .statistics import MIN_MODELS_FOR_CI, kendall_taus, tau_differences
+from .statistics import MIN_MODELS_FOR_CI, kendall_taus, tau_differences, tau_if_raised
 
 __all__ = ["MIN_MODELS_FOR_CI", "TRIVIAL", "Column", "GapMetric", "GapSpec", "Leaderboard", "ModelRef",
            "convergence_fix", "evaluate_split", "kendall_taus", "markdown", "ranked", "read_gap_file",
-           "resolve_models", "run_leaderboard", "scatter_plot", "table_markdown", "tau_differences", "taus_markdown",
-           "write_csv", "write_outputs"]
+           "resolve_models", "run_leaderboard", "scatter_plot", "table_markdown", "tau_differences", "tau_if_raised",
+           "taus_markdown", "write_csv", "write_outputs"]

@@ -1,0 +1,5 @@
+"""``python -m experiments.minilm_family``."""
+
+from .cli import main
+
+main()
