@@ -135,3 +135,48 @@ def test_demo_zoo_lm_ranks_the_mini_zoo_end_to_end(zoo, corpus, tmp_path, monkey
     assert cli.main(args) == 0  # a rerun reuses the zoo and the results: it trains and measures nothing
     assert (tmp_path / "out" / STORE_FILE).read_bytes() == store
     assert {d.name: (cache / "lm_zoo" / d.name / METRICS_FILE).stat().st_mtime_ns for d in zoo.model_dirs} == trained
+
+
+@pytest.mark.parametrize("padding", ["left", "right"])
+def test_geodesic_sharpness_of_a_trained_decoder_is_invariant_under_its_symmetries(zoo, padding):
+    """A trained member (rotary positions, grouped-query attention) in float64, moved by random elements of its
+    symmetry group at condition 1e3 (the rotary commutant on the query-key pairs, GL on the value-output pairs with
+    shared key-value heads): the same function, the same geodesic inv and mix to 1e-6, while adaptive sharpness
+    moves. The batch has padded rows (``attention_mask`` zeros on the ``padding`` side, labels -100 there) and the
+    model shifts its labels itself. (The default attention: transformers' eager attention gives NaN for a
+    left-padded row, whose first queries see no key.)"""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    import hf_geosharp as gs
+    from hf_geosharp.symmetry.group_action import reparametrize
+
+    model = AutoModelForCausalLM.from_pretrained(zoo.model_dirs[1], dtype=torch.float64).eval()
+    batch = load_batches(model, None, DataSpec(str(zoo.data_dir), split="train", n_examples=4, batch_size=4))[0]
+    mask = torch.ones_like(batch["input_ids"])
+    cut = batch["input_ids"].shape[1] // 3
+    for row in (1, 3):  # two padded rows
+        if padding == "left":
+            mask[row, :cut] = 0
+        else:
+            mask[row, -cut:] = 0
+    labels = batch["labels"].masked_fill(mask == 0, -100)
+    batches = [{"input_ids": batch["input_ids"], "attention_mask": mask, "labels": labels}]
+    twin = copy.deepcopy(model)
+    reparametrize(twin, seed=3, condition=1e3)
+    moved = max(float((a - b).abs().max()) for a, b in zip(model.parameters(), twin.parameters()))
+    assert moved > 0.1
+    with torch.no_grad():
+        keep = mask.bool()
+        assert torch.allclose(model(**batches[0]).logits[keep], twin(**batches[0]).logits[keep], rtol=1e-9, atol=1e-9)
+        assert float(model(**batches[0]).loss) == pytest.approx(float(twin(**batches[0]).loss), rel=1e-10)
+    common = dict(rho=0.1, steps=8, progress=False)
+    for metric in ("inv", "mix"):
+        a = gs.geodesic_sharpness(model, batches, metric=metric, **common)
+        b = gs.geodesic_sharpness(twin, batches, metric=metric, **common)
+        assert a.value > 0
+        assert b.value == pytest.approx(a.value, rel=1e-6), metric
+    ad_a = gs.adaptive_sharpness(model, batches, **common)
+    ad_b = gs.adaptive_sharpness(twin, batches, **common)
+    assert abs(ad_b.value - ad_a.value) > 0.05 * abs(ad_a.value)
