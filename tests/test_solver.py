@@ -334,13 +334,8 @@ class _Bowl(_Line):
         return loss, grad.add_(self.v, alpha=2 * self.s * (y + self.c) / self.rho)
 
 
-@pytest.mark.parametrize("host_steps", [True, False], ids=["host", "device"])
-def test_a_start_whose_block_stalls_stops_on_the_certificates_gap(monkeypatch, host_steps):
-    """With the strict stop out of reach (a slope bound no climb meets), a start still stops once a whole block
-    raises its best loss by at most ``START_STOP_FRACTION * tol`` of the value and its gap is within ``tol``: auto
-    certifies within its budget and within ``tol`` of the maximum, on the host reference and the device climb
-    alike. Without that rule each start climbs on until its gap and slope reach rounding, and the solve takes more
-    steps."""
+def _bowl_out_of_strict_reach(monkeypatch, host_steps: bool):
+    """The bowl below with the strict stop out of reach (a slope bound no climb meets), and its auto solve."""
     from hf_geosharp.engine.solvers import climb as solver
     from hf_geosharp.engine.solvers.apgd import apgd
 
@@ -350,6 +345,20 @@ def test_a_start_whose_block_stalls_stops_on_the_certificates_gap(monkeypatch, h
     def solve():
         return apgd(bowl, bowl.objective, rho=bowl.rho, steps=20, max_steps=640, keep_best_gradient=False,
                     host_steps=host_steps, generator=torch.Generator().manual_seed(0))
+
+    return bowl, solve
+
+
+@pytest.mark.parametrize("host_steps", [True, False], ids=["host", "device"])
+def test_a_start_whose_block_stalls_stops_on_the_certificates_gap(monkeypatch, host_steps):
+    """With the strict stop out of reach (a slope bound no climb meets), a start still stops once a whole block
+    raises its best loss by at most ``START_STOP_FRACTION * tol`` of the value and its gap is within ``tol``: auto
+    certifies within its budget and within ``tol`` of the maximum, on the host reference and the device climb
+    alike. Without that rule each start climbs on until its gap and slope reach rounding, and the solve takes more
+    steps."""
+    from hf_geosharp.engine.solvers import climb as solver
+
+    bowl, solve = _bowl_out_of_strict_reach(monkeypatch, host_steps)
 
     res = solve()
     assert res.certificate(1e-3, starts=len(res.start_values)) is None, res.certificate(1e-3, starts=2)
@@ -396,14 +405,8 @@ def test_a_checking_start_stops_once_it_agrees_with_the_best_value(monkeypatch, 
     reach the best value otherwise run until a whole block stalls: the agreement spares those steps, on the host
     reference and the device climb alike."""
     from hf_geosharp.engine.solvers import climb as solver
-    from hf_geosharp.engine.solvers.apgd import apgd
 
-    monkeypatch.setattr(solver, "SLOPE_STOP_FRACTION", 1e12)
-    bowl = _Bowl(200, rho=0.3, radial=10.0, a=1.0, s=2.0, c=0.1)
-
-    def solve():
-        return apgd(bowl, bowl.objective, rho=bowl.rho, steps=20, max_steps=640, keep_best_gradient=False,
-                    host_steps=host_steps, generator=torch.Generator().manual_seed(0))
+    bowl, solve = _bowl_out_of_strict_reach(monkeypatch, host_steps)
 
     agreed = solve()
     monkeypatch.setattr(solver.Agreement, "with_best", classmethod(lambda cls, *args: cls(math.inf, -math.inf)))
