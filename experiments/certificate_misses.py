@@ -16,17 +16,13 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
 
+import hf_geosharp as gs
 from hf_geosharp.data import DataSpec, load_batches, load_model, load_processor
-from hf_geosharp.engine.builder import build
-from hf_geosharp.engine.model_function.objective import default_loss, preserved_model_state
-from hf_geosharp.engine.placement.single import SingleProcess
-from hf_geosharp.engine.runner import batch_seed, solve
-from hf_geosharp.engine.settings import RunSettings
-from hf_geosharp.engine.space.perturbation_space import SpaceOptions
 from hf_geosharp.zoo import build_zoo
 
 MEMBERS = ("zoo-03", "zoo-04")
@@ -44,25 +40,25 @@ def demo_batches(cache: Path | None) -> dict[str, tuple[torch.nn.Module, list[di
     return out
 
 
-def solved(model: torch.nn.Module, batch: dict, measure: str, rho: float, index: int = 0):
-    """One auto solve of ``batch`` as batch ``index`` of a run with seed 0 (its settings and its solve result)."""
+def solved(model: torch.nn.Module, batches: list[dict], measure: str, rho: float) -> gs.SharpnessResult:
+    """The auto solve of ``batches`` (seed 0: batch ``i`` solved as batch ``i`` of the demo's run), through the
+    public API; each batch's steps, certificate and starts are in ``per_batch_solve``."""
+    common = dict(rho=rho, steps="auto", seed=0, progress=False)
+    if measure == "adaptive":
+        return gs.adaptive_sharpness(model, batches, **common)
     # the paper's ball, under which the two misses were found (docs/method.md, "Radius convention")
-    options = SpaceOptions(measure, ball="paper") if measure != "adaptive" else None
-    settings = RunSettings(rho, steps="auto", options=options)
-    with preserved_model_state(model):
-        space, objective = build(model, settings, SingleProcess(model), default_loss, {index: batch})
-        objective.batch = batch
-        generator = torch.Generator().manual_seed(batch_seed(0, index))
-        return settings, solve(settings, space, objective, generator, lambda k, s: None)
+    return gs.geodesic_sharpness(model, batches, metric=measure, ball="paper", **common)
 
 
 def starts(model: torch.nn.Module, batch: dict, metric: str, rho: float) -> str:
     """Value, certificate, steps and each start of the auto solve of ``batch`` (as batch 0)."""
-    settings, out = solved(model, batch, metric, rho)
-    state, note = out.verdict(settings.tol, settings.starts)
-    found = ", ".join(f"{k} {v:.5g} (gap {g:.1e})" for k, v, g in zip(out.start_kinds, out.start_values,
-                                                                        out.start_gaps))
-    return f"{out.sharpness:.5g}, {state}, {out.steps_used} steps; starts: {found}" + (f"; {note}" if note else "")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", gs.NotConvergedWarning)
+        result = solved(model, [batch], metric, rho)
+    solve = result.per_batch_solve[0]
+    found = ", ".join(f"{s['kind']} {s['value']:.5g} (gap {s['gap']:.1e})" for s in solve["starts"])
+    note = f"; {result.convergence_note}" if result.convergence_note else ""
+    return f"{result.value:.5g}, {solve['certificate']}, {solve['steps']} steps; starts: {found}{note}"
 
 
 def main() -> None:
@@ -82,11 +78,12 @@ def main() -> None:
     for name in MEMBERS:
         model, batches = members[name]
         for measure in ("inv", "mix", "adaptive"):
-            start, steps, certified = time.perf_counter(), 0, 0
-            for i, batch in enumerate(batches):
-                settings, out = solved(model, batch, measure, 0.1, i)
-                steps += out.steps_used
-                certified += out.certificate(settings.tol, settings.starts) is None
+            start = time.perf_counter()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", gs.NotConvergedWarning)
+                solves = solved(model, batches, measure, 0.1).per_batch_solve
+            steps = sum(s["steps"] for s in solves)
+            certified = sum(s["certificate"] != "not_certified" for s in solves)
             total += steps
             print(f"{name} {measure} rho=0.1: {steps} steps over {len(batches)} batches, {certified} certified, "
                   f"{time.perf_counter() - start:.0f} s", flush=True)

@@ -4,6 +4,7 @@ convergence diagnostics and error bars, on fp64 tiny BERTs built from configs.""
 from __future__ import annotations
 
 import copy
+import json
 import math
 import warnings
 
@@ -147,6 +148,14 @@ def test_steps_auto_stops_once_certified_and_costs_fewer_model_calls_than_20_ste
         auto = gs.geodesic_sharpness(model, batches, steps="auto", **kw)
     assert not fixed.converged and auto.converged and fixed.steps_used == 20 and auto.steps_used < 20
     assert auto.value == pytest.approx(fixed.value, rel=auto.config["tol"]) and calls["n"] < n_fixed
+    # each batch's solve, as plain data: the fixed budget one start, auto two that agree within tol on its value
+    [one], [solve] = fixed.per_batch_solve, auto.per_batch_solve
+    assert (one["steps"], one["certificate"], [s["kind"] for s in one["starts"]]) == (20, "not_certified", ["zero"])
+    assert solve["steps"] == auto.steps_used and solve["certificate"] == auto.certificate == "certified"
+    assert [s["kind"] for s in solve["starts"]][:2] == ["zero", "antipode"]
+    assert max(s["value"] for s in solve["starts"]) == pytest.approx(auto.per_batch[0], rel=1e-12)
+    assert all(s["gap"] <= auto.config["tol"] for s in solve["starts"][:2])
+    assert json.loads(json.dumps(auto.to_dict(), default=str))["per_batch_solve"] == auto.per_batch_solve
 
 
 @pytest.mark.parametrize("mode", ["worst", "average"])

@@ -132,6 +132,10 @@ class SharpnessResult:
         certificate: ``"certified"`` (within ``tol``), ``"certified_at_precision"`` (stationary and agreeing only
             within the loss's resolution in its floating type, ``PRECISION_FACTOR * eps * |loss|``; the note says
             how much that is), ``"not_certified"`` (``converged`` is False; a lower bound), or ``"not_iterative"``.
+        per_batch_solve: each batch's worst-case solve, in batch order: ``{"steps": points evaluated after the clean
+            one, "certificate": its state, "starts": [{"kind", "value", "gap"} of each start]}`` (the starts' kinds
+            as ``steps="auto"`` makes them: ``"zero"``, ``"antipode"``, ``"near"``, ``"random"``); None for measures
+            that do not iterate and the average case.
     """
 
     value: float
@@ -149,6 +153,7 @@ class SharpnessResult:
     profile: Profile | None = None
     perturbations: list[Any] | None = field(default=None, repr=False, compare=False)
     certificate: str = "not_iterative"
+    per_batch_solve: list[dict[str, Any]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The result as plain data.

@@ -146,7 +146,7 @@ def _solve_batches(space: PerturbationSpace, objective: Objective, settings: Run
                    mine: Iterable[int], progress: bool, reader: WorstDirection | None = None) -> dict[int, tuple]:
     """``{batch index: (sharpness, clean loss, average-case samples or None, stationarity gap, steps used, why it is
     not certified or None, the certificate's state, its note when certified at precision or None, the reader's
-    reading of the best point or None)}``."""
+    reading of the best point or None, the worst case's solve: its steps, certificate and starts, or None)}``."""
     n_steps = settings.n_samples if settings.mode == "average" else settings.steps
     results: dict[int, tuple] = {}
     bar = tqdm(list(mine), desc=settings.measure, unit="batch", disable=bar_disabled(progress))
@@ -173,8 +173,13 @@ def _solve_batches(space: PerturbationSpace, objective: Objective, settings: Run
         state, note = out.verdict(settings.tol, settings.starts) if settings.mode == "worst" else (None, None)
         precision = note if state == AT_PRECISION else None
         note = note if state == NOT_CERTIFIED else None
+        solve_record = None if settings.mode == "average" else {
+            "steps": out.steps_used, "certificate": state,
+            "starts": [{"kind": kind, "value": value, "gap": gap} for kind, value, gap in
+                       zip(out.start_kinds or ["zero"], out.start_values or [out.sharpness],
+                           out.start_gaps or [out.gap])]}
         results[index] = (out.sharpness, out.clean_loss, samples, out.gap, out.steps_used, note, state, precision,
-                          reading)
+                          reading, solve_record)
         bar.set_postfix(sharpness=f"{out.sharpness:.4g}")
         ticker.batch_end(position, out.steps_used if out.steps_used is not None else n_steps, out.sharpness)
         del out  # the solver's vectors, before the next batch's
@@ -205,5 +210,5 @@ def _result(settings: RunSettings, ordered: list[tuple], world: int) -> Sharpnes
         value=sum(per_batch) / len(per_batch), per_batch=per_batch, clean_loss=sum(per_clean) / len(per_clean),
         per_batch_clean_loss=per_clean, measure=settings.measure, config=config, stderr=stderr,
         converged=certificate != NOT_CERTIFIED, stationarity_gap=gap, convergence_note=note, steps_used=steps_used,
-        certificate=certificate,
+        certificate=certificate, per_batch_solve=None if settings.mode == "average" else [r[9] for r in ordered],
     )
