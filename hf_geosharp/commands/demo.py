@@ -37,8 +37,8 @@ from ..zoo import build_zoo, cache_root, cached_members, torch_threads, zoo_memb
 from .board import add_data_arguments, execute
 from .common import EXIT_BAD_INPUT, EXIT_OK, folder_path, keep_on_interrupt, positive, steps_arg
 
-#: How long a first ``geosharp demo`` takes on a 2-core CPU, in minutes of CPU time with the zoo trained (measured:
-#: 28, docs/demo.md; a machine running other jobs takes longer in wall time).
+#: How long a first ``geosharp demo`` takes on a 2-core CPU with the zoo trained, in minutes (docs/demo.md: 45 of wall
+#: time on a machine running other jobs, its leaderboard 8 of CPU time).
 DEMO_MINUTES = 30
 HELP = ("train the embedded zoo of small ViTs on digits and rank them (offline, about "
         f"{DEMO_MINUTES} minutes on a 2-core CPU)")
